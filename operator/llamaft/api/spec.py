@@ -1,0 +1,542 @@
+"""The LlamaFineTune spec: the one definition of every field users write.
+
+`crds/` is generated from these classes, the operator and `llamaft validate` check input with
+them, and the trainer reads `TrainingJobConfig` (model, dataset, training, fsdp, checkpointing)
+from the same classes. Cross-field rules are CEL expressions attached with `api_config(...)`; they
+go into the CRD unchanged and are evaluated by the CLI with the same text.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import Field
+
+from llamaft.api.base import ApiModel, api_config, cel_rule
+
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
+NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+# --------------------------------------------------------------------------------------- model
+class ModelDtype(StrEnum):
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    FLOAT32 = "float32"
+
+
+class AttentionImplementation(StrEnum):
+    SDPA = "sdpa"
+    EAGER = "eager"
+    FLASH_ATTENTION_2 = "flash_attention_2"
+
+
+class SecretKeyRef(ApiModel):
+    """A key of a Secret in the CR's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    """Name of the Secret."""
+    key: str = Field(default="token", min_length=1, max_length=253)
+    """Key inside the Secret whose value is used."""
+
+
+class ModelSpec(ApiModel):
+    """Which pretrained Llama-shaped model to fine-tune and how to load it."""
+
+    source: str = Field(min_length=1, max_length=1024)
+    """Where the pretrained weights are: a Hugging Face hub id (`meta-llama/Llama-2-7b-hf`),
+    `pvc://<claim>/<path>` (the operator mounts the claim read-only), an absolute or relative
+    local path, or an fsspec URI (`s3://bucket/prefix`)."""
+    revision: str | None = Field(default=None, max_length=256)
+    """Hub revision (branch, tag or commit) when `source` is a hub id."""
+    tokenizer: str | None = Field(default=None, max_length=1024)
+    """Tokenizer location when it differs from `source` (same forms as `source`)."""
+    hf_token_secret: SecretKeyRef | None = None
+    """Secret holding a Hugging Face token for gated models; never put the token in the spec."""
+    dtype: ModelDtype = ModelDtype.BFLOAT16
+    """dtype the weights are loaded in before FSDP's mixed-precision policy applies."""
+    attn_implementation: AttentionImplementation = AttentionImplementation.SDPA
+    """Attention kernel passed to transformers (`sdpa` works everywhere)."""
+
+
+# ------------------------------------------------------------------------------------- dataset
+class DatasetFormat(StrEnum):
+    SAMSUM = "samsum"
+    ALPACA = "alpaca"
+    JSONL = "jsonl"
+
+
+class FieldMapping(ApiModel):
+    """Which record fields hold the prompt parts and the response (`jsonl` format)."""
+
+    prompt: list[str] = Field(default_factory=list, max_length=16)
+    """Fields placed in the prompt, in order, when no promptTemplate is given (default: the
+    format's own fields)."""
+    response: str | None = Field(default=None, min_length=1, max_length=128)
+    """Field whose text the model learns to produce; only these tokens carry loss (default:
+    `summary` for samsum, `output` for alpaca and jsonl)."""
+
+
+class DatasetSpec(ApiModel):
+    """The training data and how each record becomes tokens."""
+
+    model_config = api_config(
+        cel_rule(
+            "self.format != 'jsonl' || has(self.promptTemplate) || size(self.fieldMapping.prompt) > 0",
+            message="format jsonl needs promptTemplate (e.g. '{question}\\n') or fieldMapping.prompt",
+            field_path=".promptTemplate",
+            reason="FieldValueRequired",
+        ),
+    )
+
+    format: DatasetFormat
+    """`samsum` (dialogue -> summary), `alpaca` (instruction/input/output) or `jsonl`."""
+    source: str = Field(min_length=1, max_length=1024)
+    """A hub dataset id (read with `datasets`), a local path, `pvc://<claim>/<path>` or an
+    fsspec URI to a JSON Lines file."""
+    split: str = Field(default="train", min_length=1, max_length=64)
+    """Split to read when `source` is a hub dataset."""
+    prompt_template: str | None = Field(default=None, min_length=1, max_length=4096)
+    """Python format string over record fields (e.g. `Summarize:\\n{dialogue}\\nSummary: `).
+    Overrides the format's built-in template."""
+    field_mapping: FieldMapping = Field(default_factory=FieldMapping)
+    """Record fields for the prompt and response (defaults suit each built-in format)."""
+    max_seq_length: int = Field(default=2048, ge=16, le=131072)
+    """Tokens per training sequence; must not exceed the model's max_position_embeddings."""
+    packing: bool = False
+    """Pack several examples into each sequence (no padding waste) instead of padding each one."""
+    validation_split: float = Field(default=0.05, ge=0.0, le=0.5)
+    """Fraction of records held out for eval loss and perplexity (0 disables eval)."""
+
+
+# ------------------------------------------------------------------------------------ training
+class SchedulerType(StrEnum):
+    COSINE = "cosine"
+    LINEAR = "linear"
+    CONSTANT = "constant"
+
+
+class LoraSpec(ApiModel):
+    """Low-rank adapters (peft); the base weights stay frozen."""
+
+    model_config = api_config(
+        cel_rule(
+            "!self.enabled || size(self.targetModules) > 0",
+            message="LoRA is enabled but targetModules is empty: name at least one module, e.g. [q_proj, v_proj]",
+            field_path=".targetModules",
+            reason="FieldValueRequired",
+        ),
+    )
+
+    enabled: bool = True
+    """Train LoRA adapters instead of every weight."""
+    r: int = Field(default=8, ge=1, le=1024)
+    """Adapter rank."""
+    alpha: int = Field(default=16, ge=1, le=4096)
+    """Scaling numerator (effective scale alpha / r)."""
+    dropout: float = Field(default=0.05, ge=0.0, lt=1.0)
+    """Dropout on the adapter input."""
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "v_proj"], max_length=32
+    )
+    """Module names that get adapters (Llama: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)."""
+
+
+class TrainingSpec(ApiModel):
+    """Optimisation: how long, how fast, how reproducible."""
+
+    model_config = api_config(
+        cel_rule(
+            "has(self.epochs) != has(self.maxSteps)",
+            message="set exactly one of epochs or maxSteps (e.g. epochs: 3)",
+            reason="FieldValueInvalid",
+        ),
+    )
+
+    epochs: int | None = Field(default=None, ge=1, le=1000)
+    """Passes over the training data (exactly one of epochs and maxSteps)."""
+    max_steps: int | None = Field(default=None, ge=1, le=10_000_000)
+    """Optimizer steps to run (exactly one of epochs and maxSteps)."""
+    per_device_batch_size: int = Field(default=1, ge=1, le=4096)
+    """Sequences per GPU (or CPU process) per micro-step."""
+    gradient_accumulation_steps: int = Field(default=1, ge=1, le=4096)
+    """Micro-steps per optimizer step; gradients are only reduced on the last one."""
+    learning_rate: float = Field(default=2e-5, gt=0.0, le=1.0)
+    """Peak AdamW learning rate."""
+    scheduler: SchedulerType = SchedulerType.COSINE
+    """Learning-rate decay after warmup."""
+    warmup_steps: int = Field(default=0, ge=0, le=1_000_000)
+    """Optimizer steps of linear warmup from 0 to learningRate."""
+    weight_decay: float = Field(default=0.0, ge=0.0, le=1.0)
+    """AdamW decoupled weight decay."""
+    max_grad_norm: float = Field(default=1.0, ge=0.0, le=1e6)
+    """Gradient clipping threshold on the global norm (0 disables clipping)."""
+    seed: int = Field(default=42, ge=0, le=2**31 - 1)
+    """Seed for weights of new modules, data shuffling and dropout."""
+    eval_interval: int = Field(default=100, ge=0, le=10_000_000)
+    """Evaluate every N optimizer steps and at the end (0: only at the end)."""
+    log_interval: int = Field(default=1, ge=1, le=100_000)
+    """Log and publish metrics every N optimizer steps."""
+    lora: LoraSpec | None = None
+    """Optional LoRA; absent means full fine-tuning."""
+
+
+# ---------------------------------------------------------------------------------------- fsdp
+class ShardingStrategy(StrEnum):
+    FULL_SHARD = "FULL_SHARD"
+    HYBRID_SHARD = "HYBRID_SHARD"
+    SHARD_GRAD_OP = "SHARD_GRAD_OP"
+    NO_SHARD = "NO_SHARD"
+
+
+class MixedPrecision(StrEnum):
+    """Parameter / gradient-reduction / buffer dtypes.
+
+    bf16: compute in bf16, reduce gradients in fp32, keep fp32 master weights and buffers.
+    fp16: compute in fp16 with dynamic gradient scaling, reduce in fp32, fp32 master weights.
+    fp32: everything fp32.
+    pure-bf16: parameters, reductions and optimizer state in bf16 (least memory, least accurate).
+    """
+
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP32 = "fp32"
+    PURE_BF16 = "pure-bf16"
+
+
+class CheckpointingMode(StrEnum):
+    NONE = "none"
+    FULL = "full"
+    SELECTIVE = "selective"
+
+
+class FsdpImplementation(StrEnum):
+    FSDP2 = "fsdp2"
+    FSDP1 = "fsdp1"
+
+
+class WrapPolicyType(StrEnum):
+    DECODER_LAYER = "decoderLayer"
+    SIZE_BASED = "sizeBased"
+
+
+class HybridShardSpec(ApiModel):
+    """The 2-D device mesh for HYBRID_SHARD: parameters are sharded inside a shard group and
+    replicated across replica groups. shardGroupSize x replicaGroupSize = workers x gpusPerWorker."""
+
+    shard_group_size: int = Field(ge=1, le=65536)
+    """Ranks a parameter is sharded over (usually the GPUs of one node)."""
+    replica_group_size: int = Field(ge=1, le=65536)
+    """Number of shard groups holding a full replica (usually the number of nodes)."""
+
+
+class ActivationCheckpointingSpec(ApiModel):
+    """Recompute activations in backward to save memory."""
+
+    mode: CheckpointingMode = CheckpointingMode.FULL
+    """`none`, `full` (every decoder layer) or `selective` (every N-th layer)."""
+    every_n_layers: int = Field(default=2, ge=1, le=1024)
+    """With `selective`: checkpoint one decoder layer out of every N."""
+
+
+class WrapPolicySpec(ApiModel):
+    """Which modules become their own FSDP unit (one all-gather each)."""
+
+    type: WrapPolicyType = WrapPolicyType.DECODER_LAYER
+    """`decoderLayer`: one unit per LlamaDecoderLayer (plus the root); `sizeBased`: any module with
+    at least minNumParams parameters."""
+    min_num_params: int = Field(default=100_000_000, ge=1)
+    """Threshold for `sizeBased`."""
+
+
+class FsdpSpec(ApiModel):
+    """How the model is sharded across ranks."""
+
+    model_config = api_config(
+        cel_rule(
+            "self.shardingStrategy == 'HYBRID_SHARD' || !has(self.hybridShard)",
+            message="hybridShard only applies when shardingStrategy is HYBRID_SHARD: remove it or set the strategy",
+            field_path=".hybridShard",
+        ),
+        cel_rule(
+            "!self.cpuOffload || self.shardingStrategy != 'NO_SHARD'",
+            message="cpuOffload offloads shards: it needs FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD, not NO_SHARD",
+            field_path=".cpuOffload",
+        ),
+    )
+
+    sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
+    """FULL_SHARD (reshard after forward), SHARD_GRAD_OP (keep parameters gathered between forward
+    and backward), HYBRID_SHARD (shard inside a group, replicate across groups), NO_SHARD (DDP)."""
+    hybrid_shard: HybridShardSpec | None = None
+    """Group sizes for HYBRID_SHARD; default: shard over the GPUs of a worker, replicate over workers."""
+    mixed_precision: MixedPrecision = MixedPrecision.BF16
+    """Compute/reduction dtypes (see MixedPrecision)."""
+    activation_checkpointing: ActivationCheckpointingSpec = Field(
+        default_factory=ActivationCheckpointingSpec
+    )
+    """Activation checkpointing, applied before sharding."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in host memory."""
+    implementation: FsdpImplementation = FsdpImplementation.FSDP2
+    """`fsdp2` (fully_shard, DTensor) or `fsdp1` (FullyShardedDataParallel)."""
+    compile: bool = False
+    """torch.compile each decoder layer."""
+    wrap_policy: WrapPolicySpec = Field(default_factory=WrapPolicySpec)
+    """Which modules become FSDP units."""
+
+
+# ------------------------------------------------------------------------------- checkpointing
+class CheckpointingSpec(ApiModel):
+    """Sharded checkpoints, resume and the final export."""
+
+    directory: str = Field(default="/checkpoints", min_length=1, max_length=1024)
+    """Where checkpoints go: a path on the checkpoint volume, or an fsspec URI (`s3://...`)."""
+    volume_claim: str | None = Field(default=None, max_length=253, pattern=NAME_PATTERN)
+    """PersistentVolumeClaim mounted at `directory` on every worker (omit for URIs)."""
+    every_n_steps: int = Field(default=500, ge=1, le=10_000_000)
+    """Save a sharded checkpoint every N optimizer steps (and at the end)."""
+    keep_last: int = Field(default=3, ge=1, le=1000)
+    """Complete checkpoints kept; older ones are deleted after a newer one is complete."""
+    resume: bool = True
+    """Resume from the newest complete checkpoint in `directory` when one exists."""
+    export_hugging_face: bool = True
+    """At the end, write consolidated safetensors that `from_pretrained` loads (LoRA: the adapter)."""
+
+
+# ------------------------------------------------------------------------------------- cluster
+class ElasticSpec(ApiModel):
+    """Elastic training: torchrun admits between minWorkers and maxWorkers nodes."""
+
+    model_config = api_config(
+        cel_rule(
+            "self.minWorkers <= self.maxWorkers",
+            message_expression="'minWorkers ' + string(self.minWorkers) + ' must be <= maxWorkers ' + string(self.maxWorkers)",
+            field_path=".minWorkers",
+        ),
+    )
+
+    min_workers: int = Field(ge=1, le=4096)
+    """Fewest workers the job runs with."""
+    max_workers: int = Field(ge=1, le=4096)
+    """Most workers the job runs with."""
+
+
+class Toleration(ApiModel):
+    """A Kubernetes toleration (core/v1 Toleration)."""
+
+    key: str | None = Field(default=None, max_length=316)
+    """Taint key; empty with operator Exists matches every taint."""
+    operator: str = Field(default="Equal", pattern=r"^(Equal|Exists)$")
+    """`Equal` or `Exists`."""
+    value: str | None = Field(default=None, max_length=63)
+    """Taint value for `Equal`."""
+    effect: str | None = Field(default=None, pattern=r"^(NoSchedule|PreferNoSchedule|NoExecute)$")
+    """Taint effect to match; empty matches all."""
+    toleration_seconds: int | None = None
+    """For NoExecute: how long the pod stays bound after the taint appears."""
+
+
+class EnvVar(ApiModel):
+    """A plain environment variable for the trainer container."""
+
+    name: str = Field(min_length=1, max_length=256, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+    """Variable name."""
+    value: str = Field(default="", max_length=32768)
+    """Variable value."""
+
+
+class ResourcesSpec(ApiModel):
+    """CPU and memory per worker pod (requests = limits, for Guaranteed QoS on GPU nodes)."""
+
+    cpu: str | None = Field(default=None, pattern=QUANTITY_PATTERN)
+    """CPU quantity per worker, e.g. `90`."""
+    memory: str | None = Field(default=None, pattern=QUANTITY_PATTERN)
+    """Memory quantity per worker, e.g. `1000Gi`."""
+
+
+class PullPolicy(StrEnum):
+    ALWAYS = "Always"
+    IF_NOT_PRESENT = "IfNotPresent"
+    NEVER = "Never"
+
+
+DEFAULT_TRAINER_IMAGE = "ghcr.io/llamaft/trainer:0.1.0"
+
+
+class ClusterSpec(ApiModel):
+    """Where and on how much hardware the job runs."""
+
+    model_config = api_config(
+        cel_rule(
+            "!has(self.elastic) || (self.elastic.minWorkers <= self.workers && self.workers <= self.elastic.maxWorkers)",
+            message_expression="'workers ' + string(self.workers) + ' must lie within elastic.minWorkers..maxWorkers = ' + string(self.elastic.minWorkers) + '..' + string(self.elastic.maxWorkers)",
+            field_path=".workers",
+        ),
+        cel_rule(
+            "self.efaDevicesPerWorker == 0 || self.gpusPerWorker > 0",
+            message="efaDevicesPerWorker needs GPU workers: set gpusPerWorker",
+            field_path=".efaDevicesPerWorker",
+        ),
+    )
+
+    workers: int = Field(default=1, ge=1, le=4096)
+    """Worker pods (nodes) in the job."""
+    gpus_per_worker: int = Field(default=8, ge=0, le=64)
+    """GPUs per worker; torchrun starts one process per GPU (0: one CPU process per worker)."""
+    elastic: ElasticSpec | None = None
+    """Elastic range for the number of workers."""
+    efa_devices_per_worker: int = Field(default=0, ge=0, le=64)
+    """AWS EFA devices (vpc.amazonaws.com/efa) per worker; enables the EFA NCCL environment."""
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    """CPU and memory per worker."""
+    instance_type: str | None = Field(default=None, max_length=128)
+    """Pin workers to an instance type (node.kubernetes.io/instance-type), e.g. `p4de.24xlarge`."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Extra node labels the workers require."""
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
+    """Tolerations for tainted GPU nodes."""
+    shared_memory_size: str = Field(default="64Gi", pattern=QUANTITY_PATTERN)
+    """Size of the in-memory /dev/shm volume (dataloader workers and NCCL need more than 64Mi)."""
+    image: str = Field(default=DEFAULT_TRAINER_IMAGE, min_length=1, max_length=512)
+    """Trainer image."""
+    image_pull_policy: PullPolicy = PullPolicy.IF_NOT_PRESENT
+    """Image pull policy."""
+    priority_class_name: str | None = Field(default=None, max_length=253)
+    """PriorityClass of the worker pods."""
+    env: list[EnvVar] = Field(default_factory=list, max_length=128)
+    """Extra environment for the trainer container (e.g. NCCL_DEBUG=INFO)."""
+    pod_template_overrides: dict[str, Any] | None = None
+    """Strategic additions merged into the worker pod template (kept verbatim; not validated)."""
+
+
+# ---------------------------------------------------------------------------------- rendezvous
+class RendezvousBackend(StrEnum):
+    ETCD_V2 = "etcd-v2"
+    ETCD = "etcd"
+    C10D = "c10d"
+
+
+class RendezvousSpec(ApiModel):
+    """How torchrun's workers find each other."""
+
+    model_config = api_config(
+        cel_rule(
+            "self.backend != 'c10d' || !has(self.endpoint)",
+            message="endpoint is for the etcd backends; c10d rendezvouses on worker 0",
+            field_path=".endpoint",
+        ),
+    )
+
+    backend: RendezvousBackend = RendezvousBackend.ETCD_V2
+    """`etcd-v2` (default), `etcd` (legacy, as the reference EKS deployment) or `c10d`."""
+    endpoint: str | None = Field(
+        default=None, max_length=512, pattern=r"^[A-Za-z0-9.\-]+:[0-9]{1,5}$"
+    )
+    """External etcd `host:port`. Omitted: the operator runs a managed etcd for this job."""
+    max_restarts: int = Field(default=3, ge=0, le=1000)
+    """torchrun restarts of the worker group before the job fails."""
+
+
+# ---------------------------------------------------------------------------------- monitoring
+class DcgmSpec(ApiModel):
+    """GPU telemetry from dcgm-exporter."""
+
+    enabled: bool = True
+    """Create the job's dashboard panels and alerts on DCGM metrics."""
+    scrape_selector: dict[str, str] = Field(default_factory=lambda: {"release": "kube-prometheus-stack"})
+    """Labels put on monitoring objects so Prometheus selects them."""
+    dashboard: bool = True
+    """Create a Grafana dashboard ConfigMap for this job."""
+
+
+class MonitoringSpec(ApiModel):
+    """Metrics, dashboards and alerts for the job."""
+
+    dcgm: DcgmSpec = Field(default_factory=DcgmSpec)
+    """DCGM GPU monitoring."""
+    metrics_port: int = Field(default=8000, ge=1024, le=65535)
+    """Port of the trainer's Prometheus endpoint on rank 0 of each worker."""
+
+
+# ---------------------------------------------------------------------------------- run policy
+class RunPolicySpec(ApiModel):
+    """Lifecycle of the run."""
+
+    suspend: bool = False
+    """Suspend the run (workers are deleted; checkpoints stay); set false to resume."""
+    ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
+    """Delete the finished job's pods after this many seconds."""
+    active_deadline_seconds: int | None = Field(default=None, ge=1)
+    """Fail the run when it runs longer than this."""
+    backoff_limit: int | None = Field(default=None, ge=0, le=1000)
+    """Pod failures the training operator tolerates before failing the job."""
+    retry_budget: int = Field(default=3, ge=0, le=100)
+    """Times the operator resets the rendezvous and resubmits a run that failed recoverably."""
+
+
+# -------------------------------------------------------------------------------------- spec
+HYBRID_GROUPS_RULE = cel_rule(
+    "!has(self.fsdp.hybridShard) || self.fsdp.hybridShard.shardGroupSize * self.fsdp.hybridShard.replicaGroupSize == self.cluster.workers * (self.cluster.gpusPerWorker > 0 ? self.cluster.gpusPerWorker : 1)",
+    message_expression="'shardGroupSize x replicaGroupSize = ' + string(self.fsdp.hybridShard.shardGroupSize * self.fsdp.hybridShard.replicaGroupSize) + ' must equal workers x gpusPerWorker = ' + string(self.cluster.workers * (self.cluster.gpusPerWorker > 0 ? self.cluster.gpusPerWorker : 1))",
+    field_path=".fsdp.hybridShard",
+)
+HYBRID_DIVIDES_RULE = cel_rule(
+    "!has(self.fsdp.hybridShard) || (self.cluster.workers * (self.cluster.gpusPerWorker > 0 ? self.cluster.gpusPerWorker : 1)) % self.fsdp.hybridShard.shardGroupSize == 0",
+    message_expression="string(self.fsdp.hybridShard.shardGroupSize) + ' must divide workers x gpusPerWorker = ' + string(self.cluster.workers * (self.cluster.gpusPerWorker > 0 ? self.cluster.gpusPerWorker : 1))",
+    field_path=".fsdp.hybridShard.shardGroupSize",
+)
+ELASTIC_HYBRID_RULE = cel_rule(
+    "!has(self.cluster.elastic) || self.fsdp.shardingStrategy != 'HYBRID_SHARD' || !has(self.fsdp.hybridShard)",
+    message="explicit hybridShard group sizes cannot follow an elastic world size: drop cluster.elastic or fsdp.hybridShard",
+    field_path=".fsdp.hybridShard",
+)
+LORA_FSDP1_RULE = cel_rule(
+    "!has(self.training.lora) || !self.training.lora.enabled || self.fsdp.implementation == 'fsdp2'",
+    message="LoRA is supported with fsdp.implementation fsdp2",
+    field_path=".fsdp.implementation",
+)
+
+
+class TrainingJobConfig(ApiModel):
+    """The part of the spec the trainer reads (mounted into every worker as JSON)."""
+
+    model: ModelSpec
+    """The pretrained model."""
+    dataset: DatasetSpec
+    """The training data."""
+    training: TrainingSpec = Field(default_factory=lambda: TrainingSpec(epochs=1))
+    """Optimisation settings; omitted means one epoch with the defaults."""
+    fsdp: FsdpSpec = Field(default_factory=FsdpSpec)
+    """FSDP sharding, precision and memory settings."""
+    checkpointing: CheckpointingSpec = Field(default_factory=CheckpointingSpec)
+    """Checkpoints, resume and export."""
+
+
+class LlamaFineTuneSpec(TrainingJobConfig):
+    """A Llama fine-tuning run with PyTorch FSDP on a Kubeflow PyTorchJob."""
+
+    model_config = api_config(
+        HYBRID_GROUPS_RULE, HYBRID_DIVIDES_RULE, ELASTIC_HYBRID_RULE, LORA_FSDP1_RULE
+    )
+
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec)
+    """Workers, GPUs, scheduling and the trainer image."""
+    rendezvous: RendezvousSpec = Field(default_factory=RendezvousSpec)
+    """torchrun rendezvous."""
+    monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
+    """GPU monitoring and trainer metrics."""
+    run_policy: RunPolicySpec = Field(default_factory=RunPolicySpec)
+    """Suspend, deadlines, retries."""
+
+    def training_config(self) -> TrainingJobConfig:
+        """The trainer's view of this spec: the same validated values, nothing re-declared."""
+        return TrainingJobConfig.model_validate(
+            self.model_dump(include=set(TrainingJobConfig.model_fields), by_alias=False)
+        )
+
+    @property
+    def world_size(self) -> int:
+        """Total training processes: workers x processes per worker."""
+        return self.cluster.workers * max(self.cluster.gpus_per_worker, 1)

@@ -1,0 +1,122 @@
+"""The LlamaFineTune status, written only by the operator.
+
+Conditions follow the Kubernetes API conventions (type, status, reason, message,
+lastTransitionTime, observedGeneration). The CRD's status schema is generated from these classes.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import Field
+
+from llamaft.api.base import ApiModel
+
+
+class Phase(StrEnum):
+    PENDING = "Pending"
+    CREATING = "Creating"
+    RUNNING = "Running"
+    RESTARTING = "Restarting"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    SUSPENDED = "Suspended"
+
+
+TERMINAL_PHASES = frozenset({Phase.SUCCEEDED, Phase.FAILED})
+
+
+class ConditionStatus(StrEnum):
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class Condition(ApiModel):
+    """One observation of the run, per Kubernetes API conventions."""
+
+    type: str = Field(max_length=316)
+    """Condition type: Valid, Ready, Running, Succeeded, Failed, Suspended, RendezvousReady, GPUHealthy."""
+    status: ConditionStatus
+    """True, False or Unknown."""
+    reason: str = Field(max_length=1024)
+    """CamelCase machine-readable reason (grep-able in events too)."""
+    message: str = Field(default="", max_length=32768)
+    """Human-readable detail, with the fix when there is one."""
+    last_transition_time: str
+    """When status last changed (RFC 3339)."""
+    observed_generation: int | None = None
+    """metadata.generation this condition was computed from."""
+
+
+class WorkerCounts(ApiModel):
+    """Worker pods of the current attempt, from the PyTorchJob's replicaStatuses."""
+
+    active: int = 0
+    """Running worker pods."""
+    succeeded: int = 0
+    """Worker pods that finished successfully."""
+    failed: int = 0
+    """Worker pods that failed."""
+
+
+class Progress(ApiModel):
+    """Training progress, from the trainer's progress contract (rank 0)."""
+
+    epoch: int | None = None
+    """Current epoch (0-based)."""
+    step: int | None = None
+    """Optimizer steps done."""
+    total_steps: int | None = None
+    """Optimizer steps planned."""
+    step_of_total: str | None = None
+    """`step/totalSteps`, for `kubectl get`."""
+    loss: float | None = None
+    """Latest training loss."""
+    eval_loss: float | None = None
+    """Latest eval loss."""
+    tokens_per_second: float | None = None
+    """Training throughput of the whole job."""
+    mfu: float | None = None
+    """Model FLOPs utilisation (0-1)."""
+    eta_seconds: int | None = None
+    """Estimated seconds to the last step."""
+    updated_at: str | None = None
+    """When the trainer reported this (RFC 3339)."""
+
+
+class LlamaFineTuneStatus(ApiModel):
+    """What the operator observed."""
+
+    phase: Phase = Phase.PENDING
+    """Pending, Creating, Running, Restarting, Succeeded, Failed or Suspended."""
+    message: str | None = None
+    """Short summary of the current phase."""
+    conditions: list[Condition] = Field(default_factory=list)
+    """Detailed conditions."""
+    observed_generation: int | None = None
+    """metadata.generation the operator last reconciled."""
+    job_name: str | None = None
+    """Name of the child PyTorchJob of the current attempt."""
+    rendezvous_id: str | None = None
+    """torchrun rendezvous id of the current attempt (unique per attempt)."""
+    attempt: int = 0
+    """Run attempt (increments on every resubmission)."""
+    retries_used: int = 0
+    """Resubmissions spent out of runPolicy.retryBudget."""
+    total_gpus: int | None = None
+    """workers x gpusPerWorker, for `kubectl get`."""
+    workers: WorkerCounts = Field(default_factory=WorkerCounts)
+    """Worker pod counts."""
+    progress: Progress = Field(default_factory=Progress)
+    """Training progress."""
+    start_time: str | None = None
+    """When the current attempt started running."""
+    completion_time: str | None = None
+    """When the run finished."""
+    restarts: int = 0
+    """Worker-group restarts observed (PyTorchJob Restarting transitions)."""
+    leader_pod: str | None = None
+    """Pod running global rank 0: read its logs for progress."""
+    export_path: str | None = None
+    """Where the final Hugging Face export was written."""
