@@ -1,0 +1,72 @@
+"""Trainer fixtures: the tiny Llama (built once per session) and a torchrun launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO
+
+DATASET = REPO / "examples" / "data" / "samsum-tiny.jsonl"
+HARNESS = Path(__file__).with_name("harness.py")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from llamaft_trainer.tiny import build_tiny_llama
+
+    # Small enough that a 2-process CPU step takes milliseconds.
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama", DATASET, hidden_size=64, layers=4, vocab_size=512)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def trainer_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "operator"), str(REPO / "trainer")])
+    env.update(extra)
+    return env
+
+
+def torchrun_cmd(nproc: int, *args: str, port: int | None = None) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
+        "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port or free_port()}", *args,
+    ]
+
+
+def run_harness(tmp: Path, nproc: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
+    cases_file, out_file = tmp / f"cases-{nproc}.json", tmp / f"out-{nproc}.json"
+    cases_file.write_text(json.dumps(cases))
+    proc = subprocess.run(
+        torchrun_cmd(nproc, str(HARNESS), str(cases_file), str(out_file)),
+        env=trainer_env(), capture_output=True, text=True, timeout=900, cwd=REPO,
+    )
+    (tmp / f"log-{nproc}.txt").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, f"torchrun failed, full log: {tmp}/log-{nproc}.txt\n" + proc.stderr[-3000:]
+    return dict(json.loads(out_file.read_text()))
+
+
+def base_config(model: Path, checkpoint_dir: Path, **overrides: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "model": {"source": str(model), "dtype": "float32"},
+        "dataset": {"format": "samsum", "source": str(DATASET), "maxSeqLength": 64, "packing": True, "validationSplit": 0.1},
+        "training": {"maxSteps": 4, "perDeviceBatchSize": 2, "learningRate": 2e-3, "evalInterval": 0, "seed": 7},
+        "fsdp": {"mixedPrecision": "fp32", "activationCheckpointing": {"mode": "none"}},
+        "checkpointing": {"directory": str(checkpoint_dir), "everyNSteps": 1000, "exportHuggingFace": False, "resume": False},
+    }
+    for key, value in overrides.items():
+        cfg[key] = {**cfg.get(key, {}), **value}
+    return cfg

@@ -1,0 +1,203 @@
+"""The trainer program torchrun runs on every node: config -> model -> parallelize -> data ->
+train loop -> checkpoint/export, each step from its own module.
+
+    python -m llamaft_trainer --config /etc/llamaft/config.json
+
+The config file is the training part of the LlamaFineTune spec (JSON or YAML, camelCase, the same
+pydantic model the operator validated), or a whole LlamaFineTune.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import yaml
+from llamaft.api.spec import FsdpImplementation, TrainingJobConfig
+from llamaft.api.validation import SpecInvalid, validate_resource
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+from llamaft_trainer import data as data_step
+from llamaft_trainer import model as model_step
+from llamaft_trainer.checkpoint import Checkpointer, TrainState
+from llamaft_trainer.errors import EXIT_CONFIG_ERROR, ConfigError
+from llamaft_trainer.export import export_hugging_face
+from llamaft_trainer.metrics import Progress, flops_per_token, log_json, peak_flops, write_termination_message
+from llamaft_trainer.parallelize import parallelize
+from llamaft_trainer.runtime import Runtime, build_mesh, init_runtime
+from llamaft_trainer.train import LoopResult, build_optimizer, build_scheduler, total_steps, train_loop
+
+
+def load_config(path: str | Path) -> TrainingJobConfig:
+    """Read the mounted config: a TrainingJobConfig document, or a whole LlamaFineTune."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"--config: cannot read {path}: {exc}") from exc
+    body = yaml.safe_load(text)
+    try:
+        if isinstance(body, dict) and body.get("kind") == "LlamaFineTune":
+            return validate_resource(body).training_config()
+        return TrainingJobConfig.model_validate(body)
+    except SpecInvalid as exc:
+        raise ConfigError(str(exc)) from exc
+    except ValueError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+
+
+@dataclass
+class Session:
+    """Everything built before the first step."""
+
+    cfg: TrainingJobConfig
+    rt: Runtime
+    model: nn.Module
+    tokenizer: Any
+    model_config: Any
+    data: data_step.Data
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    steps: int
+    flops_per_token: float
+    n_params: int
+
+
+def _agree(failed: bool, rt: Runtime) -> bool:
+    """True when any rank failed (so every rank stops instead of hanging in a collective)."""
+    flag = torch.tensor([1.0 if failed else 0.0], device=rt.device)
+    dist.all_reduce(flag)
+    return bool(flag.item() > 0)
+
+
+def build_model(cfg: TrainingJobConfig, rt: Runtime, model_config: Any) -> tuple[nn.Module, int]:
+    """Meta model -> (LoRA) -> parallelize -> allocate shards -> weights broadcast from rank 0."""
+    dtype = model_step.master_dtype(cfg.fsdp.mixed_precision)
+    lora = cfg.training.lora if cfg.training.lora is not None and cfg.training.lora.enabled else None
+    model = model_step.build_meta_model(model_config, cfg.model, dtype)
+    if lora is not None:
+        model = model_step.apply_lora(model, lora)
+    n_params = sum(p.numel() for p in model.parameters())
+    mesh = build_mesh(cfg.fsdp, rt)
+    model = parallelize(model, cfg.fsdp, mesh, rt.device)
+    if cfg.fsdp.implementation is FsdpImplementation.FSDP2:
+        model.to_empty(device=rt.device)
+    model_step.rebuild_rotary_buffers(model, rt.device)
+    full: dict[str, Any] = {}
+    error: ConfigError | None = None
+    if rt.is_leader:
+        try:
+            full = model_step.read_full_state_dict(cfg.model, rt, dtype, lora, cfg.training.seed)
+        except ConfigError as exc:
+            error = exc
+    if _agree(error is not None, rt):
+        raise error or ConfigError("spec.model.source: rank 0 could not load the weights (see its log)")
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full
+    return model, n_params
+
+
+def setup(cfg: TrainingJobConfig, rt: Runtime) -> Session:
+    torch.manual_seed(cfg.training.seed)
+    tokenizer = model_step.load_tokenizer(cfg.model, rt)
+    model_config = model_step.load_config(cfg.model, rt)
+    data_step.check_sequence_length(cfg.dataset, getattr(model_config, "max_position_embeddings", None))
+    data = data_step.build_data(cfg.dataset, tokenizer, cfg.training.per_device_batch_size, cfg.training.seed, rt.rank, rt.world_size)
+    model, n_params = build_model(cfg, rt, model_config)
+    optimizer = build_optimizer(model, cfg)
+    steps = total_steps(cfg, len(data.loader))
+    scheduler = build_scheduler(optimizer, cfg, steps)
+    fpt = flops_per_token(model_config, n_params, cfg.dataset.max_seq_length)
+    return Session(cfg, rt, model, tokenizer, model_config, data, optimizer, scheduler, steps, fpt, n_params)
+
+
+def run(cfg: TrainingJobConfig, rt: Runtime, *, progress: Progress | None = None, stop_after: int | None = None) -> tuple[Session, LoopResult]:
+    """One whole run: setup, resume, train, final checkpoint and export."""
+    started = time.perf_counter()
+    s = setup(cfg, rt)
+    if rt.is_leader:
+        log_json(
+            "setup", parameters=s.n_params, world_size=rt.world_size, device=str(rt.device),
+            strategy=cfg.fsdp.sharding_strategy.value, precision=cfg.fsdp.mixed_precision.value,
+            activation_checkpointing=cfg.fsdp.activation_checkpointing.mode.value,
+            train_sequences=len(s.data.train), total_steps=s.steps, seconds=round(time.perf_counter() - started, 2),
+        )
+    if progress is not None:
+        progress.total_steps.set(s.steps)
+        progress.update(phase="Training", totalSteps=s.steps)
+    checkpointer = Checkpointer(cfg.checkpointing.directory, cfg.checkpointing.keep_last, rt.rank)
+    state = TrainState()
+    latest = checkpointer.latest() if cfg.checkpointing.resume else None
+    if latest is not None:
+        state = checkpointer.load(latest, s.model, s.optimizer, s.scheduler)
+        if rt.is_leader:
+            log_json("resume", step=state.step, epoch=state.epoch, path=f"{cfg.checkpointing.directory}/step-{latest:08d}")
+    result = train_loop(
+        s.model, cfg, s.data, rt, s.optimizer, s.scheduler, state, s.steps,
+        checkpointer=checkpointer, progress=progress, flops_per_token=s.flops_per_token,
+        peak_flops=peak_flops(rt.device), stop_after=stop_after,
+    )
+    if state.step >= s.steps and cfg.checkpointing.export_hugging_face:
+        destination = f"{cfg.checkpointing.directory.rstrip('/')}/export"
+        lora = cfg.training.lora is not None and cfg.training.lora.enabled
+        export_hugging_face(
+            s.model, s.model_config, s.tokenizer, destination, rank=rt.rank,
+            dtype=model_step.DTYPES[cfg.model.dtype.value], lora=lora,
+        )
+        if rt.is_leader:
+            log_json("export", path=destination, format="peft-adapter" if lora else "safetensors")
+        if progress is not None:
+            progress.update(exportPath=destination)
+    return s, result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="llamaft_trainer", description=__doc__)
+    parser.add_argument("--config", default=os.environ.get("LLAMAFT_CONFIG", "/etc/llamaft/config.json"))
+    parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("LLAMAFT_METRICS_PORT", "0")),
+                        help="serve /metrics and /progress on this port from local rank 0 (0: off)")
+    args = parser.parse_args(argv)
+    rt: Runtime | None = None
+    try:
+        cfg = load_config(args.config)
+        rt = init_runtime()
+        progress = None
+        if rt.is_local_leader:
+            progress = Progress()
+            if args.metrics_port:
+                progress.serve(args.metrics_port)
+        _, result = run(cfg, rt, progress=progress)
+        summary = {"phase": "Succeeded", "step": result.state.step, "loss": result.losses[-1] if result.losses else None}
+        if progress is not None:
+            progress.update(phase="Succeeded")
+            summary["exportPath"] = progress.snapshot().get("exportPath")
+        if rt.is_leader:
+            log_json("done", **summary)
+            write_termination_message(summary)
+        return 0
+    except ConfigError as exc:
+        if rt is None or rt.is_leader:
+            log_json("error", kind="ConfigError", message=str(exc))
+            print(f"llamaft: configuration error: {exc}", file=sys.stderr, flush=True)
+        write_termination_message({"phase": "Failed", "reason": "ConfigError", "message": str(exc)})
+        return EXIT_CONFIG_ERROR
+    except Exception as exc:
+        write_termination_message({"phase": "Failed", "reason": type(exc).__name__, "message": str(exc)})
+        traceback.print_exc()
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

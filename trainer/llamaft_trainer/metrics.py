@@ -1,0 +1,161 @@
+"""Metrics step: structured JSON log lines, MFU, and the progress contract.
+
+Progress contract (read by the operator; documented in docs/progress-contract.md): rank 0 of
+every worker serves, on the spec's monitoring.metricsPort,
+  GET /metrics   Prometheus text (llamaft_train_* gauges and counters)
+  GET /progress  JSON {"phase", "step", "totalSteps", "epoch", "loss", "evalLoss", "tokensPerSecond",
+                 "mfu", "etaSeconds", "updatedAt", "exportPath"}
+and prints every logged step as one JSON line {"event": "step", ...} on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import threading
+import time
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from transformers import PretrainedConfig
+
+PEAK_FLOPS_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
+
+
+def log_json(event: str, **fields: Any) -> None:
+    """One structured log line on stdout (only the caller decides which ranks log)."""
+    record = {"ts": datetime.now(UTC).isoformat(timespec="milliseconds"), "event": event, **fields}
+    print(json.dumps(record, default=str), flush=True)
+
+
+def flops_per_token(config: PretrainedConfig, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per token, torchtitan's formula:
+
+        6 * N  +  12 * L * H * Q * T
+
+    N: parameters without the input embedding (each does a multiply-add forward, twice that
+    backward: 6 FLOPs per token); L layers, H attention heads, Q head dim, T sequence length: the
+    attention score and value matmuls, which N does not count. Activation recomputation is not
+    counted (MFU, not HFU)."""
+    layers = int(config.num_hidden_layers)
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    embedding = int(config.vocab_size) * int(config.hidden_size)
+    return 6.0 * (n_params - embedding) + 12.0 * layers * heads * head_dim * seq_len
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak of one device; LLAMAFT_PEAK_FLOPS overrides; None when unknown (CPU)."""
+    if "LLAMAFT_PEAK_FLOPS" in os.environ:
+        return float(os.environ["LLAMAFT_PEAK_FLOPS"])
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in PEAK_FLOPS_BF16.items():
+            if key in name:
+                return value
+    return None
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak device memory (CUDA) or peak resident host memory of this process (CPU)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class Progress:
+    """What the leader publishes: Prometheus gauges plus the JSON progress document."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        labels: list[str] = []
+        self.step = Gauge("llamaft_train_step", "Optimizer steps done", labels, registry=self.registry)
+        self.total_steps = Gauge("llamaft_train_total_steps", "Optimizer steps planned", registry=self.registry)
+        self.epoch = Gauge("llamaft_train_epoch", "Current epoch", registry=self.registry)
+        self.loss = Gauge("llamaft_train_loss", "Training loss of the last step", registry=self.registry)
+        self.eval_loss = Gauge("llamaft_train_eval_loss", "Last eval loss", registry=self.registry)
+        self.lr = Gauge("llamaft_train_learning_rate", "Learning rate", registry=self.registry)
+        self.grad_norm = Gauge("llamaft_train_grad_norm", "Gradient norm before clipping", registry=self.registry)
+        self.tokens_per_second = Gauge("llamaft_train_tokens_per_second", "Job throughput", registry=self.registry)
+        self.tokens_per_second_per_device = Gauge(
+            "llamaft_train_tokens_per_second_per_device", "Throughput per device", registry=self.registry
+        )
+        self.mfu = Gauge("llamaft_train_mfu", "Model FLOPs utilisation (0-1)", registry=self.registry)
+        self.memory = Gauge("llamaft_train_peak_memory_bytes", "Peak memory of rank 0", registry=self.registry)
+        self.tokens = Counter("llamaft_train_tokens", "Tokens trained on", registry=self.registry)
+        self.last_progress = Gauge(
+            "llamaft_train_last_progress_timestamp_seconds", "Unix time of the last step", registry=self.registry
+        )
+        self.document: dict[str, Any] = {"phase": "Starting"}
+        self._lock = threading.Lock()
+
+    def update(self, **fields: Any) -> None:
+        with self._lock:
+            self.document.update({k: v for k, v in fields.items()})
+            self.document["updatedAt"] = datetime.now(UTC).isoformat(timespec="seconds")
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self.document)
+
+    def record_step(self, m: dict[str, Any]) -> None:
+        self.step.set(m["step"])
+        self.epoch.set(m["epoch"])
+        self.loss.set(m["loss"])
+        self.lr.set(m["lr"])
+        self.grad_norm.set(m["grad_norm"])
+        self.tokens_per_second.set(m["tokens_per_second"])
+        self.tokens_per_second_per_device.set(m["tokens_per_second_per_device"])
+        if m.get("mfu") is not None:
+            self.mfu.set(m["mfu"])
+        self.memory.set(m["peak_memory_bytes"])
+        self.tokens.inc(m["tokens"])
+        self.last_progress.set(time.time())
+        self.update(
+            phase="Training", step=m["step"], epoch=m["epoch"], loss=m["loss"],
+            tokensPerSecond=m["tokens_per_second"], mfu=m.get("mfu"), etaSeconds=m.get("eta_seconds"),
+        )
+
+    def serve(self, port: int) -> ThreadingHTTPServer:
+        progress = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                if self.path.startswith("/metrics"):
+                    body, ctype = generate_latest(progress.registry), "text/plain; version=0.0.4"
+                elif self.path.startswith("/progress"):
+                    body, ctype = json.dumps(progress.snapshot()).encode(), "application/json"
+                else:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return
+
+        server = ThreadingHTTPServer(("0.0.0.0", port), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True, name="metrics").start()
+        return server
+
+
+def write_termination_message(doc: dict[str, Any]) -> None:
+    """Kubernetes shows /dev/termination-log in the pod status; the operator reads it."""
+    path = os.environ.get("LLAMAFT_TERMINATION_LOG", "/dev/termination-log")
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(json.dumps(doc, default=str)[:4000])
+    except OSError:
+        pass
+
+
+def eprint(*args: Any) -> None:
+    print(*args, file=sys.stderr, flush=True)

@@ -1,0 +1,153 @@
+"""Parallelize step: activation checkpointing, compile and FSDP, kept apart from model and loop.
+
+Order matters (as in torchtitan): activation checkpointing and torch.compile wrap each decoder
+layer first, then every FSDP unit is created bottom-up (decoder layers, then the root), on the
+device mesh `runtime.build_mesh` made from the spec.
+
+Strategy mapping (FSDP2):
+  FULL_SHARD    -> 1-D mesh, reshard_after_forward=True
+  SHARD_GRAD_OP -> 1-D mesh, reshard_after_forward=False (parameters stay gathered until backward)
+  HYBRID_SHARD  -> 2-D (replicate, shard) mesh, reshard_after_forward=True
+  NO_SHARD      -> 2-D (world, 1) mesh: full replicas, gradients all-reduced (DDP semantics)
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from llamaft.api.spec import (
+    CheckpointingMode,
+    FsdpImplementation,
+    FsdpSpec,
+    MixedPrecision,
+    ShardingStrategy,
+    WrapPolicyType,
+)
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The ModuleList of decoder layers of a (possibly peft-wrapped) causal LM."""
+    for name, module in model.named_modules():
+        if name.endswith("layers") and isinstance(module, nn.ModuleList):
+            return module
+    raise ValueError("model has no decoder `layers` ModuleList: is it Llama-shaped?")
+
+
+def mixed_precision_policy(precision: MixedPrecision) -> MixedPrecisionPolicy:
+    """Parameter, gradient-reduction and output dtypes for each precision setting."""
+    if precision is MixedPrecision.BF16:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if precision is MixedPrecision.FP16:
+        return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    if precision is MixedPrecision.PURE_BF16:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+
+
+def apply_activation_checkpointing(layers: nn.ModuleList, mode: CheckpointingMode, every_n: int) -> int:
+    """Wrap decoder layers in non-reentrant checkpoint wrappers; returns how many were wrapped.
+    `full`: every layer; `selective`: layer i when i % every_n == 0."""
+    if mode is CheckpointingMode.NONE:
+        return 0
+    wrapped = 0
+    for index, layer in enumerate(list(layers)):
+        if mode is CheckpointingMode.FULL or index % every_n == 0:
+            layers[index] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            wrapped += 1
+    return wrapped
+
+
+def apply_compile(layers: nn.ModuleList) -> None:
+    for index, layer in enumerate(list(layers)):
+        layers[index] = torch.compile(layer)  # type: ignore[assignment]
+
+
+def _sharded_units(model: nn.Module, layers: nn.ModuleList, fsdp: FsdpSpec) -> list[nn.Module]:
+    if fsdp.wrap_policy.type is WrapPolicyType.DECODER_LAYER:
+        return list(layers)
+    threshold = fsdp.wrap_policy.min_num_params
+    return [layer for layer in layers if sum(p.numel() for p in layer.parameters()) >= threshold]
+
+
+def apply_fsdp2(model: nn.Module, fsdp: FsdpSpec, mesh: DeviceMesh) -> nn.Module:
+    layers = decoder_layers(model)
+    common: dict[str, Any] = {
+        "mesh": mesh,
+        "mp_policy": mixed_precision_policy(fsdp.mixed_precision),
+        # Pinned host memory speeds host<->GPU copies; it needs CUDA, and on CPU there is no copy.
+        "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if fsdp.cpu_offload else OffloadPolicy(),
+    }
+    reshard = fsdp.sharding_strategy is not ShardingStrategy.SHARD_GRAD_OP
+    units = _sharded_units(model, layers, fsdp)
+    for index, unit in enumerate(units):
+        # The last layer's parameters are needed again first in backward: keeping them avoids one
+        # all-gather (torchtitan does the same).
+        fully_shard(unit, reshard_after_forward=reshard and index < len(units) - 1, **common)
+    fully_shard(model, reshard_after_forward=reshard, **common)
+    return model
+
+
+def apply_fsdp1(model: nn.Module, fsdp: FsdpSpec, mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    """FSDP1 (FullyShardedDataParallel). HYBRID_SHARD always gets the 2-D device mesh: without one
+    FSDP1 silently degrades it to NO_SHARD on CPU and the ranks diverge."""
+    from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel
+    from torch.distributed.fsdp import MixedPrecision as Fsdp1Precision
+    from torch.distributed.fsdp import ShardingStrategy as Fsdp1Strategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
+
+    policy = mixed_precision_policy(fsdp.mixed_precision)
+    layer_types = {type(layer) for layer in decoder_layers(model)}
+    wrap: Any
+    if fsdp.wrap_policy.type is WrapPolicyType.DECODER_LAYER:
+        wrap = ModuleWrapPolicy(layer_types)
+    else:
+        wrap = partial(size_based_auto_wrap_policy, min_num_params=fsdp.wrap_policy.min_num_params)
+    kwargs: dict[str, Any] = {}
+    strategy = Fsdp1Strategy[fsdp.sharding_strategy.value]
+    if mesh.ndim == 2 and mesh.size(1) == 1:
+        # Shard groups of one rank are pure replication. FSDP1 HYBRID_SHARD on such a mesh skips
+        # the replicate all-reduce and the ranks diverge (seen with torch 2.13), so use NO_SHARD.
+        strategy = Fsdp1Strategy.NO_SHARD
+    elif fsdp.sharding_strategy is ShardingStrategy.HYBRID_SHARD:
+        kwargs["device_mesh"] = mesh
+    else:
+        kwargs["process_group"] = mesh.get_group("shard") if mesh.ndim == 1 else None
+    return FullyShardedDataParallel(
+        model,
+        sharding_strategy=strategy,
+        mixed_precision=Fsdp1Precision(
+            param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype, buffer_dtype=torch.float32
+        ),
+        cpu_offload=CPUOffload(offload_params=fsdp.cpu_offload),
+        auto_wrap_policy=wrap,
+        device_id=device,
+        param_init_fn=lambda module: _to_empty(module, device),
+        use_orig_params=True,
+        **kwargs,
+    )
+
+
+def _to_empty(module: nn.Module, device: torch.device) -> None:
+    module.to_empty(device=device, recurse=False)
+
+
+def parallelize(model: nn.Module, fsdp: FsdpSpec, mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    """Apply AC, compile and FSDP to a meta-device model, as the spec says."""
+    layers = decoder_layers(model)
+    apply_activation_checkpointing(
+        layers, fsdp.activation_checkpointing.mode, fsdp.activation_checkpointing.every_n_layers
+    )
+    if fsdp.compile:
+        apply_compile(layers)
+    if fsdp.implementation is FsdpImplementation.FSDP1:
+        return apply_fsdp1(model, fsdp, mesh, device)
+    return apply_fsdp2(model, fsdp, mesh)

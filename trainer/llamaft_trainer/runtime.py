@@ -1,0 +1,75 @@
+"""The distributed runtime: who am I, which device and backend, which device mesh.
+
+torchrun (and the Kubeflow training operator through PET_* variables) sets RANK, LOCAL_RANK,
+WORLD_SIZE and LOCAL_WORLD_SIZE; CUDA/NCCL is chosen when GPUs are visible, CPU/gloo otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from llamaft.api.spec import FsdpSpec, ShardingStrategy
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_local_leader(self) -> bool:
+        return self.local_rank == 0
+
+
+def init_runtime(timeout_s: int = 1800) -> Runtime:
+    """Initialise the default process group (a single process works too: world size 1)."""
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    return Runtime(rank, local_rank, world, local_world, device)
+
+
+def build_mesh(fsdp: FsdpSpec, rt: Runtime) -> DeviceMesh:
+    """The (replicate, shard) mesh FSDP2 uses.
+
+    FULL_SHARD / SHARD_GRAD_OP: 1-D, shard over every rank. HYBRID_SHARD: shard inside groups of
+    shardGroupSize (default: the ranks of one node), replicate across them. NO_SHARD: replicate over
+    every rank with shard groups of one, i.e. DDP semantics with FSDP2's mixed-precision policy.
+    """
+    device_type = rt.device.type
+    strategy = fsdp.sharding_strategy
+    if strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
+        return init_device_mesh(device_type, (rt.world_size,), mesh_dim_names=("shard",))
+    if strategy is ShardingStrategy.NO_SHARD:
+        shard = 1
+    elif fsdp.hybrid_shard is not None:
+        shard = fsdp.hybrid_shard.shard_group_size
+    else:
+        shard = rt.local_world_size
+    if rt.world_size % shard:
+        raise ValueError(f"fsdp.hybridShard.shardGroupSize {shard} does not divide world size {rt.world_size}")
+    return init_device_mesh(device_type, (rt.world_size // shard, shard), mesh_dim_names=("replicate", "shard"))

@@ -1,0 +1,231 @@
+"""Train loop: AdamW, warmup + decay, gradient accumulation without intermediate gradient sync,
+clipping, eval, metrics and checkpoints.
+
+Loss normalisation: each optimizer step's loss is the sum of token losses over the whole global
+batch (every micro-step on every rank) divided by its number of target tokens, so any sharding
+strategy, world size or accumulation split gives the same loss and gradients as one process on
+the same batch. FSDP averages gradients over ranks, so each rank scales by world_size / tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from llamaft.api.spec import FsdpImplementation, MixedPrecision, SchedulerType, TrainingJobConfig
+from torch import nn
+from torch.distributed.tensor import DTensor
+from transformers import get_scheduler
+
+from llamaft_trainer.checkpoint import Checkpointer, TrainState
+from llamaft_trainer.data import IGNORE_INDEX, Data, batches_from
+from llamaft_trainer.metrics import Progress, log_json, peak_memory_bytes
+from llamaft_trainer.runtime import Runtime
+
+SCHEDULER_NAMES = {
+    SchedulerType.COSINE: "cosine",
+    SchedulerType.LINEAR: "linear",
+    SchedulerType.CONSTANT: "constant_with_warmup",
+}
+
+
+@dataclass
+class LoopResult:
+    state: TrainState
+    losses: list[float] = field(default_factory=list)
+    eval_losses: list[float] = field(default_factory=list)
+    checkpoints: list[str] = field(default_factory=list)
+
+
+def build_optimizer(model: nn.Module, cfg: TrainingJobConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=cfg.training.learning_rate, weight_decay=cfg.training.weight_decay)
+
+
+def total_steps(cfg: TrainingJobConfig, batches_per_epoch: int) -> int:
+    if cfg.training.max_steps is not None:
+        return cfg.training.max_steps
+    assert cfg.training.epochs is not None
+    return cfg.training.epochs * max(1, batches_per_epoch // cfg.training.gradient_accumulation_steps)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingJobConfig, steps: int) -> Any:
+    return get_scheduler(
+        SCHEDULER_NAMES[cfg.training.scheduler], optimizer,
+        num_warmup_steps=cfg.training.warmup_steps, num_training_steps=steps,
+    )
+
+
+def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
+    """Sum of next-token cross-entropy over target tokens, and their count."""
+    input_ids = batch["input_ids"].to(device)
+    labels = batch["labels"].to(device)
+    out = model(input_ids=input_ids, attention_mask=batch["attention_mask"].to(device), use_cache=False)
+    logits = out.logits[:, :-1, :].float()
+    targets = labels[:, 1:]
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss, int((targets != IGNORE_INDEX).sum())
+
+
+def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return [float(v) for v in t.tolist()]
+
+
+def _set_sync(model: nn.Module, sync: bool, cfg: TrainingJobConfig) -> Any:
+    """No gradient reduction on non-final micro-steps (FSDP2 flag; FSDP1 no_sync context)."""
+    import contextlib
+
+    if cfg.fsdp.implementation is FsdpImplementation.FSDP1:
+        return contextlib.nullcontext() if sync else model.no_sync()  # type: ignore[operator]
+    model.set_requires_gradient_sync(sync)  # type: ignore[operator]
+    return contextlib.nullcontext()
+
+
+def clip_gradients(model: nn.Module, max_norm: float, cfg: TrainingJobConfig) -> float:
+    """Clip to `max_norm` (0: no clipping) and return the global norm before clipping."""
+    limit = max_norm if max_norm > 0 else float("inf")
+    if cfg.fsdp.implementation is FsdpImplementation.FSDP1:
+        return float(model.clip_grad_norm_(limit))  # type: ignore[operator]
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, limit, foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def evaluate(model: nn.Module, data: Data, rt: Runtime) -> float | None:
+    if data.validation_loader is None:
+        return None
+    model.eval()
+    loss_sum, tokens = 0.0, 0
+    with torch.no_grad():
+        for batch in data.validation_loader:
+            loss, n = token_loss_sum(model, batch, rt.device)
+            loss_sum += float(loss)
+            tokens += n
+    model.train()
+    total_loss, total_tokens = _all_reduce_sum([loss_sum, float(tokens)], rt.device)
+    return total_loss / max(total_tokens, 1.0)
+
+
+def _micro_batches(data: Data, state: TrainState, accum: int) -> Iterator[list[dict[str, torch.Tensor]]]:
+    """Groups of `accum` micro-batches, continuing from the saved epoch and position forever."""
+    while True:
+        data.sampler.set_epoch(state.epoch)
+        group: list[dict[str, torch.Tensor]] = []
+        for batch in batches_from(data.loader, state.batches_in_epoch):
+            group.append(batch)
+            if len(group) == accum:
+                yield group
+                group = []
+        state.epoch += 1
+        state.batches_in_epoch = 0
+
+
+def train_loop(
+    model: nn.Module,
+    cfg: TrainingJobConfig,
+    data: Data,
+    rt: Runtime,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    state: TrainState,
+    steps: int,
+    *,
+    checkpointer: Checkpointer | None,
+    progress: Progress | None,
+    flops_per_token: float,
+    peak_flops: float | None,
+    stop_after: int | None = None,
+) -> LoopResult:
+    """Run optimizer steps from `state.step` to `steps` (or `stop_after`, for tests)."""
+    tc = cfg.training
+    accum = tc.gradient_accumulation_steps
+    scaler = None
+    if cfg.fsdp.mixed_precision is MixedPrecision.FP16:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler = ShardedGradScaler(device=rt.device.type)
+    result = LoopResult(state)
+    model.train()
+    groups = _micro_batches(data, state, accum)
+    started = time.perf_counter()
+    first_step = state.step
+    while state.step < steps and (stop_after is None or state.step < stop_after):
+        step_start = time.perf_counter()
+        group = next(groups)
+        local_tokens = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in group)
+        (global_tokens,) = _all_reduce_sum([float(local_tokens)], rt.device)
+        scale = rt.world_size / max(global_tokens, 1.0)
+        loss_sum = 0.0
+        for index, batch in enumerate(group):
+            with _set_sync(model, index == accum - 1, cfg):
+                loss, _ = token_loss_sum(model, batch, rt.device)
+                scaled = loss * scale
+                (scaler.scale(scaled) if scaler is not None else scaled).backward()
+            loss_sum += float(loss.detach())
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        grad_norm = clip_gradients(model, tc.max_grad_norm, cfg)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        lr = float(scheduler.get_last_lr()[0])
+        scheduler.step()
+        state.step += 1
+        state.batches_in_epoch += accum
+        seq_tokens = sum(int(b["input_ids"].numel()) for b in group)
+        (loss_total, tokens_total) = _all_reduce_sum([loss_sum, float(seq_tokens)], rt.device)
+        step_loss = loss_total / max(global_tokens, 1.0)
+        state.tokens_seen += int(tokens_total)
+        result.losses.append(step_loss)
+        elapsed = time.perf_counter() - step_start
+        if state.step % tc.log_interval == 0 or state.step == steps:
+            tps = tokens_total / elapsed
+            mfu = (tps / rt.world_size) * flops_per_token / peak_flops if peak_flops else None
+            done = state.step - first_step
+            eta = (time.perf_counter() - started) / max(done, 1) * (steps - state.step)
+            metrics = {
+                "step": state.step, "total_steps": steps, "epoch": state.epoch, "loss": round(step_loss, 6),
+                "lr": lr, "grad_norm": round(grad_norm, 6), "tokens": int(tokens_total),
+                "tokens_per_second": round(tps, 2), "tokens_per_second_per_device": round(tps / rt.world_size, 2),
+                "mfu": round(mfu, 5) if mfu is not None else None, "peak_memory_bytes": peak_memory_bytes(rt.device),
+                "eta_seconds": int(eta), "step_seconds": round(elapsed, 4),
+            }
+            if rt.is_leader:
+                log_json("step", **metrics)
+            if progress is not None:
+                progress.record_step(metrics)
+        if tc.eval_interval and state.step % tc.eval_interval == 0 and state.step < steps:
+            _run_eval(model, data, rt, state, progress, result)
+        if checkpointer is not None and (state.step % cfg.checkpointing.every_n_steps == 0 or state.step == steps):
+            path = checkpointer.save(model, optimizer, scheduler, state)
+            result.checkpoints.append(path)
+            if rt.is_leader:
+                log_json("checkpoint", step=state.step, path=path)
+    if state.step >= steps:
+        _run_eval(model, data, rt, state, progress, result)
+    return result
+
+
+def _run_eval(model: nn.Module, data: Data, rt: Runtime, state: TrainState, progress: Progress | None, result: LoopResult) -> None:
+    eval_loss = evaluate(model, data, rt)
+    if eval_loss is None:
+        return
+    result.eval_losses.append(eval_loss)
+    if rt.is_leader:
+        log_json("eval", step=state.step, eval_loss=round(eval_loss, 6), perplexity=round(math.exp(min(eval_loss, 50)), 4))
+    if progress is not None:
+        progress.eval_loss.set(eval_loss)
+        progress.update(evalLoss=eval_loss)
