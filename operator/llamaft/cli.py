@@ -56,6 +56,30 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    if not args.local:
+        print(
+            "llamaft run without --local would need a cluster: apply the file there instead "
+            f"(kubectl apply -f {args.file}) and the operator runs it. Use --local to run it on this machine.",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        from llamaft_trainer.local import run_local
+    except ImportError as exc:
+        print(f"llamaft run --local needs the trainer extra (pip install 'llamaft[trainer]'): {exc}", file=sys.stderr)
+        return 2
+    return run_local(args.file, nproc_per_worker=args.nproc_per_worker, run_dir=args.run_dir)
+
+
+def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from llamaft_trainer.tiny import build_tiny_llama
+
+    out = build_tiny_llama(Path(args.output), Path(args.dataset))
+    print(f"wrote a tiny random-init Llama and its tokenizer to {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llamaft", description="Llama fine-tuning with PyTorch FSDP on Kubernetes.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -68,6 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("files", nargs="+", help="YAML files (several documents per file allowed)")
     validate.set_defaults(func=_cmd_validate)
 
+    run = sub.add_parser("run", help="run a LlamaFineTune (--local: torchrun on this machine)")
+    run.add_argument("file", help="YAML file with one LlamaFineTune")
+    run.add_argument("--local", action="store_true", help="run here with torchrun (CPU or GPUs)")
+    run.add_argument("--nproc-per-worker", type=int, help="processes per worker (default: its GPUs, or 1 on CPU)")
+    run.add_argument("--run-dir", help="where logs and the trainer config go (default: runs/<name>)")
+    run.set_defaults(func=_cmd_run)
+
+    tiny = sub.add_parser("make-tiny-model", help="build a tiny random-init Llama + tokenizer (no downloads)")
+    tiny.add_argument("output", help="directory to write (save_pretrained layout)")
+    tiny.add_argument("--dataset", default="examples/data/samsum-tiny.jsonl", help="JSONL text to train the tokenizer on")
+    tiny.set_defaults(func=_cmd_make_tiny_model)
     return parser
 
 

@@ -1,0 +1,110 @@
+"""Data formatting, label masking, packing/padding and splits, checked on exact token ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from llamaft.api.spec import DatasetSpec
+from llamaft_trainer import data as d
+from llamaft_trainer.errors import ConfigError
+from transformers import AutoTokenizer
+
+from tests.trainer.conftest import DATASET
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model: Path):  # type: ignore[no-untyped-def]
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+def spec(**kw: object) -> DatasetSpec:
+    return DatasetSpec.model_validate({"format": "samsum", "source": str(DATASET), **kw})
+
+
+def test_tokenize_masks_the_prompt_and_ends_with_eos(tok) -> None:  # type: ignore[no-untyped-def]
+    ex = d.tokenize("Summarize: hi", "Anna will go.", tok, 64)
+    prompt = tok.encode("Summarize: hi", add_special_tokens=False)
+    response = tok.encode("Anna will go.", add_special_tokens=False)
+    assert ex.input_ids == [tok.bos_token_id, *prompt, *response, tok.eos_token_id]
+    assert ex.labels == [-100] * (1 + len(prompt)) + response + [tok.eos_token_id]
+    assert tok.decode(response) == "Anna will go."
+
+
+def test_truncation_keeps_ids_and_labels_aligned(tok) -> None:  # type: ignore[no-untyped-def]
+    ex = d.tokenize("a " * 50, "b " * 50, tok, 16)
+    assert len(ex.input_ids) == len(ex.labels) == 16
+    assert all(label == -100 for label in ex.labels)  # the response was cut off entirely
+
+
+def test_samsum_template_and_response_field() -> None:
+    fmt = d.Formatter(spec())
+    prompt, response = fmt({"dialogue": "A: hi\nB: yo", "summary": "They greet."})
+    assert prompt == "Summarize this dialog:\nA: hi\nB: yo\n---\nSummary:\n"
+    assert response == "They greet."
+
+
+def test_alpaca_with_and_without_input() -> None:
+    fmt = d.Formatter(spec(format="alpaca"))
+    with_input, out = fmt({"instruction": "Add", "input": "1 2", "output": "3"})
+    without, _ = fmt({"instruction": "Say hi", "input": "", "output": "hi"})
+    assert "### Input:\n1 2" in with_input and out == "3"
+    assert "### Input" not in without and without.endswith("### Instruction:\nSay hi\n\n### Response:\n")
+
+
+def test_jsonl_template_and_field_mapping() -> None:
+    fmt = d.Formatter(spec(format="jsonl", promptTemplate="Q: {question}\nA: ", fieldMapping={"response": "answer"}))
+    assert fmt({"question": "2+2?", "answer": "4"}) == ("Q: 2+2?\nA: ", "4")
+    mapped = d.Formatter(spec(format="jsonl", fieldMapping={"prompt": ["title", "body"]}))
+    assert mapped({"title": "T", "body": "B", "output": "O"}) == ("T\nB\n", "O")
+
+
+def test_missing_record_field_is_a_config_error() -> None:
+    fmt = d.Formatter(spec())
+    with pytest.raises(ConfigError, match=r"record 3 .* no field\(s\) \['dialogue'\].*promptTemplate"):
+        fmt.check({"text": "x", "summary": "y"}, 3)
+
+
+def test_packing_fills_blocks_and_drops_the_remainder() -> None:
+    exs = [d.Example([1, 2, 3], [-100, 2, 3]), d.Example([4, 5, 6, 7], [-100, -100, 6, 7])]
+    packed = d.pack(exs, 3)
+    assert [r[0] for r in packed.rows] == [[1, 2, 3], [4, 5, 6]]
+    assert [r[1] for r in packed.rows] == [[-100, 2, 3], [-100, -100, 6]]
+    assert all(r[2] == [1, 1, 1] for r in packed.rows)
+
+
+def test_padding_masks_attention_and_loss() -> None:
+    padded = d.pad([d.Example([1, 2], [-100, 2])], 4, pad_id=0)
+    ids, labels, mask = padded.rows[0]
+    assert ids == [1, 2, 0, 0] and labels == [-100, 2, -100, -100] and mask == [1, 1, 0, 0]
+
+
+def test_split_is_deterministic_and_disjoint() -> None:
+    records = [{"i": i} for i in range(100)]
+    train, val = d.split_records(records, 0.1, seed=3)
+    assert d.split_records(records, 0.1, seed=3) == (train, val)
+    assert len(val) == 10 and len(train) == 90
+    assert {r["i"] for r in train}.isdisjoint({r["i"] for r in val})
+    assert d.split_records(records, 0.1, seed=4)[1] != val
+    assert d.split_records(records, 0.0, seed=3) == (records, [])
+
+
+def test_sequence_length_over_the_model_limit() -> None:
+    with pytest.raises(ConfigError, match="maxSeqLength: 4096 exceeds the model's max_position_embeddings 512"):
+        d.check_sequence_length(spec(maxSeqLength=4096), 512)
+
+
+def test_reads_local_and_fsspec_sources(tmp_path: Path) -> None:
+    local = d.read_records(spec())
+    assert len(local) == 320 and set(local[0]) == {"id", "dialogue", "summary"}
+    uri = d.read_records(spec(source=f"file://{DATASET}"))
+    assert uri == local
+
+
+def test_unreadable_and_malformed_sources(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="spec.dataset.source: cannot read"):
+        d.read_records(spec(source=str(tmp_path / "absent.jsonl")))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"dialogue": "a", "summary": "b"}\nnot json\n')
+    with pytest.raises(ConfigError, match="line 2 is not JSON"):
+        d.read_records(spec(source=str(bad)))

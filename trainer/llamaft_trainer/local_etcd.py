@@ -1,0 +1,80 @@
+"""A throw-away etcd (v2 API on) on loopback, for `llamaft run --local` and the tests.
+
+torchrun's `etcd` and `etcd-v2` rendezvous backends speak etcd's v2 API, so it runs with
+`--enable-v2` (etcd 3.4/3.5; Debian's etcd-server package).
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LocalEtcd:
+    """`with LocalEtcd() as etcd: etcd.endpoint` -> "127.0.0.1:<port>"."""
+
+    def __init__(self, binary: str | None = None) -> None:
+        found = binary or shutil.which("etcd") or ("/usr/bin/etcd" if Path("/usr/bin/etcd").exists() else None)
+        if found is None:
+            raise RuntimeError(
+                "rendezvous backend etcd/etcd-v2 needs an etcd server: install one "
+                "(Debian: apt-get install etcd-server), set spec.rendezvous.endpoint, or use backend c10d"
+            )
+        self.binary = found
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.endpoint = f"127.0.0.1:{self.client_port}"
+        self._dir = tempfile.TemporaryDirectory(prefix="llamaft-etcd-")
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 30.0) -> LocalEtcd:
+        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        self.log_path = Path(self._dir.name) / "etcd.log"
+        self._proc = subprocess.Popen(
+            [
+                self.binary, "--name", "default", "--data-dir", str(Path(self._dir.name) / "data"),
+                "--listen-client-urls", client, "--advertise-client-urls", client,
+                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"default={peer}", "--enable-v2",
+            ],
+            stdout=self.log_path.open("wb"), stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"etcd exited: {self.log_path.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"{client}/v2/keys/", timeout=1) as resp:
+                    if resp.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"etcd did not answer on {client} within {timeout_s:.0f}s")
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+        self._dir.cleanup()
+
+    def __enter__(self) -> LocalEtcd:
+        return self.start()
+
+    def __exit__(self, *exc: tuple[type[BaseException] | None, BaseException | None, TracebackType | None]) -> None:
+        self.stop()
