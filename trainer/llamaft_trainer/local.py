@@ -184,8 +184,8 @@ def run_local(path: str | Path, *, nproc_per_worker: int | None = None, run_dir:
             thread.join(5)
     code = max(codes)
     if code != 0:
-        log = (p.run_dir / "worker-0.log").read_text(errors="replace").splitlines()
-        print("\n".join(log[-25:]), file=sys.stderr)
+        tail = (p.run_dir / "worker-0.log").read_text(errors="replace").splitlines()[-25:]
+        print("\n".join(tail), file=sys.stderr)
         print(f"llamaft: the run failed (exit {code}); full logs in {p.run_dir}", file=sys.stderr, flush=True)
         return code
     exported = [e["path"] for e in events if e.get("event") == "export"]
