@@ -163,8 +163,9 @@ def test_cel_rules_agree_with_a_second_cel_engine() -> None:
         if value is None:
             return
         for rule in node.get("x-kubernetes-validations", []):
-            ours = bool(_evaluate(rule["rule"], value))
-            theirs = bool(cel.evaluate(rule["rule"], {"self": value}))
+            # oldSelf = self: transition rules evaluate as on an update that changed nothing.
+            ours = bool(_evaluate(rule["rule"], value, value))
+            theirs = bool(cel.evaluate(rule["rule"], {"self": value, "oldSelf": value}))
             assert ours == theirs, rule["rule"]
             compared += 1
         if isinstance(value, dict):
@@ -228,3 +229,24 @@ def test_validate_does_not_mutate_input() -> None:
     before = copy.deepcopy(obj)
     validate_resource(obj)
     assert obj == before
+
+
+def test_immutable_fields_are_enforced_on_update_only() -> None:
+    from llamaft.api.validation import validate_spec
+
+    old = base()["spec"]
+    new = copy.deepcopy(old)
+    new["model"]["source"] = "meta-llama/Llama-2-13b-hf"
+    validate_spec(new)  # a create has no previous object
+    with pytest.raises(SpecInvalid) as info:
+        validate_spec(new, old=old)
+    assert [str(e) for e in info.value.errors] == [
+        "spec.model.source: model.source is immutable: a run's checkpoints belong to its model; create a new LlamaFineTune"
+    ]
+    changed = copy.deepcopy(old)
+    changed["cluster"]["workers"] = 4  # mutable
+    validate_spec(changed, old=old)
+    moved = copy.deepcopy(old)
+    moved["checkpointing"] = {"directory": "/elsewhere"}
+    with pytest.raises(SpecInvalid, match="checkpointing.directory is immutable"):
+        validate_spec(moved, old=old)

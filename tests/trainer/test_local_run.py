@@ -43,8 +43,9 @@ def finetune(model: Path, tmp: Path, name: str, **spec: Any) -> Path:
     return path
 
 
-def events(run_dir: Path, worker: int = 0) -> list[dict[str, Any]]:
-    lines = (run_dir / f"worker-{worker}.log").read_text().splitlines()
+def events(run_dir: Path) -> list[dict[str, Any]]:
+    """Rank 0's events, from whichever worker's log holds them (the rendezvous assigns ranks)."""
+    lines = [line for log in sorted(run_dir.glob("worker-*.log")) for line in log.read_text().splitlines()]
     return [json.loads(line) for line in lines if line.startswith("{")]
 
 

@@ -4,7 +4,7 @@ One torchrun agent per `spec.cluster.workers` (each a "node" with its processes)
 exactly as on the cluster: through a local etcd for the etcd backends (started here unless
 `spec.rendezvous.endpoint` is set), or c10d on loopback. GPUs are used when the machine has as
 many as the spec asks for; otherwise each worker runs one CPU process (gloo). Rank 0's JSON log
-lines are shown as live progress; every agent's full output goes to `<run dir>/worker-<i>.log`.
+lines are shown as live progress; every agent's full output goes to `<run dir>/worker-<i>.log` (rank 0 may be on any of them).
 """
 
 from __future__ import annotations
@@ -168,7 +168,8 @@ def run_local(path: str | Path, *, nproc_per_worker: int | None = None, run_dir:
                 procs.append(proc)
                 log = (p.run_dir / f"worker-{index}.log").open("w")
                 assert proc.stdout is not None
-                thread = threading.Thread(target=_pump, args=(proc.stdout, log, index == 0, events), daemon=True)
+                # Only global rank 0 prints JSON events, and the rendezvous decides which agent hosts it.
+                thread = threading.Thread(target=_pump, args=(proc.stdout, log, True, events), daemon=True)
                 thread.start()
                 threads.append(thread)
             codes = [proc.wait() for proc in procs]
@@ -184,7 +185,8 @@ def run_local(path: str | Path, *, nproc_per_worker: int | None = None, run_dir:
             thread.join(5)
     code = max(codes)
     if code != 0:
-        tail = (p.run_dir / "worker-0.log").read_text(errors="replace").splitlines()[-25:]
+        failed = next((i for i, c in enumerate(codes) if c != 0), 0)
+        tail = (p.run_dir / f"worker-{failed}.log").read_text(errors="replace").splitlines()[-25:]
         print("\n".join(tail), file=sys.stderr)
         print(f"llamaft: the run failed (exit {code}); full logs in {p.run_dir}", file=sys.stderr, flush=True)
         return code

@@ -173,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress = None
         if rt.is_local_leader:
             progress = Progress()
+            # The operator asks every worker and takes global rank 0's document as the leader's.
+            progress.update(rank=rt.rank, pod=os.environ.get("HOSTNAME"))
             if args.metrics_port:
                 progress.serve(args.metrics_port)
         _, result = run(cfg, rt, progress=progress)

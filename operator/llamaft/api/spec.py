@@ -41,8 +41,24 @@ class SecretKeyRef(ApiModel):
     """Key inside the Secret whose value is used."""
 
 
+IMMUTABLE_SOURCE = cel_rule(
+    "self.source == oldSelf.source",
+    message="model.source is immutable: a run's checkpoints belong to its model; create a new LlamaFineTune",
+    field_path=".source",
+    reason="FieldValueForbidden",
+)
+IMMUTABLE_CHECKPOINTS = cel_rule(
+    "self.directory == oldSelf.directory",
+    message="checkpointing.directory is immutable: changing it would orphan the run's progress; create a new LlamaFineTune",
+    field_path=".directory",
+    reason="FieldValueForbidden",
+)
+
+
 class ModelSpec(ApiModel):
     """Which pretrained Llama-shaped model to fine-tune and how to load it."""
+
+    model_config = api_config(IMMUTABLE_SOURCE)
 
     source: str = Field(min_length=1, max_length=1024)
     """Where the pretrained weights are: a Hugging Face hub id (`meta-llama/Llama-2-7b-hf`),
@@ -290,6 +306,8 @@ class FsdpSpec(ApiModel):
 # ------------------------------------------------------------------------------- checkpointing
 class CheckpointingSpec(ApiModel):
     """Sharded checkpoints, resume and the final export."""
+
+    model_config = api_config(IMMUTABLE_CHECKPOINTS)
 
     directory: str = Field(default="/checkpoints", min_length=1, max_length=1024)
     """Where checkpoints go: a path on the checkpoint volume, or an fsspec URI (`s3://...`)."""

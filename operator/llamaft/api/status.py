@@ -104,6 +104,8 @@ class LlamaFineTuneStatus(ApiModel):
     """Run attempt (increments on every resubmission)."""
     retries_used: int = 0
     """Resubmissions spent out of runPolicy.retryBudget."""
+    retry_after: str | None = None
+    """When the pending resubmission happens (RFC 3339), while the run is Restarting."""
     total_gpus: int | None = None
     """workers x gpusPerWorker, for `kubectl get`."""
     workers: WorkerCounts = Field(default_factory=WorkerCounts)

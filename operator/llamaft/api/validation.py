@@ -58,14 +58,26 @@ def _program(expression: str) -> Any:
     return env.program(env.compile(expression))
 
 
-def _evaluate(expression: str, value: Any) -> Any:
-    return _program(expression).evaluate({"self": json_to_cel(value)})
+def _evaluate(expression: str, value: Any, old: Any = None) -> Any:
+    activation = {"self": json_to_cel(value)}
+    if old is not None:
+        activation["oldSelf"] = json_to_cel(old)
+    return _program(expression).evaluate(activation)
 
 
-def _rule_errors(rules: Sequence[Mapping[str, Any]], value: Any, path: str) -> Iterator[FieldError]:
+def is_transition_rule(rule: Mapping[str, Any]) -> bool:
+    """Rules that compare with the previous object run only on updates, as in the API server."""
+    return "oldSelf" in str(rule["rule"])
+
+
+def _rule_errors(
+    rules: Sequence[Mapping[str, Any]], value: Any, path: str, old: Any = None
+) -> Iterator[FieldError]:
     for rule in rules:
+        if is_transition_rule(rule) and old is None:
+            continue
         try:
-            ok = bool(_evaluate(rule["rule"], value))
+            ok = bool(_evaluate(rule["rule"], value, old if is_transition_rule(rule) else None))
         except Exception as exc:  # a rule that cannot evaluate is a failed rule, as in the API server
             yield FieldError(path, f"rule {rule['rule']!r} could not be evaluated: {exc}")
             continue
@@ -78,16 +90,18 @@ def _rule_errors(rules: Sequence[Mapping[str, Any]], value: Any, path: str) -> I
         yield FieldError(path + str(rule.get("fieldPath", "")), message)
 
 
-def cel_errors(schema: Schema, value: Any, path: str) -> list[FieldError]:
-    """Evaluate every `x-kubernetes-validations` rule of `schema` against `value`, recursively."""
+def cel_errors(schema: Schema, value: Any, path: str, old: Any = None) -> list[FieldError]:
+    """Evaluate every `x-kubernetes-validations` rule of `schema` against `value`, recursively.
+    With `old` (the previous object), transition rules (`oldSelf`) are evaluated too."""
     errors: list[FieldError] = []
     if value is None:
         return errors
-    errors.extend(_rule_errors(schema.get("x-kubernetes-validations", []), value, path))
+    errors.extend(_rule_errors(schema.get("x-kubernetes-validations", []), value, path, old))
     if isinstance(value, Mapping):
         for key, child in schema.get("properties", {}).items():
             if key in value:
-                errors.extend(cel_errors(child, value[key], f"{path}.{key}"))
+                child_old = old.get(key) if isinstance(old, Mapping) else None
+                errors.extend(cel_errors(child, value[key], f"{path}.{key}", child_old))
         extra = schema.get("additionalProperties")
         if isinstance(extra, dict):
             for key, item in value.items():
@@ -151,15 +165,22 @@ def _pydantic_errors(exc: ValidationError, base: str) -> list[FieldError]:
 
 
 # ------------------------------------------------------------------------------ entry points
-def validate_spec(spec: Any, path: str = "spec") -> LlamaFineTuneSpec:
-    """Parse and validate a `.spec` mapping; raise SpecInvalid naming every bad field."""
+def validate_spec(spec: Any, path: str = "spec", old: Any = None) -> LlamaFineTuneSpec:
+    """Parse and validate a `.spec` mapping; raise SpecInvalid naming every bad field.
+    `old`: the previous spec on an update, so immutable fields are enforced as the API server does."""
     if not isinstance(spec, Mapping):
         raise SpecInvalid([FieldError(path, f"must be a mapping, got {type(spec).__name__}")])
     try:
         parsed = LlamaFineTuneSpec.model_validate(spec)
     except ValidationError as exc:
         raise SpecInvalid(_pydantic_errors(exc, path)) from None
-    errors = cel_errors(_spec_schema(), parsed.to_k8s(), path)
+    old_defaulted = None
+    if old is not None:
+        try:
+            old_defaulted = LlamaFineTuneSpec.model_validate(old).to_k8s()
+        except ValidationError:
+            old_defaulted = None  # an invalid previous spec cannot constrain the new one
+    errors = cel_errors(_spec_schema(), parsed.to_k8s(), path, old_defaulted)
     if errors:
         raise SpecInvalid(errors)
     return parsed

@@ -1,0 +1,1 @@
+"""The llamaft operator: thin kopf handlers (`handlers`) over pure functions (`desired`, `observe`)."""

@@ -1,0 +1,287 @@
+"""spec -> desired objects. Pure functions: no API calls, no clock, no randomness.
+
+Choices, and why:
+- Replica layout: Workers only, with an elasticPolicy. Under torchrun every node is the same
+  program and ranks come from the rendezvous, so a distinguished Master pod buys nothing; the
+  training operator requires a Worker spec for elastic jobs and derives PET_NNODES, PET_RDZV_* and
+  PET_MAX_RESTARTS from the elasticPolicy.
+- Managed etcd per job (not per namespace): a rendezvous reset or an etcd restart can never touch
+  another job's rendezvous, which is exactly the failure the shared-etcd reference deployment has;
+  the etcd is owned by the LlamaFineTune and goes away with it. It costs one small pod per job.
+- restartPolicy ExitCode: 1-127 are permanent (2 is the trainer's configuration error; torchrun
+  exits 1 after using up its own restarts), 128-255 are retried (OOM kill 137, preemption 143).
+- The training config is a ConfigMap the operator owns, mounted read-only; the trainer reads it
+  with the same pydantic model.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+from llamaft.api.sources import PVC_MOUNT_ROOT, SourceKind, parse_source
+from llamaft.api.spec import LlamaFineTuneSpec, RendezvousBackend
+from llamaft.operator.naming import (
+    C10D_PORT,
+    CONFIG_FILE,
+    CONFIG_MOUNT,
+    ETCD_CLIENT_PORT,
+    LABEL_ATTEMPT,
+    Owner,
+)
+
+ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"
+"""etcd 3.6 dropped the v2 API that torchrun's etcd backends use: stay on 3.5.x."""
+
+Obj = dict[str, Any]
+
+
+# --------------------------------------------------------------------------------- config map
+def config_map(owner: Owner, spec: LlamaFineTuneSpec) -> Obj:
+    """The trainer's part of the spec, as JSON, for every worker."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": owner.config_map, "namespace": owner.namespace, "labels": owner.labels("config")},
+        "data": {CONFIG_FILE: json.dumps(spec.training_config().to_k8s(), indent=2, sort_keys=True)},
+    }
+
+
+# ---------------------------------------------------------------------------------- rendezvous
+def uses_managed_etcd(spec: LlamaFineTuneSpec) -> bool:
+    return spec.rendezvous.backend is not RendezvousBackend.C10D and spec.rendezvous.endpoint is None
+
+
+def rendezvous_endpoint(owner: Owner, spec: LlamaFineTuneSpec, attempt: int) -> tuple[str, int]:
+    """(host, port) the workers rendezvous on."""
+    if spec.rendezvous.backend is RendezvousBackend.C10D:
+        # c10d rendezvouses on worker 0's headless Service, created by the training operator.
+        return f"{owner.job_name(attempt)}-worker-0", C10D_PORT
+    if spec.rendezvous.endpoint is not None:
+        host, port = spec.rendezvous.endpoint.rsplit(":", 1)
+        return host, int(port)
+    return f"{owner.etcd}.{owner.namespace}.svc", ETCD_CLIENT_PORT
+
+
+def etcd_objects(owner: Owner, image: str = ETCD_IMAGE) -> list[Obj]:
+    """A single-member etcd with the v2 API on (Deployment + Service), data in memory: rendezvous
+    state is ephemeral by design and is reset before every run attempt anyway."""
+    labels = owner.labels("rendezvous")
+    selector = {"app.kubernetes.io/instance": owner.name, "app.kubernetes.io/component": "rendezvous"}
+    url = f"http://0.0.0.0:{ETCD_CLIENT_PORT}"
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": owner.etcd, "namespace": owner.namespace, "labels": labels},
+        "spec": {
+            "replicas": 1,
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": selector},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "securityContext": {"runAsNonRoot": True, "runAsUser": 65534, "fsGroup": 65534},
+                    "containers": [
+                        {
+                            "name": "etcd",
+                            "image": image,
+                            "command": [
+                                "etcd", "--name", "rendezvous", "--data-dir", "/var/run/etcd/data",
+                                "--listen-client-urls", url,
+                                "--advertise-client-urls", f"http://{owner.etcd}.{owner.namespace}.svc:{ETCD_CLIENT_PORT}",
+                                "--listen-peer-urls", "http://0.0.0.0:2380", "--enable-v2",
+                            ],
+                            "ports": [{"name": "client", "containerPort": ETCD_CLIENT_PORT}],
+                            "readinessProbe": {
+                                "httpGet": {"path": "/health", "port": ETCD_CLIENT_PORT},
+                                "periodSeconds": 5,
+                            },
+                            "livenessProbe": {
+                                "httpGet": {"path": "/health", "port": ETCD_CLIENT_PORT},
+                                "periodSeconds": 20, "failureThreshold": 6,
+                            },
+                            "resources": {
+                                "requests": {"cpu": "100m", "memory": "128Mi"},
+                                "limits": {"memory": "512Mi"},
+                            },
+                            "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                                "capabilities": {"drop": ["ALL"]}},
+                            "volumeMounts": [{"name": "data", "mountPath": "/var/run/etcd"}],
+                        }
+                    ],
+                    "volumes": [{"name": "data", "emptyDir": {"medium": "Memory", "sizeLimit": "256Mi"}}],
+                },
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": owner.etcd, "namespace": owner.namespace, "labels": labels},
+        "spec": {
+            "selector": selector,
+            "ports": [{"name": "client", "port": ETCD_CLIENT_PORT, "targetPort": ETCD_CLIENT_PORT}],
+        },
+    }
+    return [deployment, service]
+
+
+# ------------------------------------------------------------------------------------ the job
+def _env(spec: LlamaFineTuneSpec) -> list[Obj]:
+    env: list[Obj] = [
+        {"name": "LLAMAFT_CONFIG", "value": f"{CONFIG_MOUNT}/{CONFIG_FILE}"},
+        {"name": "LLAMAFT_METRICS_PORT", "value": str(spec.monitoring.metrics_port)},
+        {"name": "TORCH_NCCL_ASYNC_ERROR_HANDLING", "value": "1"},
+        {"name": "OMP_NUM_THREADS", "value": "1"},
+        {"name": "TOKENIZERS_PARALLELISM", "value": "false"},
+    ]
+    if spec.cluster.efa_devices_per_worker > 0:
+        env += [
+            {"name": "FI_PROVIDER", "value": "efa"},
+            {"name": "FI_EFA_USE_DEVICE_RDMA", "value": "1"},
+            {"name": "NCCL_SOCKET_IFNAME", "value": "^lo,docker"},
+        ]
+    secret = spec.model.hf_token_secret
+    if secret is not None:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}})
+    env += [{"name": e.name, "value": e.value} for e in spec.cluster.env]
+    return env
+
+
+def _resources(spec: LlamaFineTuneSpec) -> Obj:
+    limits: dict[str, str] = {}
+    if spec.cluster.gpus_per_worker:
+        limits["nvidia.com/gpu"] = str(spec.cluster.gpus_per_worker)
+    if spec.cluster.efa_devices_per_worker:
+        limits["vpc.amazonaws.com/efa"] = str(spec.cluster.efa_devices_per_worker)
+    if spec.cluster.resources.cpu:
+        limits["cpu"] = spec.cluster.resources.cpu
+    if spec.cluster.resources.memory:
+        limits["memory"] = spec.cluster.resources.memory
+    return {"requests": dict(limits), "limits": dict(limits)} if limits else {}
+
+
+def _volumes(owner: Owner, spec: LlamaFineTuneSpec) -> tuple[list[Obj], list[Obj]]:
+    volumes: list[Obj] = [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.cluster.shared_memory_size}},
+        {"name": "config", "configMap": {"name": owner.config_map}},
+    ]
+    mounts: list[Obj] = [
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+    ]
+    if spec.checkpointing.volume_claim:
+        volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": spec.checkpointing.volume_claim}})
+        mounts.append({"name": "checkpoints", "mountPath": spec.checkpointing.directory})
+    claims: list[str] = []
+    for text in (spec.model.source, spec.model.tokenizer, spec.dataset.source):
+        if text is None:
+            continue
+        src = parse_source(text)
+        if src.kind is SourceKind.PVC and src.claim not in claims and src.claim is not None:
+            claims.append(src.claim)
+    for index, claim in enumerate(claims):
+        volumes.append({"name": f"input-{index}", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": f"input-{index}", "mountPath": f"{PVC_MOUNT_ROOT}/{claim}", "readOnly": True})
+    return volumes, mounts
+
+
+def _merge(base: Any, extra: Any) -> Any:
+    """podTemplateOverrides: mappings merge recursively, lists are appended to, scalars replace."""
+    if isinstance(base, dict) and isinstance(extra, dict):
+        out = dict(base)
+        for key, value in extra.items():
+            out[key] = _merge(base[key], value) if key in base else copy.deepcopy(value)
+        return out
+    if isinstance(base, list) and isinstance(extra, list):
+        return base + copy.deepcopy(extra)
+    return copy.deepcopy(extra)
+
+
+def pod_template(owner: Owner, spec: LlamaFineTuneSpec, attempt: int) -> Obj:
+    volumes, mounts = _volumes(owner, spec)
+    node_selector = dict(spec.cluster.node_selector)
+    if spec.cluster.instance_type:
+        node_selector["node.kubernetes.io/instance-type"] = spec.cluster.instance_type
+    container: Obj = {
+        "name": "pytorch",  # the training operator requires this name
+        "image": spec.cluster.image,
+        "imagePullPolicy": spec.cluster.image_pull_policy.value,
+        # torchrun takes --nnodes, --nproc-per-node and every --rdzv-* from the PET_* variables
+        # the training operator sets from the elasticPolicy and nprocPerNode.
+        "command": ["torchrun", "-m", "llamaft_trainer", "--config", f"{CONFIG_MOUNT}/{CONFIG_FILE}"],
+        "env": _env(spec),
+        "ports": [{"name": "metrics", "containerPort": spec.monitoring.metrics_port}],
+        "volumeMounts": mounts,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    resources = _resources(spec)
+    if resources:
+        container["resources"] = resources
+    pod_spec: Obj = {"containers": [container], "volumes": volumes}
+    if node_selector:
+        pod_spec["nodeSelector"] = node_selector
+    if spec.cluster.tolerations:
+        pod_spec["tolerations"] = [t.to_k8s() for t in spec.cluster.tolerations]
+    if spec.cluster.priority_class_name:
+        pod_spec["priorityClassName"] = spec.cluster.priority_class_name
+    labels = {**owner.labels("trainer"), LABEL_ATTEMPT: str(attempt)}
+    template: Obj = {"metadata": {"labels": labels}, "spec": pod_spec}
+    if spec.cluster.pod_template_overrides:
+        template = _merge(template, spec.cluster.pod_template_overrides)
+    return template
+
+
+def pytorch_job(owner: Owner, spec: LlamaFineTuneSpec, attempt: int) -> Obj:
+    """The Kubeflow PyTorchJob (kubeflow.org/v1) for one run attempt."""
+    host, port = rendezvous_endpoint(owner, spec, attempt)
+    cluster = spec.cluster
+    low = cluster.elastic.min_workers if cluster.elastic else cluster.workers
+    high = cluster.elastic.max_workers if cluster.elastic else cluster.workers
+    run_policy: Obj = {"cleanPodPolicy": "None", "suspend": spec.run_policy.suspend}
+    if spec.run_policy.ttl_seconds_after_finished is not None:
+        run_policy["ttlSecondsAfterFinished"] = spec.run_policy.ttl_seconds_after_finished
+    if spec.run_policy.active_deadline_seconds is not None:
+        run_policy["activeDeadlineSeconds"] = spec.run_policy.active_deadline_seconds
+    if spec.run_policy.backoff_limit is not None:
+        run_policy["backoffLimit"] = spec.run_policy.backoff_limit
+    rdzv_conf = []
+    if spec.rendezvous.backend is not RendezvousBackend.C10D:
+        rdzv_conf.append({"key": "protocol", "value": "http"})
+    labels = {**owner.labels("trainer"), LABEL_ATTEMPT: str(attempt)}
+    return {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": {"name": owner.job_name(attempt), "namespace": owner.namespace, "labels": labels},
+        "spec": {
+            "nprocPerNode": str(max(cluster.gpus_per_worker, 1)),
+            "elasticPolicy": {
+                "rdzvBackend": spec.rendezvous.backend.value,
+                "rdzvHost": host,
+                "rdzvPort": port,
+                "rdzvId": owner.rendezvous_id(attempt),
+                "minReplicas": low,
+                "maxReplicas": high,
+                "maxRestarts": spec.rendezvous.max_restarts,
+                **({"rdzvConf": rdzv_conf} if rdzv_conf else {}),
+            },
+            "runPolicy": run_policy,
+            "pytorchReplicaSpecs": {
+                "Worker": {
+                    "replicas": cluster.workers,
+                    "restartPolicy": "ExitCode",
+                    "template": pod_template(owner, spec, attempt),
+                }
+            },
+        },
+    }
+
+
+def desired_objects(owner: Owner, spec: LlamaFineTuneSpec, attempt: int, etcd_image: str = ETCD_IMAGE) -> list[Obj]:
+    """Everything one attempt of the run needs, in creation order (what `llamaft render` prints)."""
+    objs = [config_map(owner, spec)]
+    if uses_managed_etcd(spec):
+        objs += etcd_objects(owner, etcd_image)
+    objs.append(pytorch_job(owner, spec, attempt))
+    return objs

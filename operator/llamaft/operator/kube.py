@@ -1,0 +1,134 @@
+"""The Kubernetes calls the operator makes, in one place (the chart's RBAC is derived from them).
+
+Every call is idempotent by name: create treats 409 as "already there", delete treats 404 as
+"already gone", get returns None for 404. Objects are plain dicts (as the pure functions build them).
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+Obj = dict[str, Any]
+PYTORCHJOBS = ("kubeflow.org", "v1", "pytorchjobs")
+
+# (api group, resource, verbs): what this module calls. tests/operator/test_rbac.py checks the
+# chart's Role against it.
+API_CALLS: list[tuple[str, str, tuple[str, ...]]] = [
+    ("kubeflow.org", "pytorchjobs", ("get", "list", "create", "patch", "delete")),
+    ("", "configmaps", ("get", "create", "patch", "delete")),
+    ("apps", "deployments", ("get", "create", "delete")),
+    ("", "services", ("get", "create", "delete")),
+    ("", "pods", ("list",)),
+]
+
+
+def _plain(api: client.ApiClient, obj: Any) -> Obj:
+    out: Obj = api.sanitize_for_serialization(obj)  # type: ignore[no-untyped-call]
+    return out
+
+
+class Kube:
+    def __init__(self, api: client.ApiClient | None = None) -> None:
+        self.api = api or client.ApiClient()
+        self.core = client.CoreV1Api(self.api)
+        self.apps = client.AppsV1Api(self.api)
+        self.custom = client.CustomObjectsApi(self.api)
+
+    # ------------------------------------------------------------------------- PyTorchJobs
+    def get_job(self, namespace: str, name: str) -> Obj | None:
+        try:
+            job = self.custom.get_namespaced_custom_object(*PYTORCHJOBS[:2], namespace, PYTORCHJOBS[2], name)
+            return cast(Obj, job)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def list_jobs(self, namespace: str, selector: str) -> list[Obj]:
+        body = cast(Obj, self.custom.list_namespaced_custom_object(*PYTORCHJOBS[:2], namespace, PYTORCHJOBS[2], label_selector=selector))
+        return list(body.get("items", []))
+
+    def create_job(self, namespace: str, job: Obj) -> bool:
+        """True when created, False when it already existed."""
+        try:
+            self.custom.create_namespaced_custom_object(*PYTORCHJOBS[:2], namespace, PYTORCHJOBS[2], job)
+            return True
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+
+    def patch_job(self, namespace: str, name: str, patch: Obj) -> None:
+        self.custom.patch_namespaced_custom_object(*PYTORCHJOBS[:2], namespace, PYTORCHJOBS[2], name, patch)
+
+    def delete_job(self, namespace: str, name: str) -> bool:
+        try:
+            self.custom.delete_namespaced_custom_object(
+                *PYTORCHJOBS[:2], namespace, PYTORCHJOBS[2], name, propagation_policy="Foreground"
+            )
+            return True
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+
+    # ------------------------------------------------------------------- built-in objects
+    def apply_config_map(self, namespace: str, cm: Obj) -> str:
+        """created | updated | unchanged."""
+        name = cm["metadata"]["name"]
+        try:
+            current = _plain(self.api, self.core.read_namespaced_config_map(name, namespace))
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            self.core.create_namespaced_config_map(namespace, cast(Any, cm))  # the client takes plain dicts
+            return "created"
+        if current.get("data") == cm["data"]:
+            return "unchanged"
+        self.core.patch_namespaced_config_map(name, namespace, {"data": cm["data"]})
+        return "updated"
+
+    def ensure(self, namespace: str, obj: Obj) -> bool:
+        """Create a Deployment or Service unless it exists; True when created."""
+        try:
+            if obj["kind"] == "Deployment":
+                self.apps.create_namespaced_deployment(namespace, cast(Any, obj))
+            elif obj["kind"] == "Service":
+                self.core.create_namespaced_service(namespace, cast(Any, obj))
+            else:
+                raise ValueError(f"unsupported kind {obj['kind']}")
+            return True
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+
+    def deployment_ready(self, namespace: str, name: str) -> bool:
+        try:
+            dep = _plain(self.api, self.apps.read_namespaced_deployment(name, namespace))
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return int(dep.get("status", {}).get("readyReplicas") or 0) >= 1
+
+    def delete(self, namespace: str, kind: str, name: str) -> bool:
+        calls = {
+            "Deployment": self.apps.delete_namespaced_deployment,
+            "Service": self.core.delete_namespaced_service,
+            "ConfigMap": self.core.delete_namespaced_config_map,
+        }
+        try:
+            calls[kind](name, namespace)
+            return True
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+
+    def list_pods(self, namespace: str, selector: str) -> list[Obj]:
+        pods = self.core.list_namespaced_pod(namespace, label_selector=selector)
+        return [_plain(self.api, p) for p in pods.items]

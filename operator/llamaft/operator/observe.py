@@ -1,0 +1,160 @@
+"""observed objects -> status. Pure functions: the kopf handlers feed them what they read.
+
+Phase comes from the PyTorchJob's conditions (Created, Running, Restarting, Succeeded, Failed,
+Suspended); worker counts from replicaStatuses; progress from the trainer's /progress document
+(docs/progress-contract.md). Conditions follow the Kubernetes API conventions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from llamaft.api.status import Phase
+
+JOB_PHASE_PRIORITY = [
+    ("Failed", Phase.FAILED),
+    ("Succeeded", Phase.SUCCEEDED),
+    ("Suspended", Phase.SUSPENDED),
+    ("Restarting", Phase.RESTARTING),
+    ("Running", Phase.RUNNING),
+    ("Created", Phase.CREATING),
+]
+CLOSED_RENDEZVOUS = "RendezvousClosedError"
+
+Obj = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass
+class Observation:
+    status: dict[str, Any]
+    events: list[Event] = field(default_factory=list)
+
+
+def set_condition(
+    conditions: list[dict[str, Any]], type_: str, status: str, reason: str, message: str,
+    generation: int | None, now: str,
+) -> list[dict[str, Any]]:
+    """Add or update one condition; lastTransitionTime changes only when `status` changes."""
+    out = [dict(c) for c in conditions if c.get("type") != type_]
+    previous = next((c for c in conditions if c.get("type") == type_), None)
+    transition = now if previous is None or previous.get("status") != status else previous.get("lastTransitionTime", now)
+    entry = {"type": type_, "status": status, "reason": reason, "message": message, "lastTransitionTime": transition}
+    if generation is not None:
+        entry["observedGeneration"] = generation
+    out.append(entry)
+    return sorted(out, key=lambda c: str(c["type"]))
+
+
+def job_phase(job: Obj | None) -> tuple[Phase, str, str]:
+    """(phase, reason, message) from a PyTorchJob's true conditions."""
+    if job is None:
+        return Phase.CREATING, "JobPending", "the PyTorchJob is being created"
+    conditions = [c for c in job.get("status", {}).get("conditions", []) if c.get("status") == "True"]
+    by_type = {c.get("type"): c for c in conditions}
+    for type_, phase in JOB_PHASE_PRIORITY:
+        if type_ in by_type:
+            c = by_type[type_]
+            return phase, str(c.get("reason") or type_), str(c.get("message") or "")
+    return Phase.CREATING, "JobCreated", "waiting for the training operator"
+
+
+def _termination_messages(pods: Iterable[Obj]) -> Iterable[str]:
+    for pod in pods:
+        for cs in pod.get("status", {}).get("containerStatuses", []) or []:
+            for state in (cs.get("state", {}), cs.get("lastState", {})):
+                message = (state or {}).get("terminated", {}).get("message")
+                if message:
+                    yield str(message)
+
+
+def closed_rendezvous(job: Obj | None, pods: Iterable[Obj]) -> str | None:
+    """The evidence that the run died of a closed rendezvous, or None."""
+    texts = [str(c.get("message", "")) for c in (job or {}).get("status", {}).get("conditions", [])]
+    texts += list(_termination_messages(pods))
+    for text in texts:
+        if CLOSED_RENDEZVOUS in text:
+            return text[:500]
+    return None
+
+
+def progress_status(doc: Mapping[str, Any] | None, previous: Mapping[str, Any]) -> dict[str, Any]:
+    if not doc:
+        return dict(previous)
+    keys = ("epoch", "step", "totalSteps", "loss", "evalLoss", "tokensPerSecond", "mfu", "etaSeconds", "updatedAt")
+    out = {k: doc[k] for k in keys if doc.get(k) is not None}
+    if "step" in out and "totalSteps" in out:
+        out["stepOfTotal"] = f"{out['step']}/{out['totalSteps']}"
+    return {**previous, **out}
+
+
+def leader(progress_docs: Iterable[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The /progress document of global rank 0 (the leader), if any worker reported it."""
+    for doc in progress_docs:
+        if doc.get("rank") == 0:
+            return doc
+    return None
+
+
+EVENT_FOR_PHASE = {
+    Phase.RUNNING: ("Normal", "Running"),
+    Phase.RESTARTING: ("Warning", "Restarting"),
+    Phase.SUCCEEDED: ("Normal", "Succeeded"),
+    Phase.FAILED: ("Warning", "Failed"),
+    Phase.SUSPENDED: ("Normal", "Suspended"),
+}
+
+
+def observe(
+    job: Obj | None, pods: Sequence[Obj], progress_docs: Sequence[Mapping[str, Any]], previous: Mapping[str, Any],
+    *, generation: int | None, now: str,
+) -> Observation:
+    """The status the LlamaFineTune should have, and the events that explain its transition."""
+    phase, reason, message = job_phase(job)
+    job_status = (job or {}).get("status", {})
+    workers = job_status.get("replicaStatuses", {}).get("Worker", {})
+    status: dict[str, Any] = {
+        "phase": phase.value,
+        "message": message or reason,
+        "workers": {k: int(workers.get(k, 0) or 0) for k in ("active", "succeeded", "failed")},
+        "observedGeneration": generation,
+    }
+    for key in ("startTime", "completionTime"):
+        if job_status.get(key):
+            status[key] = job_status[key]
+    doc = leader(progress_docs)
+    status["progress"] = progress_status(doc, previous.get("progress", {}))
+    if doc is not None and doc.get("pod"):
+        status["leaderPod"] = doc["pod"]
+    if doc is not None and doc.get("exportPath"):
+        status["exportPath"] = doc["exportPath"]
+    restarts = int(previous.get("restarts", 0) or 0)
+    if phase is Phase.RESTARTING and previous.get("phase") != Phase.RESTARTING.value:
+        restarts += 1
+    status["restarts"] = restarts
+    conditions = list(previous.get("conditions", []))
+    for type_, active in (
+        ("Running", phase is Phase.RUNNING),
+        ("Succeeded", phase is Phase.SUCCEEDED),
+        ("Failed", phase is Phase.FAILED),
+        ("Suspended", phase is Phase.SUSPENDED),
+    ):
+        if active or any(c.get("type") == type_ for c in conditions):
+            conditions = set_condition(
+                conditions, type_, "True" if active else "False", reason if active else f"Not{type_}",
+                message if active else "", generation, now,
+            )
+    status["conditions"] = conditions
+    events = []
+    if previous.get("phase") != phase.value and phase in EVENT_FOR_PHASE:
+        kind, event_reason = EVENT_FOR_PHASE[phase]
+        events.append(Event(kind, event_reason, f"PyTorchJob {(job or {}).get('metadata', {}).get('name')}: {message or reason}"))
+    return Observation(status, events)

@@ -1,0 +1,94 @@
+"""Rendezvous reset through etcd's v2 HTTP API: delete one run's state, never bounce etcd.
+
+Key layouts (produced by real torchrun runs, torch 2.13):
+  backend `etcd`:    /torchelastic/p2p/run_<id>/...            (one directory per run id)
+  backend `etcd-v2`: /torch/elastic/rendezvous/<id>             (pickled state incl. `closed`)
+                     /torch/elastic/store/<base64("torch.rendezvous.<id>.<n>/<key>")>
+A run id whose state says closed fails every later join with RendezvousClosedError; deleting the
+keys of that id (and only that id) makes it usable again without touching other jobs.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from llamaft.api.spec import RendezvousBackend
+
+ETCD_PREFIX = "/torchelastic/p2p"
+ETCD_V2_STATE = "/torch/elastic/rendezvous"
+ETCD_V2_STORE = "/torch/elastic/store"
+
+
+class RendezvousResetError(RuntimeError):
+    """etcd could not be reached or refused a delete; the caller retries later."""
+
+
+class EtcdV2:
+    """The few v2-API calls a reset needs (plain HTTP; no client library needed)."""
+
+    def __init__(self, endpoint: str, timeout_s: float = 5.0) -> None:
+        self.base = f"http://{endpoint}/v2/keys"
+        self.timeout_s = timeout_s
+
+    def _request(self, method: str, key: str, query: str = "") -> dict[str, Any] | None:
+        url = f"{self.base}{urllib.parse.quote(key)}{query}"
+        request = urllib.request.Request(url, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
+                body: dict[str, Any] = json.loads(resp.read() or b"{}")
+                return body
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                return None
+            raise RendezvousResetError(f"etcd {method} {key}: HTTP {exc.code} {exc.read()[:200]!r}") from exc
+        except OSError as exc:
+            raise RendezvousResetError(f"etcd at {self.base} unreachable: {exc}") from exc
+
+    def delete(self, key: str, recursive: bool = False) -> bool:
+        """True when something was deleted."""
+        return self._request("DELETE", key, "?recursive=true" if recursive else "") is not None
+
+    def children(self, key: str) -> list[str]:
+        body = self._request("GET", key)
+        if body is None:
+            return []
+        return [str(node["key"]) for node in body.get("node", {}).get("nodes", [])]
+
+    def exists(self, key: str) -> bool:
+        return self._request("GET", key) is not None
+
+
+def store_key_belongs_to(key: str, rdzv_id: str) -> bool:
+    """Whether an etcd-v2 store key (base64 of "torch.rendezvous.<id>.<n>/<key>") is this run's."""
+    name = key.rsplit("/", 1)[-1]
+    try:
+        decoded = base64.b64decode(name, validate=True).decode("utf-8", errors="replace")
+    except (binascii.Error, ValueError):
+        return False
+    return decoded.startswith(f"torch.rendezvous.{rdzv_id}.")
+
+
+def reset(endpoint: str, backend: RendezvousBackend, rdzv_id: str) -> list[str]:
+    """Delete every key of run `rdzv_id`; returns what was deleted (empty: nothing was there)."""
+    if backend is RendezvousBackend.C10D:
+        return []
+    etcd = EtcdV2(endpoint)
+    deleted: list[str] = []
+    if backend is RendezvousBackend.ETCD:
+        key = f"{ETCD_PREFIX}/run_{rdzv_id}"
+        if etcd.delete(key, recursive=True):
+            deleted.append(key)
+        return deleted
+    state = f"{ETCD_V2_STATE}/{rdzv_id}"
+    if etcd.delete(state):
+        deleted.append(state)
+    for key in etcd.children(ETCD_V2_STORE):
+        if store_key_belongs_to(key, rdzv_id) and etcd.delete(key, recursive=True):
+            deleted.append(key)
+    return deleted

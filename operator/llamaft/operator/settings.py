@@ -1,0 +1,34 @@
+"""Operator settings from the environment (the Helm chart sets them)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from llamaft.operator.desired import ETCD_IMAGE
+
+
+@dataclass(frozen=True)
+class OperatorSettings:
+    sync_interval_s: float = 15.0
+    """How often a running fine-tune's status is refreshed from its PyTorchJob and trainer."""
+    retry_backoff_s: float = 30.0
+    """First delay before resubmitting a run that failed recoverably; doubles per retry."""
+    etcd_image: str = ETCD_IMAGE
+    rendezvous_address_override: str | None = None
+    """host:port the operator uses to reach every etcd (when it runs outside the cluster, e.g.
+    through a port-forward); None: the in-cluster Service address."""
+    progress_timeout_s: float = 2.0
+    metrics_port: int = 8080
+
+    @classmethod
+    def from_env(cls) -> OperatorSettings:
+        env = os.environ
+        return cls(
+            sync_interval_s=float(env.get("LLAMAFT_SYNC_INTERVAL", cls.sync_interval_s)),
+            retry_backoff_s=float(env.get("LLAMAFT_RETRY_BACKOFF_SECONDS", cls.retry_backoff_s)),
+            etcd_image=env.get("LLAMAFT_ETCD_IMAGE", ETCD_IMAGE),
+            rendezvous_address_override=env.get("LLAMAFT_RENDEZVOUS_ADDRESS_OVERRIDE") or None,
+            progress_timeout_s=float(env.get("LLAMAFT_PROGRESS_TIMEOUT", cls.progress_timeout_s)),
+            metrics_port=int(env.get("LLAMAFT_OPERATOR_METRICS_PORT", cls.metrics_port)),
+        )

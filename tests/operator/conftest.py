@@ -1,0 +1,215 @@
+"""Operator fixtures: the emulator on loopback, a kubeconfig for it, the real kopf runtime as a
+subprocess (`kopf run --standalone`), and a client that plays the training operator's part."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+from kubernetes import client
+
+from tests.conftest import REPO
+from tests.operator.emulator import EmulatorThread
+
+T = TypeVar("T")
+GROUP, VERSION, PLURAL = "llamaft.io", "v1alpha1", "llamafinetunes"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(what: str, fn: Callable[[], T | None], timeout: float = 30.0, interval: float = 0.2) -> T:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = fn()
+        except Exception as exc:  # the object may not exist yet
+            last = exc
+        if last and not isinstance(last, Exception):
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+
+
+class Operator:
+    """`kopf run --standalone -A -m llamaft.operator.handlers` against the emulator."""
+
+    def __init__(self, kubeconfig: Path, log: Path, **env: str) -> None:
+        self.kubeconfig, self.log_path, self.extra_env = kubeconfig, log, env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.metrics_port = free_port()
+
+    def start(self) -> Operator:
+        env = dict(os.environ)
+        env.update({
+            "KUBECONFIG": str(self.kubeconfig), "LLAMAFT_SYNC_INTERVAL": "0.5", "LLAMAFT_RETRY_BACKOFF_SECONDS": "0",
+            "LLAMAFT_OPERATOR_METRICS_PORT": str(self.metrics_port), "LLAMAFT_PROGRESS_TIMEOUT": "0.5",
+            "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO / "trainer")]),
+        })
+        env.update(self.extra_env)
+        self.log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kopf", "run", "--standalone", "--all-namespaces", "--log-format", "json", "--verbose",
+             "-m", "llamaft.operator.handlers"],
+            env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+        )
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: no clean-up of any kind (an OOM kill or a node loss)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+class Cluster:
+    """Typed helpers over the emulator; `finish_job` etc. act as the Kubeflow training operator."""
+
+    def __init__(self, api: client.ApiClient, namespace: str = "default") -> None:
+        self.api, self.ns = api, namespace
+        self.custom = client.CustomObjectsApi(api)
+        self.core = client.CoreV1Api(api)
+        self.apps = client.AppsV1Api(api)
+
+    def create(self, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "LlamaFineTune", "metadata": {"name": name}, "spec": spec}
+        return dict(self.custom.create_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, body))
+
+    def finetune(self, name: str) -> dict[str, Any]:
+        return dict(self.custom.get_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name))
+
+    def patch_finetune(self, name: str, patch: dict[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name, patch)
+
+    def delete_finetune(self, name: str) -> None:
+        self.custom.delete_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name)
+
+    def status(self, name: str) -> dict[str, Any]:
+        return dict(self.finetune(name).get("status", {}))
+
+    def job(self, name: str) -> dict[str, Any] | None:
+        try:
+            return dict(self.custom.get_namespaced_custom_object("kubeflow.org", "v1", self.ns, "pytorchjobs", name))
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def jobs(self, selector: str = "") -> list[dict[str, Any]]:
+        out = self.custom.list_namespaced_custom_object("kubeflow.org", "v1", self.ns, "pytorchjobs", label_selector=selector)
+        return list(out["items"])
+
+    def set_job_status(self, name: str, conditions: list[tuple[str, str, str]], **extra: Any) -> None:
+        """Conditions as (type, reason, message), all True, like the training operator writes them."""
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        status = {
+            "conditions": [
+                {"type": t, "status": "True", "reason": r, "message": m, "lastUpdateTime": now, "lastTransitionTime": now}
+                for t, r, m in conditions
+            ],
+            **extra,
+        }
+        self.custom.patch_namespaced_custom_object_status("kubeflow.org", "v1", self.ns, "pytorchjobs", name, {"status": status})
+
+    def make_etcd_ready(self, name: str) -> None:
+        self.apps.patch_namespaced_deployment_status(name, self.ns, {"status": {"readyReplicas": 1, "replicas": 1}})
+
+    def create_pod(self, name: str, job: str, *, phase: str = "Running", ip: str = "127.0.0.1",
+                   terminated_message: str | None = None) -> None:
+        container: dict[str, Any] = {"name": "pytorch", "ready": phase == "Running", "restartCount": 0, "image": "x", "imageID": "x"}
+        if terminated_message is not None:
+            container["state"] = {"terminated": {"exitCode": 1, "message": terminated_message}}
+        else:
+            container["state"] = {"running": {}}
+        pod = {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": self.ns, "labels": {"training.kubeflow.org/job-name": job,
+                                                                        "training.kubeflow.org/replica-index": name.rsplit("-", 1)[-1]}},
+            "spec": {"containers": [{"name": "pytorch", "image": "x"}]},
+        }
+        self.core.create_namespaced_pod(self.ns, pod)
+        self.core.patch_namespaced_pod_status(name, self.ns, {"status": {"phase": phase, "podIP": ip, "containerStatuses": [container]}})
+
+    def events(self, involved: str) -> list[dict[str, Any]]:
+        out = self.core.list_namespaced_event(self.ns)
+        plain = [self.api.sanitize_for_serialization(e) for e in out.items]
+        return [e for e in plain if e.get("involvedObject", {}).get("name") == involved]
+
+    def exists(self, kind: str, name: str) -> bool:
+        read = {"ConfigMap": self.core.read_namespaced_config_map, "Service": self.core.read_namespaced_service,
+                "Deployment": self.apps.read_namespaced_deployment}[kind]
+        try:
+            read(name, self.ns)
+            return True
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+
+
+@pytest.fixture(scope="module")
+def emulator() -> Iterator[EmulatorThread]:
+    thread = EmulatorThread().start()
+    yield thread
+    thread.stop()
+
+
+@pytest.fixture(scope="module")
+def kubeconfig(emulator: EmulatorThread, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("kube") / "config"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
+        "clusters": [{"name": "kmock", "cluster": {"server": emulator.url}}],
+        "users": [{"name": "kmock", "user": {"token": "kmock"}}],
+        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock", "namespace": "default"}}],
+    }))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cluster(emulator: EmulatorThread) -> Cluster:
+    config = client.Configuration()
+    config.host = emulator.url
+    config.api_key = {"authorization": "Bearer kmock"}
+    return Cluster(client.ApiClient(config))
+
+
+def tiny_spec(**overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "model": {"source": "meta-llama/Llama-2-7b-hf"},
+        "dataset": {"format": "samsum", "source": "knkarthick/samsum"},
+        "cluster": {"workers": 2, "gpusPerWorker": 8},
+        "rendezvous": {"backend": "c10d"},
+    }
+    for key, value in overrides.items():
+        spec[key] = {**spec.get(key, {}), **value} if isinstance(value, dict) else value
+    return spec
+
+
+def dump(obj: Any) -> str:
+    return json.dumps(obj, indent=1, default=str)[:4000]

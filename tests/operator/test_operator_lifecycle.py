@@ -1,0 +1,51 @@
+"""The real kopf runtime against the emulator: a LlamaFineTune's life, with this test playing the
+Kubeflow training operator (it writes the PyTorchJob's status and pods)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.operator.conftest import Cluster, Operator, tiny_spec, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def operator(kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
+    op = Operator(kubeconfig, tmp_path_factory.mktemp("op") / "operator.log").start()
+    yield op
+    op.stop()
+
+
+def test_create_running_succeeded(cluster: Cluster, operator: Operator) -> None:
+    cluster.create("happy", tiny_spec())
+    job = wait_for("PyTorchJob happy-1", lambda: cluster.job("happy-1"), timeout=30)
+    assert job["spec"]["elasticPolicy"]["rdzvId"] == cluster.status("happy")["rendezvousId"]
+    assert job["metadata"]["ownerReferences"][0]["name"] == "happy"
+    assert cluster.status("happy")["phase"] == "Creating"
+    cluster.set_job_status("happy-1", [("Created", "PyTorchJobCreated", "created"), ("Running", "PyTorchJobRunning", "running")],
+                           replicaStatuses={"Worker": {"active": 2}}, startTime="2026-11-29T20:00:00Z")
+    status = wait_for("Running", lambda: (s := cluster.status("happy"))["phase"] == "Running" and s)
+    assert status["workers"]["active"] == 2 and status["totalGpus"] == 16 and status["startTime"]
+    cluster.set_job_status("happy-1", [("Created", "PyTorchJobCreated", "created"), ("Succeeded", "PyTorchJobSucceeded", "done")],
+                           replicaStatuses={"Worker": {"succeeded": 2}}, completionTime="2026-11-29T21:00:00Z")
+    status = wait_for("Succeeded", lambda: (s := cluster.status("happy"))["phase"] == "Succeeded" and s)
+    types = {c["type"]: c["status"] for c in status["conditions"]}
+    assert types["Succeeded"] == "True" and types["Running"] == "False" and types["Valid"] == "True"
+    reasons = [e["reason"] for e in cluster.events("happy")]
+    assert {"JobCreated", "Running", "Succeeded"} <= set(reasons), reasons
+
+
+def test_invalid_spec_names_the_field_in_status_and_events(cluster: Cluster, operator: Operator) -> None:
+    spec = tiny_spec(fsdp={"shardingStrategy": "HYBRID_SHARD", "hybridShard": {"shardGroupSize": 3, "replicaGroupSize": 2}})
+    cluster.create("broken", spec)
+    status = wait_for("Failed", lambda: (s := cluster.status("broken")).get("phase") == "Failed" and s)
+    valid = next(c for c in status["conditions"] if c["type"] == "Valid")
+    assert valid["status"] == "False" and valid["reason"] == "InvalidSpec"
+    assert "spec.fsdp.hybridShard.shardGroupSize: 3 must divide workers x gpusPerWorker = 16" in valid["message"]
+    events = wait_for("InvalidSpec events", lambda: [e for e in cluster.events("broken") if e["reason"] == "InvalidSpec"])
+    assert any("spec.fsdp.hybridShard.shardGroupSize" in e["message"] for e in events)
+    assert cluster.jobs("llamaft.io/finetune=broken") == []
