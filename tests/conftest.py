@@ -14,3 +14,13 @@ REFERENCE = REPO.parent / "shared" / "reference"
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-init tiny Llama + trained tokenizer, saved with save_pretrained (built once)."""
+    from llamaft_trainer.tiny import build_tiny_llama
+
+    # Small enough that a 2-process CPU step takes milliseconds.
+    dataset = REPO / "examples" / "data" / "samsum-tiny.jsonl"
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama", dataset, hidden_size=64, layers=4, vocab_size=512)

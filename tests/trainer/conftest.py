@@ -10,20 +10,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from tests.conftest import REPO
 
 DATASET = REPO / "examples" / "data" / "samsum-tiny.jsonl"
 HARNESS = Path(__file__).with_name("harness.py")
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from llamaft_trainer.tiny import build_tiny_llama
-
-    # Small enough that a 2-process CPU step takes milliseconds.
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama", DATASET, hidden_size=64, layers=4, vocab_size=512)
 
 
 def free_port() -> int:

@@ -218,6 +218,26 @@ def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.St
 IN_PLACE_FIELDS = {("runPolicy", "suspend"), ("cluster", "workers")}
 
 
+def _leaves(value: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    if isinstance(value, dict):
+        out: dict[tuple[str, ...], Any] = {}
+        for key, child in value.items():
+            out.update(_leaves(child, (*prefix, str(key))))
+        return out
+    return {prefix: value}
+
+
+def changed_fields(old: Any, new: LlamaFineTuneSpec) -> set[tuple[str, ...]]:
+    """Leaf fields whose effective (defaulted) value changed: `runPolicy: {suspend: true}` added to
+    a spec without runPolicy is a change of ("runPolicy", "suspend"), not of the whole section."""
+    try:
+        before = _leaves(LlamaFineTuneSpec.model_validate(dict(old or {})).to_k8s())
+    except ValueError:
+        before = {}
+    after = _leaves(new.to_k8s())
+    return {path for path in before.keys() | after.keys() if before.get(path) != after.get(path)}
+
+
 @kopf.on.update(*RESOURCE, field="spec")
 def spec_changed(body: kopf.Body, old: Any, new: Any, diff: Any, meta: kopf.Meta, status: kopf.Status,
                  patch: kopf.Patch, **_: Any) -> None:
@@ -229,7 +249,7 @@ def spec_changed(body: kopf.Body, old: Any, new: Any, diff: Any, meta: kopf.Meta
             return  # the running attempt continues with the last valid spec
         owner = Owner(meta["name"], meta["namespace"], meta.get("uid", ""))
         attempt = int(st.get("attempt") or 1)
-        changed = {tuple(str(p) for p in d[1]) for d in diff}
+        changed = changed_fields(old, parsed)
         job_name = owner.job_name(attempt)
         k = kube()
         if changed and changed <= IN_PLACE_FIELDS and (("cluster", "workers") not in changed or parsed.cluster.elastic):

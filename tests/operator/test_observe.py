@@ -1,0 +1,64 @@
+"""observed objects -> status, without any server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llamaft.operator import observe
+
+NOW = "2026-11-29T20:00:00Z"
+
+
+def job(*conditions: tuple[str, str, str], **status: Any) -> dict[str, Any]:
+    return {"metadata": {"name": "ft-1"}, "status": {
+        "conditions": [{"type": t, "status": s, "reason": r, "message": f"{t} message"} for t, s, r in conditions], **status}}
+
+
+def test_phase_priority_follows_the_training_operator() -> None:
+    assert observe.job_phase(None)[0] == "Creating"
+    assert observe.job_phase(job(("Created", "True", "PyTorchJobCreated")))[0] == "Creating"
+    running = job(("Created", "True", "c"), ("Running", "True", "PyTorchJobRunning"))
+    assert observe.job_phase(running)[:2] == ("Running", "PyTorchJobRunning")
+    assert observe.job_phase(job(("Running", "False", "r"), ("Succeeded", "True", "s")))[0] == "Succeeded"
+    assert observe.job_phase(job(("Running", "True", "r"), ("Restarting", "True", "x")))[0] == "Restarting"
+    assert observe.job_phase(job(("Running", "True", "r"), ("Failed", "True", "f")))[0] == "Failed"
+    assert observe.job_phase(job(("Suspended", "True", "PyTorchJobSuspended")))[0] == "Suspended"
+
+
+def test_conditions_keep_transition_time_until_status_changes() -> None:
+    first = observe.set_condition([], "Running", "True", "R", "m", 1, "t1")
+    again = observe.set_condition(first, "Running", "True", "R", "m2", 2, "t2")
+    flipped = observe.set_condition(again, "Running", "False", "NotRunning", "", 2, "t3")
+    assert again[0]["lastTransitionTime"] == "t1" and again[0]["message"] == "m2" and again[0]["observedGeneration"] == 2
+    assert flipped[0]["lastTransitionTime"] == "t3"
+
+
+def test_closed_rendezvous_is_found_in_job_conditions_or_termination_messages() -> None:
+    assert observe.closed_rendezvous(job(("Failed", "True", "f")), []) is None
+    failed = job(("Failed", "True", "PyTorchJobFailed"))
+    failed["status"]["conditions"][0]["message"] = "torch.distributed.elastic.rendezvous.api.RendezvousClosedError: run closed"
+    assert "RendezvousClosedError" in (observe.closed_rendezvous(failed, []) or "")
+    pod = {"status": {"containerStatuses": [{"lastState": {"terminated": {"message": "... RendezvousClosedError ..."}}}]}}
+    assert observe.closed_rendezvous(job(("Failed", "True", "f")), [pod]) is not None
+
+
+def test_observe_status_progress_leader_and_events() -> None:
+    previous = {"phase": "Creating", "conditions": [], "restarts": 0}
+    docs = [{"rank": 1, "pod": "ft-1-worker-1", "step": 9}, {"rank": 0, "pod": "ft-1-worker-0", "step": 10, "totalSteps": 100,
+            "loss": 1.5, "tokensPerSecond": 1234.5, "mfu": 0.41, "etaSeconds": 90, "epoch": 0}]
+    obs = observe.observe(job(("Running", "True", "PyTorchJobRunning"), replicaStatuses={"Worker": {"active": 2}}, startTime=NOW),
+                          [], docs, previous, generation=3, now=NOW)
+    s = obs.status
+    assert s["phase"] == "Running" and s["workers"] == {"active": 2, "succeeded": 0, "failed": 0}
+    assert s["progress"]["stepOfTotal"] == "10/100" and s["progress"]["loss"] == 1.5 and s["leaderPod"] == "ft-1-worker-0"
+    assert s["observedGeneration"] == 3 and s["startTime"] == NOW
+    assert [(e.type, e.reason) for e in obs.events] == [("Normal", "Running")]
+    same = observe.observe(job(("Running", "True", "PyTorchJobRunning")), [], [], s, generation=3, now=NOW)
+    assert same.events == [] and same.status["progress"]["step"] == 10  # progress survives a missed poll
+
+
+def test_restarts_count_each_restarting_transition() -> None:
+    s = observe.observe(job(("Restarting", "True", "x")), [], [], {"phase": "Running", "restarts": 1}, generation=1, now=NOW).status
+    assert s["restarts"] == 2 and s["phase"] == "Restarting"
+    again = observe.observe(job(("Restarting", "True", "x")), [], [], s, generation=1, now=NOW).status
+    assert again["restarts"] == 2

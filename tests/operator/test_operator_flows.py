@@ -1,0 +1,218 @@
+"""The kopf runtime against the emulator, with a real etcd behind the rendezvous: recovery from a
+closed rendezvous, deletion, suspend/resume, spec changes, restarts of the operator itself, and
+progress read from the real trainer's /progress endpoint."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from llamaft.operator import rendezvous
+from llamaft_trainer.local_etcd import LocalEtcd
+
+from tests.operator.conftest import Cluster, Operator, free_port, tiny_spec, wait_for
+from tests.trainer.conftest import trainer_env
+from tests.trainer.test_local_run import need_etcd
+
+pytestmark = pytest.mark.slow
+ETCD_SPEC = {"backend": "etcd-v2", "endpoint": "etcd.infra.svc:2379"}
+
+
+@pytest.fixture(scope="module")
+def etcd() -> Iterator[LocalEtcd]:
+    need_etcd()
+    with LocalEtcd() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def operator(kubeconfig: Path, etcd: LocalEtcd, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
+    # The operator runs outside the "cluster": it reaches every etcd through this address, as it
+    # would through a port-forward.
+    op = Operator(kubeconfig, tmp_path_factory.mktemp("op") / "operator.log",
+                  LLAMAFT_RENDEZVOUS_ADDRESS_OVERRIDE=etcd.endpoint).start()
+    yield op
+    op.stop()
+
+
+def reasons(cluster: Cluster, name: str) -> list[str]:
+    return [e["reason"] for e in cluster.events(name)]
+
+
+def closed_run(etcd: LocalEtcd, rdzv_id: str) -> None:
+    """Leave behind exactly what a finished torchrun job leaves: a closed rendezvous for the id."""
+    noop = "import torch.distributed as d; d.init_process_group('gloo'); d.barrier(); d.destroy_process_group()"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "1", "--rdzv_backend", "etcd-v2",
+         "--rdzv_endpoint", etcd.endpoint, "--rdzv_id", rdzv_id, "--max_restarts", "0", "-c", noop],
+        env=trainer_env(), capture_output=True, text=True, timeout=120,
+    )
+    if proc.returncode != 0:  # older torchrun without -c: run the same code from a file
+        script = Path("/tmp") / f"llamaft-noop-{rdzv_id}.py"
+        script.write_text(noop.replace("; ", "\n"))
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "1", "--rdzv_backend", "etcd-v2",
+             "--rdzv_endpoint", etcd.endpoint, "--rdzv_id", rdzv_id, "--max_restarts", "0", str(script)],
+            env=trainer_env(), capture_output=True, text=True, timeout=120,
+        )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def running(cluster: Cluster, job: str) -> None:
+    cluster.set_job_status(job, [("Created", "PyTorchJobCreated", "c"), ("Running", "PyTorchJobRunning", "r")],
+                           replicaStatuses={"Worker": {"active": 2}})
+
+
+def test_closed_rendezvous_is_reset_and_resubmitted(cluster: Cluster, operator: Operator, etcd: LocalEtcd) -> None:
+    cluster.create("recover", tiny_spec(rendezvous=ETCD_SPEC, runPolicy={"retryBudget": 2}))
+    job = wait_for("recover-1", lambda: cluster.job("recover-1"))
+    rdzv_id = job["spec"]["elasticPolicy"]["rdzvId"]
+    closed_run(etcd, rdzv_id)  # the workers ran, then their pods restarted into a closed rendezvous
+    assert any(rendezvous.store_key_belongs_to(k, rdzv_id) for k in rendezvous.EtcdV2(etcd.endpoint).children(rendezvous.ETCD_V2_STORE))
+    running(cluster, "recover-1")
+    wait_for("Running", lambda: cluster.status("recover")["phase"] == "Running")
+    message = f"torch.distributed.elastic.rendezvous.api.RendezvousClosedError: Rendezvous for run_id={rdzv_id} was observed to be closed"
+    cluster.set_job_status("recover-1", [("Created", "PyTorchJobCreated", "c"), ("Failed", "PyTorchJobFailed", message)],
+                           replicaStatuses={"Worker": {"failed": 2}})
+    wait_for("recover-2", lambda: cluster.job("recover-2"))
+    status = wait_for("attempt 2 recorded", lambda: (s := cluster.status("recover")).get("attempt") == 2 and s)
+    assert status["retriesUsed"] == 1 and status["rendezvousId"].endswith("-2")
+    assert cluster.job("recover-1") is None, "the failed attempt's job is removed"
+    store = rendezvous.EtcdV2(etcd.endpoint).children(rendezvous.ETCD_V2_STORE)
+    assert not any(rendezvous.store_key_belongs_to(k, rdzv_id) for k in store), "the closed rendezvous was reset"
+    assert not rendezvous.EtcdV2(etcd.endpoint).exists(f"{rendezvous.ETCD_V2_STATE}/{rdzv_id}")
+    events = wait_for("events", lambda: {"RendezvousClosed", "RendezvousReset", "Resubmitted"} <= set(reasons(cluster, "recover")) and reasons(cluster, "recover"))
+    assert events
+    import urllib.request
+
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{operator.metrics_port}/metrics", timeout=2).read().decode()
+    assert 'llamaft_operator_retries_total{reason="RendezvousClosedError"} 1.0' in metrics
+    assert 'llamaft_operator_rendezvous_resets_total{outcome="deleted"}' in metrics
+
+
+def test_retry_budget_exhausted_fails_the_run(cluster: Cluster, operator: Operator) -> None:
+    cluster.create("nobudget", tiny_spec(rendezvous=ETCD_SPEC, runPolicy={"retryBudget": 0}))
+    wait_for("job", lambda: cluster.job("nobudget-1"))
+    cluster.set_job_status("nobudget-1", [("Failed", "PyTorchJobFailed", "RendezvousClosedError: closed")])
+    status = wait_for("Failed", lambda: (s := cluster.status("nobudget"))["phase"] == "Failed" and s)
+    assert "retry budget (0) is used up" in status["message"]
+    wait_for("event", lambda: "RetryBudgetExhausted" in reasons(cluster, "nobudget"))
+    time.sleep(1.5)
+    assert cluster.job("nobudget-2") is None
+
+
+def test_other_failures_are_not_retried(cluster: Cluster, operator: Operator) -> None:
+    cluster.create("oom", tiny_spec(rendezvous=ETCD_SPEC))
+    wait_for("job", lambda: cluster.job("oom-1"))
+    cluster.set_job_status("oom-1", [("Failed", "PyTorchJobFailed", "pod oom-1-worker-0 OOMKilled")])
+    status = wait_for("Failed", lambda: (s := cluster.status("oom"))["phase"] == "Failed" and s)
+    assert "OOMKilled" in status["message"] and status.get("retriesUsed", 0) == 0
+    wait_for("Failed event", lambda: "Failed" in reasons(cluster, "oom"))
+
+
+def test_delete_mid_run_removes_children_keeps_checkpoints(cluster: Cluster, operator: Operator) -> None:
+    cluster.create("gone", tiny_spec(rendezvous={"backend": "etcd-v2"}, checkpointing={"volumeClaim": "ckpt"}))
+    wait_for("etcd deployment", lambda: cluster.exists("Deployment", "gone-etcd"))
+    cluster.make_etcd_ready("gone-etcd")
+    wait_for("job", lambda: cluster.job("gone-1"))
+    running(cluster, "gone-1")
+    wait_for("Running", lambda: cluster.status("gone")["phase"] == "Running")
+    cluster.delete_finetune("gone")
+    wait_for("finetune gone", lambda: not cluster.custom.list_namespaced_custom_object(
+        "llamaft.io", "v1alpha1", "default", "llamafinetunes", field_selector="metadata.name=gone")["items"]
+        or all(i["metadata"]["name"] != "gone" for i in cluster.custom.list_namespaced_custom_object(
+            "llamaft.io", "v1alpha1", "default", "llamafinetunes")["items"]))
+    assert cluster.job("gone-1") is None
+    for kind, name in (("Deployment", "gone-etcd"), ("Service", "gone-etcd"), ("ConfigMap", "gone-config")):
+        assert not cluster.exists(kind, name), kind
+
+
+def test_suspend_and_resume(cluster: Cluster, operator: Operator) -> None:
+    cluster.create("pause", tiny_spec(rendezvous=ETCD_SPEC))
+    wait_for("job", lambda: cluster.job("pause-1"))
+    running(cluster, "pause-1")
+    cluster.patch_finetune("pause", {"spec": {"runPolicy": {"suspend": True}}})
+    wait_for("job suspended", lambda: (cluster.job("pause-1") or {})["spec"]["runPolicy"]["suspend"] is True)
+    cluster.set_job_status("pause-1", [("Suspended", "PyTorchJobSuspended", "suspended")])
+    wait_for("Suspended", lambda: cluster.status("pause")["phase"] == "Suspended")
+    cluster.patch_finetune("pause", {"spec": {"runPolicy": {"suspend": False}}})
+    wait_for("job resumed", lambda: (cluster.job("pause-1") or {})["spec"]["runPolicy"]["suspend"] is False)
+    assert cluster.job("pause-2") is None, "suspend/resume keeps the attempt"
+    assert {"Suspended", "Resumed"} <= set(reasons(cluster, "pause"))
+
+
+def test_spec_change_restarts_from_checkpoint_and_immutable_fields_are_refused(cluster: Cluster, operator: Operator) -> None:
+    cluster.create("tune", tiny_spec(rendezvous=ETCD_SPEC))
+    wait_for("job", lambda: cluster.job("tune-1"))
+    cluster.patch_finetune("tune", {"spec": {"training": {"epochs": 1, "learningRate": 1e-4}}})
+    wait_for("tune-2", lambda: cluster.job("tune-2"))
+    assert cluster.job("tune-1") is None
+    config = cluster.core.read_namespaced_config_map("tune-config", "default").data["config.json"]
+    assert '"learningRate": 0.0001' in config
+    assert any("restarting from the latest checkpoint" in e["message"] for e in cluster.events("tune") if e["reason"] == "SpecChanged")
+    cluster.patch_finetune("tune", {"spec": {"model": {"source": "meta-llama/Llama-2-13b-hf"}}})
+    wait_for("immutable event", lambda: any("model.source is immutable" in e["message"] for e in cluster.events("tune")))
+    assert cluster.job("tune-3") is None and cluster.job("tune-2") is not None
+
+
+def test_operator_killed_mid_reconcile_creates_no_duplicates(cluster: Cluster, kubeconfig: Path, etcd: LocalEtcd,
+                                                            operator: Operator, tmp_path: Path) -> None:
+    operator.stop()
+    first = Operator(kubeconfig, tmp_path / "first.log", LLAMAFT_RENDEZVOUS_ADDRESS_OVERRIDE=etcd.endpoint).start()
+    try:
+        cluster.create("crash", tiny_spec(rendezvous={"backend": "etcd-v2"}))
+        wait_for("etcd deployment", lambda: cluster.exists("Deployment", "crash-etcd"))
+        first.kill()  # while it waits for etcd: ConfigMap and etcd exist, no job yet
+        cluster.make_etcd_ready("crash-etcd")
+        second = Operator(kubeconfig, tmp_path / "second.log", LLAMAFT_RENDEZVOUS_ADDRESS_OVERRIDE=etcd.endpoint).start()
+        wait_for("job", lambda: cluster.job("crash-1"), timeout=40)
+        second.kill()  # right after creating the job
+        third = Operator(kubeconfig, tmp_path / "third.log", LLAMAFT_RENDEZVOUS_ADDRESS_OVERRIDE=etcd.endpoint).start()
+        running(cluster, "crash-1")
+        wait_for("Running", lambda: cluster.status("crash")["phase"] == "Running", timeout=40)
+        assert [j["metadata"]["name"] for j in cluster.jobs("llamaft.io/finetune=crash")] == ["crash-1"]
+        deployments = cluster.apps.list_namespaced_deployment("default", label_selector="llamaft.io/finetune=crash").items
+        assert len(deployments) == 1
+        assert [e for e in cluster.events("crash") if e["reason"] == "JobCreated"].__len__() == 1
+        third.stop()
+    finally:
+        first.kill()
+        operator.start()
+
+
+def test_progress_from_the_trainer_endpoint(cluster: Cluster, operator: Operator) -> None:
+    from llamaft_trainer.metrics import Progress
+
+    port = free_port()
+    progress = Progress()
+    progress.update(rank=0, pod="prog-1-worker-0")
+    server = progress.serve(port)
+    try:
+        cluster.create("prog", tiny_spec(rendezvous=ETCD_SPEC, monitoring={"metricsPort": port}))
+        wait_for("job", lambda: cluster.job("prog-1"))
+        cluster.create_pod("prog-1-worker-0", "prog-1")
+        running(cluster, "prog-1")
+        progress.total_steps.set(100)
+        progress.update(totalSteps=100)
+        progress.record_step({"step": 42, "epoch": 1, "loss": 1.25, "lr": 1e-5, "grad_norm": 0.5, "tokens_per_second": 5000.0,
+                              "tokens_per_second_per_device": 2500.0, "mfu": 0.4, "peak_memory_bytes": 1, "tokens": 10, "eta_seconds": 60})
+        status = wait_for("progress", lambda: (s := cluster.status("prog")).get("progress", {}).get("step") == 42 and s)
+        assert status["progress"]["stepOfTotal"] == "42/100" and status["progress"]["loss"] == 1.25
+        assert status["progress"]["tokensPerSecond"] == 5000.0 and status["leaderPod"] == "prog-1-worker-0"
+    finally:
+        server.shutdown()
+
+
+def test_operator_metrics_endpoint(operator: Operator) -> None:
+    import urllib.request
+
+    text = wait_for("metrics", lambda: urllib.request.urlopen(f"http://127.0.0.1:{operator.metrics_port}/metrics", timeout=2).read().decode())
+    for name in ("llamaft_operator_reconciles_total", "llamaft_operator_reconcile_seconds_bucket", "llamaft_operator_finetunes",
+                 "llamaft_operator_rendezvous_resets_total", "llamaft_operator_retries_total"):
+        assert name in text, name
+    assert 'llamaft_operator_reconciles_total{handler="reconcile",result="ok"}' in text
+
