@@ -80,6 +80,38 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_render(args: argparse.Namespace) -> int:
+    """Every object the operator would create for the file's LlamaFineTune, as YAML."""
+    import yaml
+
+    from llamaft.manifests import load_finetune
+    from llamaft.operator.desired import desired_objects
+    from llamaft.operator.naming import Owner
+
+    body, spec = load_finetune(args.file)
+    namespace = args.namespace or body["metadata"].get("namespace") or "default"
+    owner = Owner(body["metadata"]["name"], namespace, body["metadata"].get("uid", ""))
+    objects = desired_objects(owner, spec, args.attempt)
+    sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False, width=120))
+    return 0
+
+
+def _cmd_operator(args: argparse.Namespace) -> int:
+    """Run the operator in this process (what the chart's Deployment runs)."""
+    import kopf
+
+    import llamaft.operator.handlers  # noqa: F401  (registers the handlers)
+
+    kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.JSON if args.json_logs else kopf.LogFormat.FULL)
+    kopf.run(
+        standalone=args.standalone,
+        clusterwide=not args.namespace,
+        namespaces=args.namespace or (),
+        liveness_endpoint=args.liveness,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llamaft", description="Llama fine-tuning with PyTorch FSDP on Kubernetes.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -98,6 +130,20 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--nproc-per-worker", type=int, help="processes per worker (default: its GPUs, or 1 on CPU)")
     run.add_argument("--run-dir", help="where logs and the trainer config go (default: runs/<name>)")
     run.set_defaults(func=_cmd_run)
+
+    render = sub.add_parser("render", help="print every object the operator would create (review, GitOps)")
+    render.add_argument("file", help="YAML file with one LlamaFineTune")
+    render.add_argument("--namespace", help="namespace to render into (default: the file's, else default)")
+    render.add_argument("--attempt", type=int, default=1, help="run attempt to render (names and rendezvous id)")
+    render.set_defaults(func=_cmd_render)
+
+    op = sub.add_parser("operator", help="run the kopf operator (in-cluster or with KUBECONFIG)")
+    op.add_argument("--namespace", action="append", help="watch only this namespace (repeatable; default: all)")
+    op.add_argument("--standalone", action="store_true", help="no peering with other operator replicas")
+    op.add_argument("--liveness", default="http://0.0.0.0:8081/healthz", help="kopf liveness endpoint")
+    op.add_argument("--json-logs", action="store_true", help="structured JSON log lines")
+    op.add_argument("--verbose", action="store_true")
+    op.set_defaults(func=_cmd_operator)
 
     tiny = sub.add_parser("make-tiny-model", help="build a tiny random-init Llama + tokenizer (no downloads)")
     tiny.add_argument("output", help="directory to write (save_pretrained layout)")

@@ -48,8 +48,9 @@ def wait_for(what: str, fn: Callable[[], T | None], timeout: float = 30.0, inter
 class Operator:
     """`kopf run --standalone -A -m llamaft.operator.handlers` against the emulator."""
 
-    def __init__(self, kubeconfig: Path, log: Path, **env: str) -> None:
-        self.kubeconfig, self.log_path, self.extra_env = kubeconfig, log, env
+    def __init__(self, kubeconfig: Path, log: Path, cli: bool = False, **env: str) -> None:
+        """cli=True runs `llamaft operator` (the chart's entry point) instead of `kopf run`."""
+        self.kubeconfig, self.log_path, self.extra_env, self.cli = kubeconfig, log, env, cli
         self.proc: subprocess.Popen[bytes] | None = None
         self.metrics_port = free_port()
 
@@ -62,9 +63,16 @@ class Operator:
         })
         env.update(self.extra_env)
         self.log = self.log_path.open("ab")
+        verbose = ["--verbose"] if os.environ.get("LLAMAFT_TEST_VERBOSE") else []
+        command = (
+            [sys.executable, "-m", "llamaft.cli", "operator", "--standalone", "--json-logs",
+             "--liveness", f"http://127.0.0.1:{free_port()}/healthz"]
+            if self.cli else
+            [sys.executable, "-m", "kopf", "run", "--standalone", "--all-namespaces", "--log-format", "json",
+             "-m", "llamaft.operator.handlers"]
+        )
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kopf", "run", "--standalone", "--all-namespaces", "--log-format", "json", "--verbose",
-             "-m", "llamaft.operator.handlers"],
+            command + verbose,
             env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
         )
         return self

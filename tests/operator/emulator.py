@@ -88,6 +88,10 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         return None
 
     async def _handle(self, request: Any) -> Any:
+        # kmock records every request for assertions and matches reactions by scanning that log,
+        # which makes each request cost O(requests so far). Nothing here asserts on the log, so
+        # keep a short tail (the current request is the last entry).
+        del self._requests[:-16]
         if request.resource is not None and request.action == enums.action.CREATE and isinstance(request.data, dict):
             meta = request.data.setdefault("metadata", {})
             if request.namespace and "namespace" not in meta:

@@ -1,5 +1,5 @@
-"""The real kopf runtime against the emulator: a LlamaFineTune's life, with this test playing the
-Kubeflow training operator (it writes the PyTorchJob's status and pods)."""
+"""The real kopf runtime, started as `llamaft operator`, against the emulator: a LlamaFineTune's
+life, with this test playing the Kubeflow training operator (it writes the PyTorchJob's status)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def operator(kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
-    op = Operator(kubeconfig, tmp_path_factory.mktemp("op") / "operator.log").start()
+    op = Operator(kubeconfig, tmp_path_factory.mktemp("op") / "operator.log", cli=True).start()
     yield op
     op.stop()
 

@@ -107,6 +107,8 @@ def configure(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="llamaft.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="llamaft.io", key="last-handled-spec")
     settings.posting.level = logging.INFO
+    # cel-python logs every evaluation step at DEBUG: far too costly (and noisy) for an operator.
+    logging.getLogger("celpy").setLevel(logging.WARNING)
     settings.execution.max_workers = 16
     from prometheus_client import start_http_server
 

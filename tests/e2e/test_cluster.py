@@ -1,0 +1,108 @@
+"""End-to-end on a real cluster: runs only when KUBECONFIG points at one (skipped otherwise).
+
+Needs the Kubeflow training operator (PyTorchJob CRD) installed. It installs llamaft's CRD, runs
+`llamaft operator` from this checkout against the cluster, applies the tiny example in a fresh
+namespace and checks the PyTorchJob, status and clean-up. With LLAMAFT_E2E_IMAGE set to a trainer
+image that contains the tiny model at /opt/llamaft/.local-assets/tiny-llama (build it with
+`llamaft make-tiny-model` into the image), it also waits for the fine-tune to succeed.
+
+    KUBECONFIG=~/.kube/config LLAMAFT_E2E_IMAGE=registry/llamaft-trainer:dev .venv/bin/pytest tests/e2e
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.e2e
+
+
+def _cluster_or_skip() -> Any:
+    if not os.environ.get("KUBECONFIG"):
+        pytest.skip("e2e: set KUBECONFIG to a real cluster to run")
+    from kubernetes import client, config
+
+    config.load_kube_config()
+    api = client.ApiClient()
+    try:
+        client.VersionApi(api).get_code()
+        client.ApiextensionsV1Api(api).read_custom_resource_definition("pytorchjobs.kubeflow.org")
+    except Exception as exc:  # unreachable cluster or no training operator
+        pytest.skip(f"e2e: cluster not usable ({exc}); install the Kubeflow training operator")
+    return api
+
+
+@pytest.fixture(scope="module")
+def api() -> Any:
+    return _cluster_or_skip()
+
+
+@pytest.fixture(scope="module")
+def namespace(api: Any) -> Iterator[str]:
+    from kubernetes import client
+
+    name = f"llamaft-e2e-{uuid.uuid4().hex[:6]}"
+    subprocess.run(["kubectl", "apply", "-f", str(REPO / "crds")], check=True)
+    client.CoreV1Api(api).create_namespace({"metadata": {"name": name}})
+    yield name
+    client.CoreV1Api(api).delete_namespace(name)
+
+
+@pytest.fixture(scope="module")
+def operator(namespace: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen[bytes]]:
+    log = (tmp_path_factory.mktemp("e2e") / "operator.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "llamaft.cli", "operator", "--standalone", "--namespace", namespace],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    yield proc
+    proc.terminate()
+    proc.wait(30)
+
+
+def _wait(fn: Any, timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            value = fn()
+            if value:
+                return value
+        except Exception:
+            pass
+        time.sleep(2)
+    raise AssertionError("timed out")
+
+
+def test_tiny_example_on_a_cluster(api: Any, namespace: str, operator: subprocess.Popen[bytes]) -> None:
+    from kubernetes import client
+
+    custom = client.CustomObjectsApi(api)
+    body = yaml.safe_load((REPO / "examples" / "tiny.yaml").read_text())
+    image = os.environ.get("LLAMAFT_E2E_IMAGE")
+    if image:
+        body["spec"]["cluster"]["image"] = image
+        body["spec"]["model"]["source"] = "/opt/llamaft/.local-assets/tiny-llama"
+        body["spec"]["dataset"]["source"] = "/opt/llamaft/examples/data/samsum-tiny.jsonl"
+        body["spec"]["checkpointing"]["directory"] = "/tmp/checkpoints"
+    custom.create_namespaced_custom_object("llamaft.io", "v1alpha1", namespace, "llamafinetunes", body)
+    job = _wait(lambda: custom.get_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", "tiny-local-1"), 120)
+    assert job["spec"]["elasticPolicy"]["rdzvId"].endswith("-1")
+    status = _wait(lambda: (s := custom.get_namespaced_custom_object("llamaft.io", "v1alpha1", namespace, "llamafinetunes",
+                                                                     "tiny-local").get("status", {})).get("jobName") and s, 60)
+    assert status["phase"] in ("Creating", "Running", "Succeeded")
+    if image:
+        done = _wait(lambda: (s := custom.get_namespaced_custom_object("llamaft.io", "v1alpha1", namespace, "llamafinetunes",
+                                                                       "tiny-local")["status"])["phase"] == "Succeeded" and s, 1200)
+        assert done["progress"]["step"] == done["progress"]["totalSteps"]
+    custom.delete_namespaced_custom_object("llamaft.io", "v1alpha1", namespace, "llamafinetunes", "tiny-local")
+    _wait(lambda: not custom.list_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs")["items"], 120)
+
+
