@@ -159,6 +159,17 @@ def test_spec_change_restarts_from_checkpoint_and_immutable_fields_are_refused(c
     assert cluster.job("tune-3") is None and cluster.job("tune-2") is not None
 
 
+def test_elastic_worker_change_is_applied_in_place(cluster: Cluster, operator: Operator) -> None:
+    cluster.create("elastic", tiny_spec(rendezvous=ETCD_SPEC, cluster={"workers": 2, "elastic": {"minWorkers": 1, "maxWorkers": 4}}))
+    wait_for("job", lambda: cluster.job("elastic-1"))
+    cluster.patch_finetune("elastic", {"spec": {"cluster": {"workers": 3}}})
+    wait_for("scaled", lambda: (cluster.job("elastic-1") or {})["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 3)
+    assert cluster.job("elastic-2") is None and "Scaled" in reasons(cluster, "elastic")
+    cluster.patch_finetune("elastic", {"spec": {"cluster": {"workers": 9}}})  # outside the elastic range
+    wait_for("refused", lambda: any("must lie within elastic.minWorkers..maxWorkers" in e["message"] for e in cluster.events("elastic")))
+    assert cluster.job("elastic-1")["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 3  # type: ignore[index]
+
+
 def test_operator_killed_mid_reconcile_creates_no_duplicates(cluster: Cluster, kubeconfig: Path, etcd: LocalEtcd,
                                                             operator: Operator, tmp_path: Path) -> None:
     operator.stop()
@@ -166,6 +177,9 @@ def test_operator_killed_mid_reconcile_creates_no_duplicates(cluster: Cluster, k
     try:
         cluster.create("crash", tiny_spec(rendezvous={"backend": "etcd-v2"}))
         wait_for("etcd deployment", lambda: cluster.exists("Deployment", "crash-etcd"))
+        waiting = wait_for("waiting for etcd", lambda: any(
+            c["type"] == "RendezvousReady" and c["status"] == "False" for c in cluster.status("crash").get("conditions", [])))
+        assert waiting and cluster.job("crash-1") is None, "no job before the managed etcd is ready"
         first.kill()  # while it waits for etcd: ConfigMap and etcd exist, no job yet
         cluster.make_etcd_ready("crash-etcd")
         second = Operator(kubeconfig, tmp_path / "second.log", LLAMAFT_RENDEZVOUS_ADDRESS_OVERRIDE=etcd.endpoint).start()
