@@ -31,6 +31,8 @@ RESOURCES: dict[str, dict[str, Any]] = {
     "v1/pods": {"kind": "Pod", "singular": "pod", "namespaced": True, "subresources": ["status"]},
     "apps/v1/deployments": {"kind": "Deployment", "singular": "deployment", "namespaced": True, "subresources": ["status"]},
     "kubeflow.org/v1/pytorchjobs": {"kind": "PyTorchJob", "singular": "pytorchjob", "namespaced": True, "subresources": ["status"]},
+    "monitoring.coreos.com/v1/podmonitors": {"kind": "PodMonitor", "singular": "podmonitor", "namespaced": True},
+    "monitoring.coreos.com/v1/prometheusrules": {"kind": "PrometheusRule", "singular": "prometheusrule", "namespaced": True},
     "llamaft.io/v1alpha1/llamafinetunes": {
         "kind": "LlamaFineTune", "singular": "llamafinetune", "namespaced": True, "subresources": ["status"],
         "shortnames": ["finetune", "finetunes", "lft"], "categories": ["all", "llamaft"],

@@ -32,13 +32,23 @@ def _to_jsonschema(node: Any) -> Any:
     return node
 
 
-@functools.lru_cache(maxsize=1)
-def pytorchjob_schema() -> dict[str, Any]:
-    crd = yaml.safe_load(Path(PYTORCHJOB_CRD).read_text())
-    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+@functools.lru_cache(maxsize=8)
+def crd_schema(path: str, version_name: str) -> dict[str, Any]:
+    """The JSON schema of one version of an upstream CRD file (unknown fields are errors)."""
+    crd = yaml.safe_load(Path(path).read_text())
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == version_name)
     schema: dict[str, Any] = _to_jsonschema(version["schema"]["openAPIV3Schema"])
     schema["properties"]["metadata"] = {"type": "object"}
     return schema
+
+
+def pytorchjob_schema() -> dict[str, Any]:
+    return crd_schema(str(PYTORCHJOB_CRD), "v1")
+
+
+def schema_errors(obj: dict[str, Any], path: Path, version: str) -> list[str]:
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+            for e in jsonschema.Draft7Validator(crd_schema(str(path), version)).iter_errors(obj)]
 
 
 def validate_pytorchjob(job: dict[str, Any]) -> list[str]:

@@ -127,8 +127,11 @@ def test_delete_mid_run_removes_children_keeps_checkpoints(cluster: Cluster, ope
         or all(i["metadata"]["name"] != "gone" for i in cluster.custom.list_namespaced_custom_object(
             "llamaft.io", "v1alpha1", "default", "llamafinetunes")["items"]))
     assert cluster.job("gone-1") is None
-    for kind, name in (("Deployment", "gone-etcd"), ("Service", "gone-etcd"), ("ConfigMap", "gone-config")):
+    for kind, name in (("Deployment", "gone-etcd"), ("Service", "gone-etcd"), ("ConfigMap", "gone-config"),
+                       ("ConfigMap", "gone-dashboard")):
         assert not cluster.exists(kind, name), kind
+    monitors = cluster.custom.list_namespaced_custom_object("monitoring.coreos.com", "v1", "default", "podmonitors")["items"]
+    assert "gone-trainer" not in [m["metadata"]["name"] for m in monitors]
 
 
 def test_suspend_and_resume(cluster: Cluster, operator: Operator) -> None:

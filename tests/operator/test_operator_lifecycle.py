@@ -35,6 +35,10 @@ def test_create_running_succeeded(cluster: Cluster, operator: Operator) -> None:
     status = wait_for("Succeeded", lambda: (s := cluster.status("happy"))["phase"] == "Succeeded" and s)
     types = {c["type"]: c["status"] for c in status["conditions"]}
     assert types["Succeeded"] == "True" and types["Running"] == "False" and types["Valid"] == "True"
+    assert types["MonitoringReady"] == "True"
+    monitors = cluster.custom.list_namespaced_custom_object("monitoring.coreos.com", "v1", "default", "podmonitors")["items"]
+    assert [m["metadata"]["name"] for m in monitors if m["metadata"]["name"].startswith("happy")] == ["happy-trainer"]
+    assert cluster.exists("ConfigMap", "happy-dashboard")
     reasons = [e["reason"] for e in cluster.events("happy")]
     assert {"JobCreated", "Running", "Succeeded"} <= set(reasons), reasons
 

@@ -14,7 +14,7 @@ def test_render_prints_every_object_in_creation_order(capsys: pytest.CaptureFixt
     path = next(p for p in EXAMPLES if p.name == "llama2-70b.yaml")
     assert main(["render", str(path), "--namespace", "ml", "--attempt", "2"]) == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
-    assert [d["kind"] for d in docs] == ["ConfigMap", "Deployment", "Service", "PyTorchJob"]
+    assert [d["kind"] for d in docs] == ["ConfigMap", "Deployment", "Service", "PodMonitor", "PrometheusRule", "ConfigMap", "PyTorchJob"]
     assert all(d["metadata"]["namespace"] == "ml" for d in docs)
     job = docs[-1]
     assert job["metadata"]["name"] == "llama2-70b-samsum-2" and validate_pytorchjob(job) == []

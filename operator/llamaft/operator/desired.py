@@ -283,5 +283,8 @@ def desired_objects(owner: Owner, spec: LlamaFineTuneSpec, attempt: int, etcd_im
     objs = [config_map(owner, spec)]
     if uses_managed_etcd(spec):
         objs += etcd_objects(owner, etcd_image)
+    from llamaft.operator.monitoring import monitoring_objects
+
+    objs += monitoring_objects(owner, spec)
     objs.append(pytorch_job(owner, spec, attempt))
     return objs

@@ -30,8 +30,8 @@ from llamaft.api import resource
 from llamaft.api.spec import LlamaFineTuneSpec, RendezvousBackend
 from llamaft.api.status import TERMINAL_PHASES, Phase
 from llamaft.api.validation import SpecInvalid, validate_spec
-from llamaft.operator import desired, observe, rendezvous
-from llamaft.operator.kube import Kube
+from llamaft.operator import desired, monitoring, observe, rendezvous
+from llamaft.operator.kube import Kube, MonitoringUnavailable
 from llamaft.operator.metrics import FINETUNES, RECONCILE_SECONDS, RECONCILES, RENDEZVOUS_RESETS, RETRIES
 from llamaft.operator.naming import LABEL_FINETUNE, Owner
 from llamaft.operator.settings import OperatorSettings
@@ -183,6 +183,7 @@ def _start_attempt(body: kopf.Body, owner: Owner, spec: LlamaFineTuneSpec, attem
             _condition(patch, status, "RendezvousReady", False, "WaitingForEtcd", f"etcd {owner.etcd} is not ready yet", generation)
             _set_phase(patch, owner.namespace, owner.name, Phase.CREATING, "waiting for the managed etcd")
             raise kopf.TemporaryError("waiting for the managed etcd to be ready", delay=5)
+    _ensure_monitoring(body, owner, spec, patch, status, generation)
     job_name = owner.job_name(attempt)
     if k.get_job(owner.namespace, job_name) is None:
         attempts = [a for a in (previous_attempt, attempt) if a is not None]
@@ -199,6 +200,25 @@ def _start_attempt(body: kopf.Body, owner: Owner, spec: LlamaFineTuneSpec, attem
     patch.status["observedGeneration"] = generation
     if status.get("phase") in (None, Phase.PENDING.value, Phase.CREATING.value) or previous_attempt is not None:
         _set_phase(patch, owner.namespace, owner.name, Phase.CREATING, f"PyTorchJob {job_name} created")
+
+
+def _ensure_monitoring(body: kopf.Body, owner: Owner, spec: LlamaFineTuneSpec, patch: kopf.Patch,
+                       status: dict[str, Any], generation: int | None) -> None:
+    """PodMonitor, alerts and dashboard; a cluster without the Prometheus Operator gets a warning,
+    never a blocked run."""
+    k = kube()
+    try:
+        for obj in monitoring.monitoring_objects(owner, spec):
+            if obj["kind"] == "ConfigMap":
+                k.apply_config_map(owner.namespace, adopted(obj, body))
+            else:
+                k.ensure(owner.namespace, adopted(obj, body))
+    except MonitoringUnavailable as exc:
+        if not any(c.get("type") == "MonitoringReady" for c in status.get("conditions", [])):
+            kopf.warn(body, reason="MonitoringUnavailable", message=f"{exc}: install the Prometheus Operator for metrics and alerts")
+        _condition(patch, status, "MonitoringReady", False, "PrometheusOperatorMissing", str(exc), generation)
+        return
+    _condition(patch, status, "MonitoringReady", True, "MonitoringCreated", "PodMonitor, alerts and dashboard are in place", generation)
 
 
 @kopf.on.resume(*RESOURCE)
@@ -290,7 +310,9 @@ def cleanup(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Stat
                                  owner.rendezvous_id(int(status["attempt"])))
             except rendezvous.RendezvousResetError as exc:
                 kopf.warn(body, reason="RendezvousResetFailed", message=f"left rendezvous state behind: {exc}")
-        for kind, name in (("Deployment", owner.etcd), ("Service", owner.etcd), ("ConfigMap", owner.config_map)):
+        for kind, name in (("Deployment", owner.etcd), ("Service", owner.etcd), ("ConfigMap", owner.config_map),
+                           ("ConfigMap", f"{owner.name}-dashboard"), ("PodMonitor", f"{owner.name}-trainer"),
+                           ("PrometheusRule", f"{owner.name}-alerts")):
             k.delete(owner.namespace, kind, name)
         _PHASES.pop(f"{owner.namespace}/{owner.name}", None)
         kopf.info(body, reason="Deleted", message=f"removed {len(jobs)} PyTorchJob(s), etcd and config; checkpoints are kept")

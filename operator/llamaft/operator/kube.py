@@ -22,7 +22,14 @@ API_CALLS: list[tuple[str, str, tuple[str, ...]]] = [
     ("apps", "deployments", ("get", "create", "delete")),
     ("", "services", ("get", "create", "delete")),
     ("", "pods", ("list",)),
+    ("monitoring.coreos.com", "podmonitors", ("create", "delete")),
+    ("monitoring.coreos.com", "prometheusrules", ("create", "delete")),
 ]
+MONITORING = {"PodMonitor": "podmonitors", "PrometheusRule": "prometheusrules"}
+
+
+class MonitoringUnavailable(RuntimeError):
+    """The Prometheus Operator's CRDs are not installed in the cluster."""
 
 
 def _plain(api: client.ApiClient, obj: Any) -> Obj:
@@ -98,12 +105,16 @@ class Kube:
                 self.apps.create_namespaced_deployment(namespace, cast(Any, obj))
             elif obj["kind"] == "Service":
                 self.core.create_namespaced_service(namespace, cast(Any, obj))
+            elif obj["kind"] in MONITORING:
+                self.custom.create_namespaced_custom_object("monitoring.coreos.com", "v1", namespace, MONITORING[obj["kind"]], obj)
             else:
                 raise ValueError(f"unsupported kind {obj['kind']}")
             return True
         except ApiException as exc:
             if exc.status == 409:
                 return False
+            if exc.status == 404 and obj["kind"] in MONITORING:
+                raise MonitoringUnavailable(f"{obj['kind']} (monitoring.coreos.com/v1) is not served by this cluster") from exc
             raise
 
     def deployment_ready(self, namespace: str, name: str) -> bool:
@@ -116,6 +127,14 @@ class Kube:
         return int(dep.get("status", {}).get("readyReplicas") or 0) >= 1
 
     def delete(self, namespace: str, kind: str, name: str) -> bool:
+        if kind in MONITORING:
+            try:
+                self.custom.delete_namespaced_custom_object("monitoring.coreos.com", "v1", namespace, MONITORING[kind], name)
+                return True
+            except ApiException as exc:
+                if exc.status == 404:
+                    return False
+                raise
         calls = {
             "Deployment": self.apps.delete_namespaced_deployment,
             "Service": self.core.delete_namespaced_service,
