@@ -30,7 +30,7 @@ from llamaft.api import resource
 from llamaft.api.spec import LlamaFineTuneSpec, RendezvousBackend
 from llamaft.api.status import TERMINAL_PHASES, Phase
 from llamaft.api.validation import SpecInvalid, validate_spec
-from llamaft.operator import desired, monitoring, observe, rendezvous
+from llamaft.operator import desired, gpu_health, monitoring, observe, rendezvous
 from llamaft.operator.kube import Kube, MonitoringUnavailable
 from llamaft.operator.metrics import FINETUNES, RECONCILE_SECONDS, RECONCILES, RENDEZVOUS_RESETS, RETRIES
 from llamaft.operator.naming import LABEL_FINETUNE, Owner
@@ -363,6 +363,23 @@ def sync(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status,
             patch.status["completionTime"] = obs.status.get("completionTime") or now()
         for event in obs.events:
             kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+        if SETTINGS.prometheus_url and phase in (Phase.RUNNING, Phase.RESTARTING):
+            _gpu_health(body, owner, patch, obs.status, st, phase is Phase.RUNNING)
+
+
+def _gpu_health(body: kopf.Body, owner: Owner, patch: kopf.Patch, status: dict[str, Any], previous: dict[str, Any], running: bool) -> None:
+    assert SETTINGS.prometheus_url is not None
+    xid_query, util_query = gpu_health.queries(owner)
+    try:
+        health = gpu_health.assess(
+            gpu_health.query(SETTINGS.prometheus_url, xid_query), gpu_health.query(SETTINGS.prometheus_url, util_query), running
+        )
+    except (OSError, RuntimeError, ValueError) as exc:
+        health = gpu_health.Health(True, "MetricsUnavailable", f"cannot query {SETTINGS.prometheus_url}: {exc}")
+    before = next((c for c in previous.get("conditions", []) if c.get("type") == "GPUHealthy"), None)
+    _condition(patch, status, "GPUHealthy", health.healthy, health.reason, health.message, status.get("observedGeneration"))
+    if not health.healthy and (before is None or before.get("status") != "False" or before.get("reason") != health.reason):
+        kopf.warn(body, reason=health.reason, message=health.message)
 
 
 def _recover(body: kopf.Body, owner: Owner, spec: LlamaFineTuneSpec, st: dict[str, Any], patch: kopf.Patch,

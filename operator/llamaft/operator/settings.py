@@ -19,6 +19,8 @@ class OperatorSettings:
     """host:port the operator uses to reach every etcd (when it runs outside the cluster, e.g.
     through a port-forward); None: the in-cluster Service address."""
     progress_timeout_s: float = 2.0
+    prometheus_url: str | None = None
+    """When set, running jobs get a GPUHealthy condition from DCGM metrics in this Prometheus."""
     metrics_port: int = 8080
 
     @classmethod
@@ -30,5 +32,6 @@ class OperatorSettings:
             etcd_image=env.get("LLAMAFT_ETCD_IMAGE", ETCD_IMAGE),
             rendezvous_address_override=env.get("LLAMAFT_RENDEZVOUS_ADDRESS_OVERRIDE") or None,
             progress_timeout_s=float(env.get("LLAMAFT_PROGRESS_TIMEOUT", cls.progress_timeout_s)),
+            prometheus_url=env.get("LLAMAFT_PROMETHEUS_URL") or None,
             metrics_port=int(env.get("LLAMAFT_OPERATOR_METRICS_PORT", cls.metrics_port)),
         )

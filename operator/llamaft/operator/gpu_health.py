@@ -1,0 +1,80 @@
+"""GPU health from Prometheus: the job's XID errors and utilisation -> a GPUHealthy condition.
+
+`assess` is pure; `query` is the one HTTP call (Prometheus' /api/v1/query).
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from llamaft.operator.monitoring import HARDWARE_XIDS, LOW_UTILISATION_PERCENT, pod_selector
+from llamaft.operator.naming import Owner
+
+XID_MEANINGS = {
+    13: "graphics engine exception (usually an application bug, e.g. an out-of-range access)",
+    31: "GPU memory page fault (usually an application bug)",
+    43: "GPU stopped processing (the application hit a fault)",
+    48: "double-bit ECC error: the GPU needs a reset; drain the node",
+    63: "ECC page retirement or row remapping recorded",
+    64: "ECC page retirement or row remapping failed: replace the GPU",
+    74: "NVLink error: check the links and the node",
+    79: "GPU has fallen off the bus: drain the node and check the GPU",
+    92: "high single-bit ECC error rate",
+    94: "contained ECC error: restart the affected application",
+    95: "uncontained ECC error: drain the node and reset the GPU",
+    119: "GSP RPC timeout: reset the GPU",
+    120: "GSP error: reset the GPU",
+}
+
+
+@dataclass(frozen=True)
+class Sample:
+    labels: dict[str, str]
+    value: float
+
+
+@dataclass(frozen=True)
+class Health:
+    healthy: bool
+    reason: str
+    message: str
+
+
+def query(url: str, expr: str, timeout_s: float = 5.0) -> list[Sample]:
+    full = f"{url.rstrip('/')}/api/v1/query?{urllib.parse.urlencode({'query': expr})}"
+    with urllib.request.urlopen(full, timeout=timeout_s) as resp:
+        body: dict[str, Any] = json.loads(resp.read())
+    if body.get("status") != "success":
+        raise RuntimeError(f"Prometheus query failed: {body.get('error')}")
+    return [Sample(dict(r["metric"]), float(r["value"][1])) for r in body["data"]["result"]]
+
+
+def queries(owner: Owner) -> tuple[str, str]:
+    sel = pod_selector(owner)
+    xids = "|".join(str(x) for x in HARDWARE_XIDS)
+    return (
+        f'max by (pod, gpu, Hostname, err_code) (DCGM_FI_DEV_XID_ERRORS{{{sel}, err_code=~"{xids}"}}) > 0',
+        f"avg(avg_over_time(DCGM_FI_DEV_GPU_UTIL{{{sel}}}[10m]))",
+    )
+
+
+def assess(xid: list[Sample], utilisation: list[Sample], running: bool) -> Health:
+    """Hardware XIDs first (they need an operator's hands), then idle GPUs while running."""
+    if xid:
+        parts = []
+        for s in sorted(xid, key=lambda s: (s.labels.get("pod", ""), s.labels.get("gpu", ""))):
+            code = int(s.value)
+            where = f"pod {s.labels.get('pod', '?')} GPU {s.labels.get('gpu', '?')}"
+            if s.labels.get("Hostname"):
+                where += f" on {s.labels['Hostname']}"
+            parts.append(f"XID {code} on {where}: {XID_MEANINGS.get(code, 'see NVIDIA XID catalogue')}")
+        return Health(False, "XidError", "; ".join(parts))
+    if running and utilisation and utilisation[0].value < LOW_UTILISATION_PERCENT:
+        return Health(False, "LowUtilization",
+                      f"GPUs averaged {utilisation[0].value:.0f}% busy over 10 minutes while running: "
+                      "data loading, a straggler or a hung collective (NCCL timeout)")
+    return Health(True, "Healthy", "no hardware XID errors; GPU utilisation normal" if utilisation else "no hardware XID errors")
