@@ -20,7 +20,7 @@ API_CALLS: list[tuple[str, str, tuple[str, ...]]] = [
     ("kubeflow.org", "pytorchjobs", ("get", "list", "create", "patch", "delete")),
     ("", "configmaps", ("get", "create", "patch", "delete")),
     ("apps", "deployments", ("get", "create", "delete")),
-    ("", "services", ("get", "create", "delete")),
+    ("", "services", ("create", "delete")),
     ("", "pods", ("list",)),
     ("monitoring.coreos.com", "podmonitors", ("create", "delete")),
     ("monitoring.coreos.com", "prometheusrules", ("create", "delete")),

@@ -1,0 +1,47 @@
+{{- define "llamaft.name" -}}llamaft-operator{{- end -}}
+
+{{- define "llamaft.labels" -}}
+app.kubernetes.io/name: llamaft
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "llamaft.selectorLabels" -}}
+app.kubernetes.io/name: llamaft
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{/* The rules the operator needs: exactly the calls in operator/llamaft/operator/kube.py and kopf's own (tests compare). */}}
+{{- define "llamaft.rules" -}}
+- apiGroups: ["llamaft.io"]
+  resources: ["llamafinetunes"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["llamaft.io"]
+  resources: ["llamafinetunes/status"]
+  verbs: ["get", "patch"]
+- apiGroups: ["kubeflow.org"]
+  resources: ["pytorchjobs"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "create", "delete"]
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["create", "delete"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list"]
+- apiGroups: ["monitoring.coreos.com"]
+  resources: ["podmonitors", "prometheusrules"]
+  verbs: ["create", "delete"]
+- apiGroups: ["", "events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end -}}
