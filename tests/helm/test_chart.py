@@ -87,6 +87,25 @@ def test_values_schema_rejects_bad_values() -> None:
         chart.render({"replicas": 3}, name="lft", namespace="llamaft")
 
 
+def test_operator_settings_follow_the_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chart's env is read back by the operator's own settings parser."""
+    import json
+
+    from llamaft.operator.settings import OperatorSettings
+
+    values = {"grafana": {"dashboardLabels": {"dashboards": "llm"}}, "prometheus": {"url": "http://p:9090"},
+              "operator": {"syncIntervalSeconds": 7, "retryBackoffSeconds": 2, "etcdImage": "quay.io/coreos/etcd:v3.5.21"}}
+    deployment = next(d for d in render(values) if d["kind"] == "Deployment")
+    env = {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    parsed = OperatorSettings.from_env()
+    # Helm merges maps with the defaults (set grafana_dashboard: null to drop the default label).
+    assert parsed.dashboard_labels == (("dashboards", "llm"), ("grafana_dashboard", "1")) and parsed.prometheus_url == "http://p:9090"
+    assert (parsed.sync_interval_s, parsed.retry_backoff_s, parsed.etcd_image) == (7.0, 2.0, "quay.io/coreos/etcd:v3.5.21")
+    assert json.loads(env["LLAMAFT_DASHBOARD_LABELS"]) == {"dashboards": "llm", "grafana_dashboard": "1"}
+
+
 def test_dcgm_service_monitor_keeps_pod_labels() -> None:
     monitors = [d for d in render(VALUES["monitoring"]) if d["kind"] == "ServiceMonitor"]
     dcgm = next(m for m in monitors if m["metadata"]["name"] == "llamaft-dcgm-exporter")

@@ -94,6 +94,10 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         # which makes each request cost O(requests so far). Nothing here asserts on the log, so
         # keep a short tail (the current request is the last entry).
         del self._requests[:-16]
+        if (request.resource is not None and request.resource.plural
+                and request.resource not in k8s.KubernetesScaffold._get_resources(self)):
+            # As the API server: an undeclared resource (a CRD not installed) is a 404, not stored.
+            return await self._render_error(k8s.KubernetesResourceNotFoundError())
         if request.resource is not None and request.action == enums.action.CREATE and isinstance(request.data, dict):
             meta = request.data.setdefault("metadata", {})
             if request.namespace and "namespace" not in meta:
@@ -189,7 +193,9 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
 class EmulatorThread:
     """The emulator on 127.0.0.1:<port>, in its own thread and event loop, for subprocess clients."""
 
-    def __init__(self) -> None:
+    def __init__(self, without: tuple[str, ...] = ()) -> None:
+        """`without`: resources this "cluster" does not serve (e.g. no Prometheus Operator)."""
+        self.without = without
         self.url = ""
         self.emulator: Emulator | None = None
         self._loop = asyncio.new_event_loop()
@@ -205,7 +211,8 @@ class EmulatorThread:
         self._stop = asyncio.Event()
         async with Emulator() as emulator, kmock.Server(emulator) as server:
             for key, info in RESOURCES.items():
-                emulator.resources[key] = {**info, "verbs": VERBS}
+                if key not in self.without:
+                    emulator.resources[key] = {**info, "verbs": VERBS}
             emulator.objects["v1/namespaces", None, "default"] = {
                 "apiVersion": "v1", "kind": "Namespace",
                 "metadata": {"name": "default", "uid": str(uuid.uuid4()), "resourceVersion": "1"},

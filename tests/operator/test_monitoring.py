@@ -95,6 +95,8 @@ def test_alerts_fire_and_stay_quiet_as_intended(tmp_path: Path) -> None:
                 {"series": f'DCGM_FI_DEV_XID_ERRORS{{{pod}, gpu="1", Hostname="node-7", err_code="13"}}', "values": "13 13 13 13"},
                 {"series": f'DCGM_FI_DEV_GPU_UTIL{{{pod}, gpu="0"}}', "values": "90 90 5x20"},
                 {"series": f'llamaft_train_last_progress_timestamp_seconds{{{pod}}}', "values": "0x30"},
+                {"series": f'kube_pod_container_status_restarts_total{{{pod}, container="pytorch"}}', "values": "0x25 1 1 1 1"},
+                {"series": f'kube_pod_container_status_restarts_total{{{other}, container="pytorch"}}', "values": "0 1 2 3 4 5"},
             ],
             "alert_rule_test": [
                 {"eval_time": "1m", "alertname": "LlamaFineTuneGPUXidError", "exp_alerts": []},
@@ -110,6 +112,12 @@ def test_alerts_fire_and_stay_quiet_as_intended(tmp_path: Path) -> None:
                     "exp_labels": {"severity": "warning", "finetune": "ft", "namespace": "team-a"},
                     "exp_annotations": monitoring.alert_rules(OWNER)[1]["annotations"]}]},
                 {"eval_time": "10m", "alertname": "LlamaFineTuneNoProgress", "exp_alerts": []},
+                {"eval_time": "5m", "alertname": "LlamaFineTuneRestarting", "exp_alerts": []},
+                {"eval_time": "28m", "alertname": "LlamaFineTuneRestarting", "exp_alerts": [{
+                    "exp_labels": {"severity": "warning", "finetune": "ft", "namespace": "team-a", "pod": "ft-2-worker-0",
+                                   "container": "pytorch"},
+                    "exp_annotations": {"summary": "ft-2-worker-0 restarted in the last 15 minutes",
+                                        "description": monitoring.alert_rules(OWNER)[3]["annotations"]["description"]}}]},
                 {"eval_time": "20m", "alertname": "LlamaFineTuneNoProgress", "exp_alerts": [{
                     "exp_labels": {"severity": "warning", "finetune": "ft", "namespace": "team-a"},
                     "exp_annotations": monitoring.alert_rules(OWNER)[2]["annotations"]}]},

@@ -53,3 +53,36 @@ def test_invalid_spec_names_the_field_in_status_and_events(cluster: Cluster, ope
     events = wait_for("InvalidSpec events", lambda: [e for e in cluster.events("broken") if e["reason"] == "InvalidSpec"])
     assert any("spec.fsdp.hybridShard.shardGroupSize" in e["message"] for e in events)
     assert cluster.jobs("llamaft.io/finetune=broken") == []
+
+
+def test_cluster_without_the_prometheus_operator_still_runs_jobs(tmp_path: Path) -> None:
+    """Monitoring is best effort: no monitoring.coreos.com API -> a warning and a condition, and the job runs."""
+    import yaml
+    from kubernetes import client
+
+    from tests.operator.emulator import EmulatorThread
+
+    bare = EmulatorThread(without=("monitoring.coreos.com/v1/podmonitors", "monitoring.coreos.com/v1/prometheusrules")).start()
+    try:
+        kubeconfig = tmp_path / "config"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "k",
+            "clusters": [{"name": "k", "cluster": {"server": bare.url}}], "users": [{"name": "k", "user": {"token": "k"}}],
+            "contexts": [{"name": "k", "context": {"cluster": "k", "user": "k", "namespace": "default"}}]}))
+        config = client.Configuration()
+        config.host = bare.url
+        cluster = Cluster(client.ApiClient(config))
+        op = Operator(kubeconfig, tmp_path / "operator.log").start()
+        try:
+            cluster.create("nomon", tiny_spec())
+            wait_for("job", lambda: cluster.job("nomon-1"))
+            status = wait_for("condition", lambda: (s := cluster.status("nomon")) and any(
+                c["type"] == "MonitoringReady" for c in s.get("conditions", [])) and s)
+            monitoring_ready = next(c for c in status["conditions"] if c["type"] == "MonitoringReady")
+            assert monitoring_ready["status"] == "False" and monitoring_ready["reason"] == "PrometheusOperatorMissing"
+            wait_for("event", lambda: [e for e in cluster.events("nomon") if e["reason"] == "MonitoringUnavailable"])
+            assert cluster.exists("ConfigMap", "nomon-config")
+        finally:
+            op.stop()
+    finally:
+        bare.stop()

@@ -23,7 +23,8 @@ from tests.operator.conftest import Cluster, Operator, free_port, tiny_spec, wai
 
 pytestmark = pytest.mark.slow
 NAME, POD = "gpuh", "gpuh-1-worker-0"
-GPU_LABELS = 'UUID="GPU-8f1c",device="nvidia{gpu}",modelName="NVIDIA H100 80GB HBM3",Hostname="node-7",container="pytorch",namespace="default",pod="' + POD + '"'
+IDLE_POD = "idle-1-worker-0"  # a second job whose GPUs are healthy but starved
+GPU_LABELS = 'UUID="GPU-8f1c",device="nvidia{gpu}",modelName="NVIDIA H100 80GB HBM3",Hostname="node-7",container="pytorch",namespace="default",pod="{pod}"'
 
 
 def dcgm_exposition() -> str:
@@ -33,10 +34,10 @@ def dcgm_exposition() -> str:
               "DCGM_FI_DEV_GPU_TEMP": 61, "DCGM_FI_DEV_POWER_USAGE": 402.5}
     for metric, value in values.items():
         lines += [f"# HELP {metric} {metric}", f"# TYPE {metric} gauge"]
-        lines += [f'{metric}{{gpu="{g}",{GPU_LABELS.format(gpu=g)}}} {value}' for g in range(4)]
+        lines += [f'{metric}{{gpu="{g}",{GPU_LABELS.format(gpu=g, pod=pod)}}} {value}' for g in range(4) for pod in (POD, IDLE_POD)]
     lines += ["# HELP DCGM_FI_DEV_XID_ERRORS Value of the last XID error encountered.", "# TYPE DCGM_FI_DEV_XID_ERRORS gauge"]
-    lines += [f'DCGM_FI_DEV_XID_ERRORS{{gpu="{g}",{GPU_LABELS.format(gpu=g)},err_code="{c}",err_msg="{m}"}} {c}'
-              for g, c, m in ((0, 0, "No Error"), (3, 79, "GPU has fallen off the bus"))]
+    lines += [f'DCGM_FI_DEV_XID_ERRORS{{gpu="{g}",{GPU_LABELS.format(gpu=g, pod=pod)},err_code="{c}",err_msg="{m}"}} {c}'
+              for pod, g, c, m in ((POD, 0, 0, "No Error"), (POD, 3, 79, "GPU has fallen off the bus"), (IDLE_POD, 0, 0, "No Error"))]
     return "\n".join(lines) + "\n"
 
 
@@ -115,6 +116,12 @@ def test_gpu_health_queries_find_the_xid(prometheus: str) -> None:
     health = gpu_health.assess(gpu_health.query(prometheus, xid), gpu_health.query(prometheus, util), running=True)
     assert not health.healthy and health.reason == "XidError"
     assert health.message == "XID 79 on pod gpuh-1-worker-0 GPU 3 on node-7: GPU has fallen off the bus: drain the node and check the GPU"
+
+
+def test_low_utilisation_without_xid_through_prometheus(prometheus: str) -> None:
+    xid, util = gpu_health.queries(Owner("idle", "default"))
+    health = gpu_health.assess(gpu_health.query(prometheus, xid), gpu_health.query(prometheus, util), running=True)
+    assert (health.healthy, health.reason) == (False, "LowUtilization") and "7% busy" in health.message
 
 
 def test_assess_low_utilisation_and_healthy() -> None:

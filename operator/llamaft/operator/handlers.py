@@ -208,7 +208,7 @@ def _ensure_monitoring(body: kopf.Body, owner: Owner, spec: LlamaFineTuneSpec, p
     never a blocked run."""
     k = kube()
     try:
-        for obj in monitoring.monitoring_objects(owner, spec):
+        for obj in monitoring.monitoring_objects(owner, spec, dict(SETTINGS.dashboard_labels)):
             if obj["kind"] == "ConfigMap":
                 k.apply_config_map(owner.namespace, adopted(obj, body))
             else:

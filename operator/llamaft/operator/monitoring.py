@@ -151,25 +151,29 @@ def dashboard(owner: Owner) -> Obj:
     }
 
 
-def dashboard_config_map(owner: Owner) -> Obj:
-    """Loaded by Grafana's dashboard sidecar, which picks up ConfigMaps labelled grafana_dashboard=1."""
+DEFAULT_DASHBOARD_LABELS = {"grafana_dashboard": "1"}
+
+
+def dashboard_config_map(owner: Owner, sidecar_labels: dict[str, str] | None = None) -> Obj:
+    """Loaded by Grafana's dashboard sidecar, which picks up ConfigMaps with its label
+    (kube-prometheus-stack: grafana_dashboard=1; the chart's grafana.dashboardLabels)."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {
             "name": f"{owner.name}-dashboard",
             "namespace": owner.namespace,
-            "labels": {**owner.labels("monitoring"), "grafana_dashboard": "1"},
+            "labels": {**owner.labels("monitoring"), **(sidecar_labels or DEFAULT_DASHBOARD_LABELS)},
         },
         "data": {f"llamaft-{owner.name}.json": json.dumps(dashboard(owner), indent=1, sort_keys=True)},
     }
 
 
-def monitoring_objects(owner: Owner, spec: LlamaFineTuneSpec) -> list[Obj]:
+def monitoring_objects(owner: Owner, spec: LlamaFineTuneSpec, dashboard_labels: dict[str, str] | None = None) -> list[Obj]:
     """What the spec's monitoring section asks for (the trainer PodMonitor is always wanted)."""
     objs = [pod_monitor(owner, spec)]
     if spec.monitoring.dcgm.enabled:
         objs.append(prometheus_rule(owner, spec))
         if spec.monitoring.dcgm.dashboard:
-            objs.append(dashboard_config_map(owner))
+            objs.append(dashboard_config_map(owner, dashboard_labels))
     return objs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
@@ -19,6 +20,8 @@ class OperatorSettings:
     """host:port the operator uses to reach every etcd (when it runs outside the cluster, e.g.
     through a port-forward); None: the in-cluster Service address."""
     progress_timeout_s: float = 2.0
+    dashboard_labels: tuple[tuple[str, str], ...] = (("grafana_dashboard", "1"),)
+    """Labels that make Grafana's dashboard sidecar load a ConfigMap (kube-prometheus-stack's default)."""
     prometheus_url: str | None = None
     """When set, running jobs get a GPUHealthy condition from DCGM metrics in this Prometheus."""
     metrics_port: int = 8080
@@ -33,5 +36,7 @@ class OperatorSettings:
             rendezvous_address_override=env.get("LLAMAFT_RENDEZVOUS_ADDRESS_OVERRIDE") or None,
             progress_timeout_s=float(env.get("LLAMAFT_PROGRESS_TIMEOUT", cls.progress_timeout_s)),
             prometheus_url=env.get("LLAMAFT_PROMETHEUS_URL") or None,
+            dashboard_labels=tuple(sorted(json.loads(env["LLAMAFT_DASHBOARD_LABELS"]).items()))
+            if env.get("LLAMAFT_DASHBOARD_LABELS") else cls.dashboard_labels,
             metrics_port=int(env.get("LLAMAFT_OPERATOR_METRICS_PORT", cls.metrics_port)),
         )
