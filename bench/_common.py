@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from llamaft_trainer.local_etcd import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 DATASET = REPO / "examples" / "data" / "samsum-tiny.jsonl"
 WORKER = Path(__file__).with_name("_worker.py")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def torchrun(nproc: int, mode: str, config: dict[str, Any], tmp: Path) -> tuple[list[dict[str, Any]], str]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 from kubernetes import client
+from llamaft_trainer.local_etcd import free_port
 
 from tests.conftest import REPO
 from tests.operator.emulator import EmulatorThread
@@ -24,11 +24,6 @@ from tests.operator.emulator import EmulatorThread
 T = TypeVar("T")
 GROUP, VERSION, PLURAL = "llamaft.io", "v1alpha1", "llamafinetunes"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(what: str, fn: Callable[[], T | None], timeout: float = 30.0, interval: float = 0.2) -> T:

@@ -1,25 +1,21 @@
-"""Trainer fixtures: the tiny Llama (built once per session) and a torchrun launcher."""
+"""Trainer test helpers: a torchrun launcher, the multi-config harness runner and a base config."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from llamaft_trainer.local_etcd import free_port
 
 from tests.conftest import REPO
 
 DATASET = REPO / "examples" / "data" / "samsum-tiny.jsonl"
 HARNESS = Path(__file__).with_name("harness.py")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def trainer_env(**extra: str) -> dict[str, str]:

@@ -27,16 +27,18 @@ def pod_selector(owner: Owner) -> str:
     return f'namespace="{owner.namespace}", pod=~"{owner.name}-[0-9]+-worker-[0-9]+"'
 
 
+def _metadata(owner: Owner, spec: LlamaFineTuneSpec, name: str) -> Obj:
+    """Monitoring objects carry the scrape-selector labels so the Prometheus instance selects them."""
+    return {"name": name, "namespace": owner.namespace,
+            "labels": {**owner.labels("monitoring"), **spec.monitoring.dcgm.scrape_selector}}
+
+
 def pod_monitor(owner: Owner, spec: LlamaFineTuneSpec) -> Obj:
     """monitoring.coreos.com/v1 PodMonitor scraping the trainer's metrics port on every worker."""
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PodMonitor",
-        "metadata": {
-            "name": f"{owner.name}-trainer",
-            "namespace": owner.namespace,
-            "labels": {**owner.labels("monitoring"), **spec.monitoring.dcgm.scrape_selector},
-        },
+        "metadata": _metadata(owner, spec, f"{owner.name}-trainer"),
         "spec": {
             "selector": {"matchLabels": {"llamaft.io/finetune": owner.name, "app.kubernetes.io/component": "trainer"}},
             "podMetricsEndpoints": [{"port": "metrics", "path": "/metrics", "interval": "15s"}],
@@ -99,11 +101,7 @@ def prometheus_rule(owner: Owner, spec: LlamaFineTuneSpec) -> Obj:
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
-        "metadata": {
-            "name": f"{owner.name}-alerts",
-            "namespace": owner.namespace,
-            "labels": {**owner.labels("monitoring"), **spec.monitoring.dcgm.scrape_selector},
-        },
+        "metadata": _metadata(owner, spec, f"{owner.name}-alerts"),
         "spec": {"groups": [{"name": f"llamaft.{owner.namespace}.{owner.name}", "rules": alert_rules(owner)}]},
     }
 
