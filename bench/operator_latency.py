@@ -22,25 +22,18 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.operator.conftest import Cluster, Operator, tiny_spec  # noqa: E402
-from tests.operator.emulator import EmulatorThread  # noqa: E402
+from tests.operator.emulator import EmulatorThread, write_kubeconfig  # noqa: E402
 
 COUNTS = tuple(int(c) for c in sys.argv[1:]) or (1, 50, 200)
 
 
 def main() -> None:
-    import yaml
     from kubernetes import client
 
     emulator = EmulatorThread().start()
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        kubeconfig = tmp / "config"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "k",
-            "clusters": [{"name": "k", "cluster": {"server": emulator.url}}],
-            "users": [{"name": "k", "user": {"token": "k"}}],
-            "contexts": [{"name": "k", "context": {"cluster": "k", "user": "k", "namespace": "default"}}],
-        }))
+        kubeconfig = write_kubeconfig(emulator.url, tmp / "config")
         config = client.Configuration()
         config.host = emulator.url
         config.connection_pool_maxsize = 32

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -25,3 +27,18 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Small enough that a 2-process CPU step takes milliseconds.
     dataset = REPO / "examples" / "data" / "samsum-tiny.jsonl"
     return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama", dataset, hidden_size=64, layers=4, vocab_size=512)
+
+
+def need_binary(name: str, package: str) -> str:
+    """The path of a Debian-provided server/tool. Skips on a developer machine without it; fails in
+    CI, whose .ci/setup installs it (a silently skipped suite would look green)."""
+    found = shutil.which(name) or (f"/usr/bin/{name}" if Path(f"/usr/bin/{name}").exists() else None)
+    if found is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must provide {name} (.ci/setup installs {package})")
+        pytest.skip(f"{name} is not installed (apt-get install {package})")
+    return found
+
+
+def need_etcd() -> str:
+    return need_binary("etcd", "etcd-server")

@@ -14,12 +14,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-import yaml
 from kubernetes import client
 from llamaft_trainer.local_etcd import free_port
 
 from tests.conftest import REPO
-from tests.operator.emulator import EmulatorThread
+from tests.operator.emulator import EmulatorThread, write_kubeconfig
 
 T = TypeVar("T")
 GROUP, VERSION, PLURAL = "llamaft.io", "v1alpha1", "llamafinetunes"
@@ -184,14 +183,7 @@ def emulator() -> Iterator[EmulatorThread]:
 
 @pytest.fixture(scope="module")
 def kubeconfig(emulator: EmulatorThread, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("kube") / "config"
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
-        "clusters": [{"name": "kmock", "cluster": {"server": emulator.url}}],
-        "users": [{"name": "kmock", "user": {"token": "kmock"}}],
-        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock", "namespace": "default"}}],
-    }))
-    return path
+    return write_kubeconfig(emulator.url, tmp_path_factory.mktemp("kube") / "config")
 
 
 @pytest.fixture(scope="module")

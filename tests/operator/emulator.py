@@ -14,11 +14,13 @@ import datetime
 import itertools
 import threading
 import uuid
+from pathlib import Path
 from typing import Any
 
 import aiohttp.web
 import jsonpatch
 import kmock
+import yaml
 from kmock._internal import dicts, enums, k8s
 
 Obj = dict[str, Any]
@@ -188,6 +190,17 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
                 item.setdefault("kind", info.kind)
                 item.setdefault("apiVersion", result["apiVersion"])
         return result
+
+
+def write_kubeconfig(url: str, path: Path) -> Path:
+    """A kubeconfig whose current context points at the emulator (kubectl, kopf and clients use it)."""
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
+        "clusters": [{"name": "kmock", "cluster": {"server": url}}],
+        "users": [{"name": "kmock", "user": {"token": "kmock"}}],
+        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock", "namespace": "default"}}],
+    }))
+    return path
 
 
 class EmulatorThread:

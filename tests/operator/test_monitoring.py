@@ -4,18 +4,16 @@ filters to the job's pods."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 from llamaft.api.validation import validate_resource
 from llamaft.operator import monitoring
 from llamaft.operator.naming import Owner
 
-from tests.conftest import EXAMPLES, REFERENCE
+from tests.conftest import EXAMPLES, REFERENCE, need_binary
 from tests.operator.kubeflow_rules import schema_errors
 
 OWNER = Owner("ft", "team-a", "abcdef12")
@@ -29,10 +27,7 @@ def spec() -> Any:
 
 
 def promtool() -> str:
-    found = shutil.which("promtool")
-    if found is None:
-        pytest.skip("promtool is not installed (apt-get install prometheus)")
-    return found
+    return need_binary("promtool", "prometheus")
 
 
 def test_objects_validate_against_the_prometheus_operator_crds() -> None:

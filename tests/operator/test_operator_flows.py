@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,9 +15,9 @@ import pytest
 from llamaft.operator import rendezvous
 from llamaft_trainer.local_etcd import LocalEtcd
 
+from tests.conftest import need_etcd
 from tests.operator.conftest import Cluster, Operator, free_port, tiny_spec, wait_for
 from tests.trainer.conftest import trainer_env
-from tests.trainer.test_local_run import need_etcd
 
 pytestmark = pytest.mark.slow
 ETCD_SPEC = {"backend": "etcd-v2", "endpoint": "etcd.infra.svc:2379"}
@@ -45,20 +46,13 @@ def reasons(cluster: Cluster, name: str) -> list[str]:
 
 def closed_run(etcd: LocalEtcd, rdzv_id: str) -> None:
     """Leave behind exactly what a finished torchrun job leaves: a closed rendezvous for the id."""
-    noop = "import torch.distributed as d; d.init_process_group('gloo'); d.barrier(); d.destroy_process_group()"
+    script = Path(tempfile.mkdtemp()) / "noop.py"
+    script.write_text("import torch.distributed as d\nd.init_process_group('gloo')\nd.barrier()\nd.destroy_process_group()\n")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "1", "--rdzv_backend", "etcd-v2",
-         "--rdzv_endpoint", etcd.endpoint, "--rdzv_id", rdzv_id, "--max_restarts", "0", "-c", noop],
+         "--rdzv_endpoint", etcd.endpoint, "--rdzv_id", rdzv_id, "--max_restarts", "0", str(script)],
         env=trainer_env(), capture_output=True, text=True, timeout=120,
     )
-    if proc.returncode != 0:  # older torchrun without -c: run the same code from a file
-        script = Path("/tmp") / f"llamaft-noop-{rdzv_id}.py"
-        script.write_text(noop.replace("; ", "\n"))
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "1", "--rdzv_backend", "etcd-v2",
-             "--rdzv_endpoint", etcd.endpoint, "--rdzv_id", rdzv_id, "--max_restarts", "0", str(script)],
-            env=trainer_env(), capture_output=True, text=True, timeout=120,
-        )
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 

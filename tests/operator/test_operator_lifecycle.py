@@ -57,18 +57,13 @@ def test_invalid_spec_names_the_field_in_status_and_events(cluster: Cluster, ope
 
 def test_cluster_without_the_prometheus_operator_still_runs_jobs(tmp_path: Path) -> None:
     """Monitoring is best effort: no monitoring.coreos.com API -> a warning and a condition, and the job runs."""
-    import yaml
     from kubernetes import client
 
-    from tests.operator.emulator import EmulatorThread
+    from tests.operator.emulator import EmulatorThread, write_kubeconfig
 
     bare = EmulatorThread(without=("monitoring.coreos.com/v1/podmonitors", "monitoring.coreos.com/v1/prometheusrules")).start()
     try:
-        kubeconfig = tmp_path / "config"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "k",
-            "clusters": [{"name": "k", "cluster": {"server": bare.url}}], "users": [{"name": "k", "user": {"token": "k"}}],
-            "contexts": [{"name": "k", "context": {"cluster": "k", "user": "k", "namespace": "default"}}]}))
+        kubeconfig = write_kubeconfig(bare.url, tmp_path / "config")
         config = client.Configuration()
         config.host = bare.url
         cluster = Cluster(client.ApiClient(config))

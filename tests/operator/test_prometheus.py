@@ -4,7 +4,6 @@ data, and the operator turns a hardware XID into GPUHealthy=False with an explan
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import tempfile
 import threading
@@ -19,6 +18,7 @@ import yaml
 from llamaft.operator import gpu_health, monitoring
 from llamaft.operator.naming import Owner
 
+from tests.conftest import need_binary
 from tests.operator.conftest import Cluster, Operator, free_port, tiny_spec, wait_for
 
 pytestmark = pytest.mark.slow
@@ -61,9 +61,7 @@ def serve(text: str) -> tuple[ThreadingHTTPServer, int]:
 
 @pytest.fixture(scope="module")
 def prometheus() -> Iterator[str]:
-    binary = shutil.which("prometheus")
-    if binary is None:
-        pytest.skip("prometheus is not installed (apt-get install prometheus)")
+    binary = need_binary("prometheus", "prometheus")
     from llamaft_trainer.metrics import Progress
 
     progress = Progress()

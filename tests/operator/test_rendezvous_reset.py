@@ -16,9 +16,8 @@ from llamaft.api.spec import RendezvousBackend
 from llamaft.operator import rendezvous
 from llamaft_trainer.local_etcd import LocalEtcd
 
-from tests.conftest import REPO
+from tests.conftest import REPO, need_etcd
 from tests.trainer.conftest import base_config, trainer_env
-from tests.trainer.test_local_run import need_etcd
 
 pytestmark = pytest.mark.slow
 

@@ -4,8 +4,6 @@ etcd-server, v2 API on) or c10d, and train."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,16 +11,10 @@ import pytest
 import yaml
 from llamaft.cli import main as cli
 
+from tests.conftest import need_etcd
 from tests.trainer.conftest import DATASET
 
 pytestmark = pytest.mark.slow
-
-
-def need_etcd() -> None:
-    if shutil.which("etcd") is None and not Path("/usr/bin/etcd").exists():
-        if os.environ.get("CI"):
-            pytest.fail("CI must provide etcd (.ci/setup installs etcd-server)")
-        pytest.skip("etcd is not installed (apt-get install etcd-server)")
 
 
 def finetune(model: Path, tmp: Path, name: str, **spec: Any) -> Path:

@@ -261,7 +261,7 @@ def changed_fields(old: Any, new: LlamaFineTuneSpec) -> set[tuple[str, ...]]:
 
 
 @kopf.on.update(*RESOURCE, field="spec")
-def spec_changed(body: kopf.Body, old: Any, new: Any, diff: Any, meta: kopf.Meta, status: kopf.Status,
+def spec_changed(body: kopf.Body, old: Any, new: Any, meta: kopf.Meta, status: kopf.Status,
                  patch: kopf.Patch, **_: Any) -> None:
     with measured("update"), _lock(meta["namespace"], meta["name"]):
         generation = meta.get("generation")
