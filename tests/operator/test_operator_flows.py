@@ -145,6 +145,9 @@ def test_suspend_and_resume(cluster: Cluster, operator: Operator) -> None:
 def test_spec_change_restarts_from_checkpoint_and_immutable_fields_are_refused(cluster: Cluster, operator: Operator) -> None:
     cluster.create("tune", tiny_spec(rendezvous=ETCD_SPEC))
     wait_for("job", lambda: cluster.job("tune-1"))
+    cluster.patch_finetune("tune", {"spec": {"fsdp": {"shardingStrategy": "FULL_SHARD"}}})  # the default, spelled out
+    wait_for("no-op observed", lambda: cluster.status("tune").get("observedGeneration") == 2)
+    assert cluster.job("tune-1") is not None and cluster.job("tune-2") is None, "an edit that changes nothing restarts nothing"
     cluster.patch_finetune("tune", {"spec": {"training": {"epochs": 1, "learningRate": 1e-4}}})
     wait_for("tune-2", lambda: cluster.job("tune-2"))
     assert cluster.job("tune-1") is None

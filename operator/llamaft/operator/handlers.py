@@ -274,7 +274,11 @@ def spec_changed(body: kopf.Body, old: Any, new: Any, meta: kopf.Meta, status: k
         changed = changed_fields(old, parsed)
         job_name = owner.job_name(attempt)
         k = kube()
-        if changed and changed <= IN_PLACE_FIELDS and (("cluster", "workers") not in changed or parsed.cluster.elastic):
+        if not changed:
+            # e.g. a default written out explicitly: nothing the run sees differs, so nothing restarts.
+            patch.status["observedGeneration"] = generation
+            return
+        if changed <= IN_PLACE_FIELDS and (("cluster", "workers") not in changed or parsed.cluster.elastic):
             if ("runPolicy", "suspend") in changed:
                 if not parsed.run_policy.suspend:
                     _reset(body, owner, parsed, [attempt])  # resumed pods must not meet a closed rendezvous
