@@ -49,7 +49,7 @@ BROKEN: list[tuple[str, dict[str, Any], str, str]] = [
     ("wrong kind", with_("kind", "PyTorchJob"), "kind", "LlamaFineTune"),
     ("no name", with_("metadata.name", None), "metadata.name", "required"),
     ("name not DNS-1035", with_("metadata.name", "Llama_7B"), "metadata.name", "DNS-1035"),
-    ("name too long", with_("metadata.name", "a" * 51), "metadata.name", "at most 50"),
+    ("name too long", with_("metadata.name", "a" * 43), "metadata.name", "at most 42"),
     ("no spec", with_("spec", None), "spec", "spec.model"),
     ("no model", with_("spec.model", None), "spec.model", "required field is missing"),
     ("no model source", with_("spec.model", {}), "spec.model.source", "required"),

@@ -121,6 +121,9 @@ KOPF_NEEDS = {
     ("llamaft.io", "llamafinetunes", "watch"), ("llamaft.io", "llamafinetunes", "patch"),
     ("llamaft.io", "llamafinetunes/status", "get"), ("llamaft.io", "llamafinetunes/status", "patch"),
     ("", "events", "create"), ("events.k8s.io", "events", "create"),
+    # kopf watches the children (PyTorchJobs, trainer pods) so failures wake their owner's lifecycle.
+    ("kubeflow.org", "pytorchjobs", "list"), ("kubeflow.org", "pytorchjobs", "watch"),
+    ("", "pods", "list"), ("", "pods", "watch"),
 }
 CLUSTER_WIDE_ONLY = {("", "namespaces", "list"), ("", "namespaces", "watch")}
 VERBS = {"read": "get", "get": "get", "create": "create", "patch": "patch", "delete": "delete", "list": "list", "replace": "update"}
@@ -138,9 +141,12 @@ def calls_in_code() -> set[tuple[str, str, str]]:
             if not match:
                 continue
             verb, what = VERBS[match.group(1)], match.group(2)
-            if what == "custom_object":
+            if what in ("custom_object", "custom_object_status"):
+                suffix = "/status" if what.endswith("_status") else ""
                 if "PYTORCHJOBS" in source:
-                    found.add(("kubeflow.org", "pytorchjobs", verb))
+                    found.add(("kubeflow.org", "pytorchjobs" + suffix, verb))
+                if "LLAMAFINETUNES" in source:
+                    found.add(("llamaft.io", "llamafinetunes" + suffix, verb))
                 if "MONITORING" in source:
                     found |= {("monitoring.coreos.com", r, verb) for r in kube.MONITORING.values()}
             else:

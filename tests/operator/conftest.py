@@ -114,6 +114,21 @@ class Cluster:
     def status(self, name: str) -> dict[str, Any]:
         return dict(self.finetune(name).get("status", {}))
 
+    def job_name(self, finetune: str, attempt: int) -> str:
+        """The attempt's job name: `<name>-<uid token>-<attempt>` (naming.Owner.job_name)."""
+        from llamaft.operator.naming import Owner
+
+        return Owner(finetune, self.ns, self.finetune(finetune)["metadata"]["uid"]).job_name(attempt)
+
+    def attempt_job(self, finetune: str, attempt: int) -> dict[str, Any] | None:
+        """The PyTorchJob of one attempt of a LlamaFineTune, if it exists."""
+        try:
+            return self.job(self.job_name(finetune, attempt))
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
     def job(self, name: str) -> dict[str, Any] | None:
         try:
             return dict(self.custom.get_namespaced_custom_object("kubeflow.org", "v1", self.ns, "pytorchjobs", name))

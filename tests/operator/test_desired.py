@@ -39,7 +39,7 @@ def test_every_example_renders_a_valid_pytorchjob(path: Any) -> None:
 def test_llama2_7b_job_wiring() -> None:
     spec = example("llama2-7b.yaml")
     job = desired.pytorch_job(OWNER, spec, attempt=3)
-    assert job["metadata"]["name"] == "llama2-7b-samsum-3"
+    assert job["metadata"]["name"] == "llama2-7b-samsum-0f5e-3", "the uid token keeps incarnations apart"
     elastic = job["spec"]["elasticPolicy"]
     assert elastic["rdzvBackend"] == "etcd-v2" and elastic["rdzvPort"] == 2379
     assert elastic["rdzvHost"] == "llama2-7b-samsum-etcd.team-a.svc"
@@ -47,7 +47,7 @@ def test_llama2_7b_job_wiring() -> None:
     assert (elastic["minReplicas"], elastic["maxReplicas"], elastic["maxRestarts"]) == (2, 2, 3)
     assert job["spec"]["nprocPerNode"] == "8" and "nProcPerNode" not in elastic
     worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
-    assert worker["replicas"] == 2 and worker["restartPolicy"] == "ExitCode"
+    assert worker["replicas"] == 2 and worker["restartPolicy"] == "Never"
     pod = worker["template"]["spec"]
     container = pod["containers"][0]
     assert container["name"] == "pytorch"
@@ -99,7 +99,7 @@ def test_external_etcd_and_c10d_need_no_managed_etcd() -> None:
     assert desired.pytorch_job(OWNER, spec, 1)["spec"]["elasticPolicy"]["rdzvHost"] == "etcd.shared"
     c10d = validate_spec({**example("minimal.yaml").to_k8s(), "rendezvous": {"backend": "c10d"}})
     policy = desired.pytorch_job(OWNER, c10d, 2)["spec"]["elasticPolicy"]
-    assert (policy["rdzvHost"], policy["rdzvPort"]) == ("llama2-7b-samsum-2-worker-0", 29400)
+    assert (policy["rdzvHost"], policy["rdzvPort"]) == ("llama2-7b-samsum-0f5e-2-worker-0", 29400)
 
 
 def test_config_map_carries_the_trainer_part_of_the_spec() -> None:
@@ -125,7 +125,7 @@ def test_elastic_range_and_run_policy() -> None:
     job = desired.pytorch_job(OWNER, spec, 1)
     assert (job["spec"]["elasticPolicy"]["minReplicas"], job["spec"]["elasticPolicy"]["maxReplicas"]) == (2, 4)
     assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 3
-    assert job["spec"]["runPolicy"] == {"cleanPodPolicy": "None", "suspend": True, "ttlSecondsAfterFinished": 600,
+    assert job["spec"]["runPolicy"] == {"cleanPodPolicy": "Running", "suspend": True, "ttlSecondsAfterFinished": 600,
                                         "activeDeadlineSeconds": 86400, "backoffLimit": 2}
 
 
@@ -190,3 +190,25 @@ def test_the_kubeflow_checks_catch_broken_jobs() -> None:
     for words in ("no container named 'pytorch'", "rdzvId must be set", "only one of spec.nprocPerNode",
                   "restartPolicy 'Sometimes' is not one of", "unknownField"):
         assert words in errors, errors
+
+
+def test_attempt_names_fit_kubernetes_limits_for_the_longest_name() -> None:
+    from llamaft.api.resource import MAX_ATTEMPTS, MAX_NAME_LENGTH
+
+    owner = Owner("a" * MAX_NAME_LENGTH, "default", "0f5e1d2c-aaaa-bbbb-cccc-000000000000")
+    job = owner.job_name(MAX_ATTEMPTS)
+    assert len(f"{job}-worker-4095") == 63, "the training operator's per-worker Service name is a DNS-1035 label"
+    assert owner.job_name(1) != Owner(owner.name, "default", "9999aaaa-0000").job_name(1), "incarnations never share a job name"
+
+
+def test_a_retry_avoids_the_nodes_evidence_named_and_gets_the_grace_period() -> None:
+    spec = example("llama2-7b.yaml")
+    job = desired.pytorch_job(OWNER, spec, attempt=2, excluded_nodes=["node-b", "node-a"])
+    pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms == [{"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["node-a", "node-b"]}]}]
+    assert pod["terminationGracePeriodSeconds"] == spec.cluster.termination_grace_period_seconds == 120
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env["LLAMAFT_TERMINATION_GRACE_SECONDS"] == "120"
+    assert "affinity" not in desired.pytorch_job(OWNER, spec, attempt=1)["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    assert validate_pytorchjob(job) == []

@@ -22,15 +22,15 @@ def operator(kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 def test_create_running_succeeded(cluster: Cluster, operator: Operator) -> None:
     cluster.create("happy", tiny_spec())
-    job = wait_for("PyTorchJob happy-1", lambda: cluster.job("happy-1"), timeout=30)
+    job = wait_for("PyTorchJob happy-1", lambda: cluster.attempt_job("happy", 1), timeout=30)
     assert job["spec"]["elasticPolicy"]["rdzvId"] == cluster.status("happy")["rendezvousId"]
     assert job["metadata"]["ownerReferences"][0]["name"] == "happy"
     assert cluster.status("happy")["phase"] == "Creating"
-    cluster.set_job_status("happy-1", [("Created", "PyTorchJobCreated", "created"), ("Running", "PyTorchJobRunning", "running")],
+    cluster.set_job_status(cluster.job_name("happy", 1), [("Created", "PyTorchJobCreated", "created"), ("Running", "PyTorchJobRunning", "running")],
                            replicaStatuses={"Worker": {"active": 2}}, startTime="2026-11-29T20:00:00Z")
     status = wait_for("Running", lambda: (s := cluster.status("happy"))["phase"] == "Running" and s)
     assert status["workers"]["active"] == 2 and status["totalGpus"] == 16 and status["startTime"]
-    cluster.set_job_status("happy-1", [("Created", "PyTorchJobCreated", "created"), ("Succeeded", "PyTorchJobSucceeded", "done")],
+    cluster.set_job_status(cluster.job_name("happy", 1), [("Created", "PyTorchJobCreated", "created"), ("Succeeded", "PyTorchJobSucceeded", "done")],
                            replicaStatuses={"Worker": {"succeeded": 2}}, completionTime="2026-11-29T21:00:00Z")
     status = wait_for("Succeeded", lambda: (s := cluster.status("happy"))["phase"] == "Succeeded" and s)
     types = {c["type"]: c["status"] for c in status["conditions"]}
@@ -70,7 +70,7 @@ def test_cluster_without_the_prometheus_operator_still_runs_jobs(tmp_path: Path)
         op = Operator(kubeconfig, tmp_path / "operator.log").start()
         try:
             cluster.create("nomon", tiny_spec())
-            wait_for("job", lambda: cluster.job("nomon-1"))
+            wait_for("job", lambda: cluster.attempt_job("nomon", 1))
             status = wait_for("condition", lambda: (s := cluster.status("nomon")) and any(
                 c["type"] == "MonitoringReady" for c in s.get("conditions", [])) and s)
             monitoring_ready = next(c for c in status["conditions"] if c["type"] == "MonitoringReady")

@@ -32,9 +32,10 @@ _KEPT_KEYWORDS = {
 # The root metadata.name feeds child names (PyTorchJob `<name>`, etcd `<name>-etcd`, ...) that
 # must be DNS-1035 labels of at most 63 characters.
 NAME_RULE = {
-    "rule": "size(self.metadata.name) <= 50 && self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
+    "rule": f"size(self.metadata.name) <= {resource.MAX_NAME_LENGTH} && self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
     "message": "metadata.name must be a DNS-1035 label (lowercase letters, digits, '-', starting with a "
-    "letter) of at most 50 characters, so child objects can be named after it",
+    f"letter) of at most {resource.MAX_NAME_LENGTH} characters, so child objects (e.g. the Service "
+    "`<name>-<uid>-<attempt>-worker-<index>`) fit in 63",
     "reason": "FieldValueInvalid",
 }
 
@@ -183,6 +184,7 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Step", "type": "string", "jsonPath": ".status.progress.stepOfTotal"},
     {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss"},
     {"name": "Tokens/s", "type": "number", "jsonPath": ".status.progress.tokensPerSecond"},
+    {"name": "Restarts", "type": "integer", "jsonPath": ".status.retriesUsed"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.source", "priority": 1},
     {"name": "Strategy", "type": "string", "jsonPath": ".spec.fsdp.shardingStrategy", "priority": 1},

@@ -194,6 +194,9 @@ class TrainingSpec(ApiModel):
     """Evaluate every N optimizer steps and at the end (0: only at the end)."""
     log_interval: int = Field(default=1, ge=1, le=100_000)
     """Log and publish metrics every N optimizer steps."""
+    collective_timeout_seconds: int = Field(default=600, ge=10, le=86_400)
+    """Timeout of every collective (init_process_group's timeout): a dead or hung peer becomes an
+    error in bounded time instead of a job that holds its GPUs forever."""
     lora: LoraSpec | None = None
     """Optional LoRA; absent means full fine-tuning."""
 
@@ -411,6 +414,11 @@ class ClusterSpec(ApiModel):
     """CPU and memory per worker."""
     instance_type: str | None = Field(default=None, max_length=128)
     """Pin workers to an instance type (node.kubernetes.io/instance-type), e.g. `p4de.24xlarge`."""
+    gpu_model: str | None = Field(default=None, max_length=64)
+    """GPU model for capacity planning when instanceType does not say it (on-prem or unlisted
+    instances), e.g. `A100-80GB`, `H100`, `H200`, `L40S`, `A10G`, `L4` (`llamaft plan` lists them)."""
+    gpu_memory: str | None = Field(default=None, pattern=QUANTITY_PATTERN)
+    """Memory of one GPU for capacity planning (e.g. `80Gi`); overrides the catalog's value."""
     node_selector: dict[str, str] = Field(default_factory=dict)
     """Extra node labels the workers require."""
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
@@ -425,6 +433,9 @@ class ClusterSpec(ApiModel):
     """PriorityClass of the worker pods."""
     env: list[EnvVar] = Field(default_factory=list, max_length=128)
     """Extra environment for the trainer container (e.g. NCCL_DEBUG=INFO)."""
+    termination_grace_period_seconds: int = Field(default=120, ge=0, le=3600)
+    """Seconds a worker gets between SIGTERM (preemption, eviction, suspend, a new attempt) and
+    SIGKILL: the trainer finishes its step and saves a checkpoint when this leaves time for one."""
     pod_template_overrides: dict[str, Any] | None = None
     """Strategic additions merged into the worker pod template (kept verbatim; not validated)."""
 
@@ -491,10 +502,25 @@ class RunPolicySpec(ApiModel):
     backoff_limit: int | None = Field(default=None, ge=0, le=1000)
     """Pod failures the training operator tolerates before failing the job."""
     retry_budget: int = Field(default=3, ge=0, le=100)
-    """Times the operator resets the rendezvous and resubmits a run that failed recoverably."""
+    """Whole-gang restarts the operator may spend on retryable failures (lost node, eviction,
+    preemption, OOM kill, NCCL error or hang, GPU XID, stall, closed rendezvous); each one resets
+    the rendezvous and resubmits from the newest complete checkpoint. 0 turns recovery off."""
+    progress_deadline_seconds: int = Field(default=900, ge=10, le=604_800)
+    """A running attempt whose step does not advance for this long is a retryable `Stalled` failure."""
+    startup_grace_seconds: int = Field(default=1800, ge=0, le=604_800)
+    """Extra time before the first step (image pull, model loading) on top of progressDeadlineSeconds."""
+    repeated_failure_limit: int = Field(default=3, ge=2, le=100)
+    """The same failure at the same step in this many consecutive attempts is permanent: the run
+    ends `Failed` instead of spending the rest of the budget on it."""
 
 
 # -------------------------------------------------------------------------------------- spec
+class PreflightMode(StrEnum):
+    ENFORCE = "Enforce"
+    WARN = "Warn"
+    OFF = "Off"
+
+
 HYBRID_GROUPS_RULE = cel_rule(
     "!has(self.fsdp.hybridShard) || self.fsdp.hybridShard.shardGroupSize * self.fsdp.hybridShard.replicaGroupSize == self.cluster.workers * (self.cluster.gpusPerWorker > 0 ? self.cluster.gpusPerWorker : 1)",
     message_expression="'shardGroupSize x replicaGroupSize = ' + string(self.fsdp.hybridShard.shardGroupSize * self.fsdp.hybridShard.replicaGroupSize) + ' must equal workers x gpusPerWorker = ' + string(self.cluster.workers * (self.cluster.gpusPerWorker > 0 ? self.cluster.gpusPerWorker : 1))",
@@ -547,6 +573,10 @@ class LlamaFineTuneSpec(TrainingJobConfig):
     """GPU monitoring and trainer metrics."""
     run_policy: RunPolicySpec = Field(default_factory=RunPolicySpec)
     """Suspend, deadlines, retries."""
+    preflight: PreflightMode = PreflightMode.ENFORCE
+    """Capacity check before anything is created (`llamaft plan` shows it): `Enforce` refuses a run
+    whose estimated per-GPU memory exceeds the GPU's (phase Failed, reason WillNotFit), `Warn` only
+    reports it in the CapacityFits condition and an event, `Off` skips the check."""
 
     def training_config(self) -> TrainingJobConfig:
         """The trainer's view of this spec: the same validated values, nothing re-declared."""

@@ -85,6 +85,30 @@ class Progress(ApiModel):
     """When the trainer reported this (RFC 3339)."""
 
 
+class FailureRecord(ApiModel):
+    """One attempt that ended in failure, and what the operator made of it."""
+
+    attempt: int
+    """The attempt that failed."""
+    reason: str = Field(max_length=128)
+    """Classified cause: ConfigError, Evicted, Preempted, NodeLost, OOMKilled, Killed, TrainerError,
+    CollectiveTimeout, RendezvousClosed, GPUXid, Stalled, DeadlineExceeded, JobFailed."""
+    retryable: bool
+    """Whether the policy treats this cause as retryable."""
+    message: str = Field(default="", max_length=2048)
+    """The evidence: the trainer's error, the pod's reason, the XID's meaning."""
+    node: str | None = Field(default=None, max_length=253)
+    """Node the evidence points at, when it names one."""
+    pod: str | None = Field(default=None, max_length=253)
+    """Pod the evidence came from."""
+    exit_code: int | None = None
+    """Exit code of the failed container, when it exited."""
+    step: int | None = None
+    """Last optimizer step the run reported before the failure."""
+    time: str
+    """When the operator observed the failure (RFC 3339)."""
+
+
 class LlamaFineTuneStatus(ApiModel):
     """What the operator observed."""
 
@@ -122,3 +146,12 @@ class LlamaFineTuneStatus(ApiModel):
     """Pod running global rank 0: read its logs for progress."""
     export_path: str | None = None
     """Where the final Hugging Face export was written."""
+    failures: list[FailureRecord] = Field(default_factory=list, max_length=20)
+    """The most recent failed attempts (at most 20), oldest first."""
+    excluded_nodes: list[str] = Field(default_factory=list, max_length=16)
+    """Nodes later attempts avoid (node affinity) because evidence named them (node lost, eviction,
+    GPU XID); at most 16, oldest dropped first. The operator never cordons nodes."""
+    last_progress_time: str | None = None
+    """When the operator last saw the step advance (RFC 3339): the clock of the progress deadline."""
+    attempt_start_time: str | None = None
+    """When the operator created the current attempt's job (RFC 3339)."""

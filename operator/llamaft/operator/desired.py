@@ -8,8 +8,13 @@ Choices, and why:
 - Managed etcd per job (not per namespace): a rendezvous reset or an etcd restart can never touch
   another job's rendezvous, which is exactly the failure the shared-etcd reference deployment has;
   the etcd is owned by the LlamaFineTune and goes away with it. It costs one small pod per job.
-- restartPolicy ExitCode: 1-127 are permanent (2 is the trainer's configuration error; torchrun
-  exits 1 after using up its own restarts), 128-255 are retried (OOM kill 137, preemption 143).
+- restartPolicy Never and cleanPodPolicy Running: torchrun's own `maxRestarts` restarts the worker
+  group in place (fast, no rescheduling); when a pod ends anyway, the training operator fails the
+  job instead of restarting that one pod, and the llamaft operator decides for the whole gang from
+  the evidence (lifecycle.py, failures.py): a new attempt from the newest checkpoint, or Failed.
+  One policy, one budget (runPolicy.retryBudget). The Failed job keeps its failed pods for
+  `kubectl logs`; its running pods are removed so they release their GPUs.
+- Nodes named by earlier failures (status.excludedNodes) are kept out with required node affinity.
 - The training config is a ConfigMap the operator owns, mounted read-only; the trainer reads it
   with the same pydantic model.
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from llamaft.api.sources import PVC_MOUNT_ROOT, SourceKind, parse_source
@@ -132,6 +138,8 @@ def _env(spec: LlamaFineTuneSpec) -> list[Obj]:
     env: list[Obj] = [
         {"name": "LLAMAFT_CONFIG", "value": f"{CONFIG_MOUNT}/{CONFIG_FILE}"},
         {"name": "LLAMAFT_METRICS_PORT", "value": str(spec.monitoring.metrics_port)},
+        # The trainer saves a checkpoint on SIGTERM only when the grace period leaves time for it.
+        {"name": "LLAMAFT_TERMINATION_GRACE_SECONDS", "value": str(spec.cluster.termination_grace_period_seconds)},
         {"name": "TORCH_NCCL_ASYNC_ERROR_HANDLING", "value": "1"},
         {"name": "OMP_NUM_THREADS", "value": "1"},
         {"name": "TOKENIZERS_PARALLELISM", "value": "false"},
@@ -199,7 +207,14 @@ def _merge(base: Any, extra: Any) -> Any:
     return copy.deepcopy(extra)
 
 
-def pod_template(owner: Owner, spec: LlamaFineTuneSpec, attempt: int) -> Obj:
+def _avoid_nodes(excluded: Sequence[str]) -> Obj:
+    """Required node affinity that keeps the workers off nodes earlier failures named."""
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "NotIn", "values": sorted(excluded)}]}
+    ]}}}
+
+
+def pod_template(owner: Owner, spec: LlamaFineTuneSpec, attempt: int, excluded_nodes: Sequence[str] = ()) -> Obj:
     volumes, mounts = _volumes(owner, spec)
     node_selector = dict(spec.cluster.node_selector)
     if spec.cluster.instance_type:
@@ -219,7 +234,12 @@ def pod_template(owner: Owner, spec: LlamaFineTuneSpec, attempt: int) -> Obj:
     resources = _resources(spec)
     if resources:
         container["resources"] = resources
-    pod_spec: Obj = {"containers": [container], "volumes": volumes}
+    pod_spec: Obj = {
+        "containers": [container], "volumes": volumes,
+        "terminationGracePeriodSeconds": spec.cluster.termination_grace_period_seconds,
+    }
+    if excluded_nodes:
+        pod_spec["affinity"] = _avoid_nodes(excluded_nodes)
     if node_selector:
         pod_spec["nodeSelector"] = node_selector
     if spec.cluster.tolerations:
@@ -233,13 +253,13 @@ def pod_template(owner: Owner, spec: LlamaFineTuneSpec, attempt: int) -> Obj:
     return template
 
 
-def pytorch_job(owner: Owner, spec: LlamaFineTuneSpec, attempt: int) -> Obj:
+def pytorch_job(owner: Owner, spec: LlamaFineTuneSpec, attempt: int, excluded_nodes: Sequence[str] = ()) -> Obj:
     """The Kubeflow PyTorchJob (kubeflow.org/v1) for one run attempt."""
     host, port = rendezvous_endpoint(owner, spec, attempt)
     cluster = spec.cluster
     low = cluster.elastic.min_workers if cluster.elastic else cluster.workers
     high = cluster.elastic.max_workers if cluster.elastic else cluster.workers
-    run_policy: Obj = {"cleanPodPolicy": "None", "suspend": spec.run_policy.suspend}
+    run_policy: Obj = {"cleanPodPolicy": "Running", "suspend": spec.run_policy.suspend}
     if spec.run_policy.ttl_seconds_after_finished is not None:
         run_policy["ttlSecondsAfterFinished"] = spec.run_policy.ttl_seconds_after_finished
     if spec.run_policy.active_deadline_seconds is not None:
@@ -270,8 +290,8 @@ def pytorch_job(owner: Owner, spec: LlamaFineTuneSpec, attempt: int) -> Obj:
             "pytorchReplicaSpecs": {
                 "Worker": {
                     "replicas": cluster.workers,
-                    "restartPolicy": "ExitCode",
-                    "template": pod_template(owner, spec, attempt),
+                    "restartPolicy": "Never",
+                    "template": pod_template(owner, spec, attempt, excluded_nodes),
                 }
             },
         },

@@ -42,6 +42,8 @@ class Health:
     healthy: bool
     reason: str
     message: str
+    nodes: tuple[str, ...] = ()
+    """Hosts of the GPUs with a hardware XID (dcgm-exporter's `Hostname` label)."""
 
 
 def query(url: str, expr: str, timeout_s: float = 5.0) -> list[Sample]:
@@ -72,7 +74,8 @@ def assess(xid: list[Sample], utilisation: list[Sample], running: bool) -> Healt
             if s.labels.get("Hostname"):
                 where += f" on {s.labels['Hostname']}"
             parts.append(f"XID {code} on {where}: {XID_MEANINGS.get(code, 'see NVIDIA XID catalogue')}")
-        return Health(False, "XidError", "; ".join(parts))
+        hosts = tuple(sorted({s.labels["Hostname"] for s in xid if s.labels.get("Hostname")}))
+        return Health(False, "XidError", "; ".join(parts), hosts)
     if running and utilisation and utilisation[0].value < LOW_UTILISATION_PERCENT:
         return Health(False, "LowUtilization",
                       f"GPUs averaged {utilisation[0].value:.0f}% busy over 10 minutes while running: "

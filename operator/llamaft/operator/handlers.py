@@ -2,27 +2,34 @@
 
     kopf run --standalone -m llamaft.operator.handlers --all-namespaces   (or: llamaft operator)
 
-- create/resume: validate, then ensure ConfigMap -> managed etcd (ready) -> rendezvous reset ->
-  PyTorchJob of the current attempt. Everything is found by name first, so an operator restarted
-  mid-reconcile never creates duplicates.
+- A daemon per LlamaFineTune runs its lifecycle: read what is true (the CR, the current attempt's
+  PyTorchJob and pods, the leader's /progress, GPU health), ask `lifecycle.decide`, carry the
+  decision out (delete jobs, reset the rendezvous and create the next attempt's job, write status,
+  post events). It wakes on events of its children (the PyTorchJob and the trainer pods, mapped to
+  their owner by the `llamaft.io/finetune` label), on a spec change and, while a run is active,
+  every sync interval to refresh progress. A finished run is not polled.
 - update of .spec: suspend/resume and elastic worker changes are applied in place; any other change
   restarts the run from its latest checkpoint as a new attempt; immutable fields are refused.
-- timer: status from the PyTorchJob, its pods and the trainer's /progress; a run that died of a
-  closed rendezvous is reset and resubmitted with backoff within runPolicy.retryBudget.
-- delete (finalizer): PyTorchJobs, etcd, ConfigMap and rendezvous state go; checkpoints stay.
+- delete (finalizer): PyTorchJobs, etcd, ConfigMaps, monitoring and rendezvous state go;
+  checkpoints stay.
+
+State lives where kopf keeps it: settings, the API client and the registry of lifecycle wake-ups in
+the operator's memo (set at startup, shared by every object's memo), the per-object lock and the
+validation cache in the object's own memo (it goes with the object).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from datetime import UTC, datetime, timedelta
-from typing import Any
+from datetime import UTC, datetime
+from typing import Any, cast
 
 import kopf
 
@@ -30,28 +37,19 @@ from llamaft.api import resource
 from llamaft.api.spec import LlamaFineTuneSpec, RendezvousBackend
 from llamaft.api.status import TERMINAL_PHASES, Phase
 from llamaft.api.validation import SpecInvalid, validate_spec
-from llamaft.operator import desired, gpu_health, monitoring, observe, rendezvous
-from llamaft.operator.kube import Kube, MonitoringUnavailable
+from llamaft.operator import desired, failures, gpu_health, lifecycle, monitoring, observe, rendezvous
+from llamaft.operator.kube import ForeignObject, Kube, MonitoringUnavailable, owned_by
 from llamaft.operator.metrics import FINETUNES, RECONCILE_SECONDS, RECONCILES, RENDEZVOUS_RESETS, RETRIES
 from llamaft.operator.naming import LABEL_FINETUNE, Owner
 from llamaft.operator.settings import OperatorSettings
 
 RESOURCE = (resource.GROUP, resource.VERSION, resource.PLURAL)
-SETTINGS = OperatorSettings.from_env()
-_KUBE: Kube | None = None
-_PHASES: dict[str, str] = {}
-_LOCKS: dict[str, threading.Lock] = {}
+TERMINAL = {p.value for p in TERMINAL_PHASES}
+Obj = dict[str, Any]
 
 
-def kube() -> Kube:
-    global _KUBE
-    if _KUBE is None:
-        _KUBE = Kube()
-    return _KUBE
-
-
-def now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+def now() -> datetime:
+    return datetime.now(UTC)
 
 
 @contextmanager
@@ -71,35 +69,42 @@ def measured(handler: str) -> Iterator[None]:
         RECONCILE_SECONDS.labels(handler).observe(time.perf_counter() - started)
 
 
-def _lock(namespace: str, name: str) -> threading.Lock:
-    """Timers run beside change handlers: one lock per object keeps them from interleaving."""
-    return _LOCKS.setdefault(f"{namespace}/{name}", threading.Lock())
+# ------------------------------------------------------------------------------- memo access
+def settings_of(memo: kopf.Memo) -> OperatorSettings:
+    return memo["settings"]  # type: ignore[no-any-return]
 
 
-def _set_phase(patch: kopf.Patch, namespace: str, name: str, phase: Phase, message: str) -> None:
-    patch.status["phase"] = phase.value
-    patch.status["message"] = message
-    _PHASES[f"{namespace}/{name}"] = phase.value
+def kube_of(memo: kopf.Memo) -> Kube:
+    return memo["kube"]  # type: ignore[no-any-return]
+
+
+def object_lock(memo: kopf.Memo) -> threading.Lock:
+    """The daemon and the update handler of one object never interleave (dict.setdefault is atomic)."""
+    return memo.setdefault("lock", threading.Lock())  # type: ignore[no-any-return]
+
+
+def wake(memo: kopf.Memo, namespace: str, name: str) -> None:
+    """Make the object's lifecycle daemon look now (safe from any thread)."""
+    entry = memo["wakers"].get((namespace, name))
+    if entry is not None:
+        loop, event = entry
+        loop.call_soon_threadsafe(event.set)
+
+
+def record_phase(memo: kopf.Memo, namespace: str, name: str, phase: str | None) -> None:
+    """The per-phase gauge, computed from the phases the operator last wrote (pruned on delete)."""
+    phases: dict[tuple[str, str], str] = memo["phases"]
+    if phase is None:
+        phases.pop((namespace, name), None)
+    else:
+        phases[(namespace, name)] = phase
     for p in Phase:
-        FINETUNES.labels(p.value).set(sum(1 for v in _PHASES.values() if v == p.value))
-
-
-def _condition(patch: kopf.Patch, status: dict[str, Any], type_: str, ok: bool, reason: str, message: str, generation: int | None) -> None:
-    current = patch.status.get("conditions") or status.get("conditions") or []
-    patch.status["conditions"] = observe.set_condition(
-        list(current), type_, "True" if ok else "False", reason, message, generation, now()
-    )
-
-
-def adopted(obj: dict[str, Any], body: kopf.Body) -> dict[str, Any]:
-    """The object with the LlamaFineTune as its controller owner (kopf.adopt mutates in place)."""
-    kopf.adopt(obj, owner=body)
-    return obj
+        FINETUNES.labels(p.value).set(sum(1 for v in list(phases.values()) if v == p.value))
 
 
 # ------------------------------------------------------------------------------- startup
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -> None:
     logger = kwargs["logger"]
     settings.persistence.finalizer = "llamaft.io/finalizer"
     # The CRD's status schema is structural: kopf's own status fields would be pruned, so its
@@ -110,133 +115,326 @@ def configure(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     # cel-python logs every evaluation step at DEBUG: far too costly (and noisy) for an operator.
     logging.getLogger("celpy").setLevel(logging.WARNING)
     settings.execution.max_workers = 16
+    operator_settings = OperatorSettings.from_env()
+    memo["settings"] = operator_settings
+    memo["wakers"] = {}
+    memo["phases"] = {}
     from prometheus_client import start_http_server
 
     try:
-        start_http_server(SETTINGS.metrics_port)
-        logger.info(f"operator metrics on :{SETTINGS.metrics_port}/metrics")
+        start_http_server(operator_settings.metrics_port)
+        logger.info(f"operator metrics on :{operator_settings.metrics_port}/metrics")
     except OSError as exc:
-        logger.warning(f"metrics port {SETTINGS.metrics_port} unavailable: {exc}")
+        logger.warning(f"metrics port {operator_settings.metrics_port} unavailable: {exc}")
 
 
 @kopf.on.login()
-def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-    """kopf and the kubernetes client read the same credentials (in-cluster or KUBECONFIG)."""
+def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
+    """kopf and the kubernetes client read the same credentials (in-cluster or KUBECONFIG); the
+    client the handlers use is made here, once the credentials are loaded."""
     from kubernetes import config
 
     try:
         config.load_incluster_config()  # type: ignore[no-untyped-call]
     except config.ConfigException:
         config.load_kube_config()  # type: ignore[no-untyped-call]
+    memo["kube"] = Kube()
     return kopf.login_with_kubeconfig(**kwargs) or kopf.login_with_service_account(**kwargs)
 
 
 # ---------------------------------------------------------------------------- validation
-def _validated(body: kopf.Body, spec: Any, patch: kopf.Patch, status: dict[str, Any], generation: int | None,
-               old: Any = None) -> LlamaFineTuneSpec | None:
+def validated(memo: kopf.Memo, obj: Mapping[str, Any], old: Any = None) -> LlamaFineTuneSpec | SpecInvalid:
+    """The parsed spec, or why it is invalid; cached per generation (CEL evaluation is not free)."""
+    generation = obj.get("metadata", {}).get("generation")
+    cached = memo.get("validated")
+    if old is None and cached is not None and cached[0] == generation:
+        return cached[1]  # type: ignore[no-any-return]
     try:
-        parsed = validate_spec(dict(spec), old=old)
+        result: LlamaFineTuneSpec | SpecInvalid = validate_spec(dict(obj.get("spec") or {}), old=old)
     except SpecInvalid as exc:
-        message = "; ".join(str(e) for e in exc.errors)
+        result = exc
+    if old is None:
+        memo["validated"] = (generation, result)
+    return result
+
+
+def invalid_message(exc: SpecInvalid) -> str:
+    return "; ".join(str(e) for e in exc.errors)
+
+
+# ------------------------------------------------------------------------------ lifecycle
+class Step:
+    """One look at one LlamaFineTune: observe, decide, act. Runs in a worker thread."""
+
+    def __init__(self, memo: kopf.Memo, namespace: str, name: str, logger: Any) -> None:
+        self.memo, self.namespace, self.name, self.logger = memo, namespace, name, logger
+        self.kube = kube_of(memo)
+        self.settings = settings_of(memo)
+
+    def event(self, obj: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+        kopf.event(cast(kopf.Body, dict(obj)), type=type_, reason=reason, message=message)
+
+    def run(self) -> float | None:
+        """Returns when to look again (None: only on an event)."""
+        with measured("lifecycle"), object_lock(self.memo):
+            obj = self.kube.get_finetune(self.namespace, self.name)
+            if obj is None or obj.get("metadata", {}).get("deletionTimestamp"):
+                return None
+            return self._run(obj)
+
+    def _run(self, obj: Obj) -> float | None:
+        meta, status = obj["metadata"], dict(obj.get("status") or {})
+        generation = meta.get("generation")
+        owner = Owner(self.name, self.namespace, meta.get("uid", ""))
+        attempt = int(status.get("attempt") or 0)
+        record_phase(self.memo, self.namespace, self.name, status.get("phase"))
+        if status.get("phase") in TERMINAL and attempt > 0:
+            return None  # finished runs are final and not polled
+        parsed = validated(self.memo, obj)
+        if isinstance(parsed, SpecInvalid):
+            self._invalid(obj, status, parsed, generation)
+            return None
+        patch: Obj = {}
+        if not _condition_is(status, "Valid", "True", generation):
+            patch["conditions"] = observe.set_condition(
+                list(status.get("conditions", [])), "Valid", "True", "SpecValid", "the spec passed schema and CEL validation",
+                generation, lifecycle.iso(now()))
+            status["conditions"] = patch["conditions"]
+        obs = self._observe(obj, owner, parsed, status, max(attempt, 1), generation)
+        decision = lifecycle.decide(obs)
+        for job_name in decision.delete_jobs:
+            if self.kube.delete_job(self.namespace, job_name):
+                self.logger.info(f"deleted PyTorchJob {job_name}")
+        patch.update(decision.status)
+        requeue = decision.requeue_after
+        if decision.start_attempt is not None:
+            requeue = self._start_attempt(obj, owner, parsed, decision.start_attempt, status, patch) or requeue
+        if decision.retry is not None:
+            RETRIES.labels(decision.retry.reason).inc()
+        patch["observedGeneration"] = generation
+        self.kube.patch_finetune_status(self.namespace, self.name, patch)
+        record_phase(self.memo, self.namespace, self.name, patch.get("phase", status.get("phase")))
+        for event in decision.events:
+            self.event(obj, event.type, event.reason, event.message)
+        if patch.get("phase", status.get("phase")) in TERMINAL:
+            return None
+        interval = self.settings.sync_interval_s
+        return min(requeue, interval) if requeue is not None else interval
+
+    def _invalid(self, obj: Obj, status: Obj, exc: SpecInvalid, generation: int | None) -> None:
+        if _condition_is(status, "Valid", "False", generation):
+            return  # already reported for this generation
+        message = invalid_message(exc)
+        conditions = observe.set_condition(list(status.get("conditions", [])), "Valid", "False", "InvalidSpec", message,
+                                           generation, lifecycle.iso(now()))
+        patch: Obj = {"conditions": conditions, "observedGeneration": generation}
+        if int(status.get("attempt") or 0) == 0:
+            # Never started: nothing runs, so the run is Failed until a valid spec arrives.
+            patch.update(phase=Phase.FAILED.value, message="invalid spec: see the Valid condition and events")
+        self.kube.patch_finetune_status(self.namespace, self.name, patch)
         for error in exc.errors:
-            kopf.warn(body, reason="InvalidSpec", message=str(error))
-        _condition(patch, status, "Valid", False, "InvalidSpec", message, generation)
+            self.event(obj, "Warning", "InvalidSpec", str(error))
+
+    def _observe(self, obj: Obj, owner: Owner, spec: LlamaFineTuneSpec, status: Obj, attempt: int,
+                 generation: int | None) -> lifecycle.Observed:
+        job_name = owner.job_name(attempt)
+        jobs = self.kube.list_jobs(self.namespace, f"{LABEL_FINETUNE}={self.name}")
+        current = next((j for j in jobs if j["metadata"]["name"] == job_name), None)
+        if current is None:
+            current = self.kube.get_job(self.namespace, job_name)  # a predecessor's job carries our label too
+        deleting = current is not None and (
+            bool(current["metadata"].get("deletionTimestamp")) or not owned_by(current, owner.uid))
+        stale = [j["metadata"]["name"] for j in jobs
+                 if j["metadata"]["name"] != job_name and owned_by(j, owner.uid) and not j["metadata"].get("deletionTimestamp")]
+        job = None if deleting else current
+        pods = self.kube.list_pods(self.namespace, f"training.kubeflow.org/job-name={job_name}") if job else []
+        job_phase, _, _ = observe.job_phase(job)
+        progress = self._leader_progress(pods, spec, status) if job_phase in (Phase.RUNNING, Phase.RESTARTING) else None
+        gpu = self._gpu(obj, owner, status, job_phase is Phase.RUNNING, progress)
+        return lifecycle.Observed(
+            spec=spec, status=status, now=now(), job_name=job_name, job=job, job_deleting=deleting,
+            stale_jobs=stale, pods=pods, progress=progress, gpu=gpu, retry_backoff_s=self.settings.retry_backoff_s,
+            generation=generation,
+        )
+
+    def _leader_progress(self, pods: list[Obj], spec: LlamaFineTuneSpec, status: Obj) -> dict[str, Any] | None:
+        """The leader's /progress: ask the pod known to run global rank 0 first, others only until
+        one says it is rank 0 (one request per sync in the steady state)."""
+        leader = status.get("leaderPod")
+        running = [p for p in pods if p.get("status", {}).get("phase") == "Running" and p.get("status", {}).get("podIP")]
+        running.sort(key=lambda p: p["metadata"]["name"] != leader)
+        for pod in running:
+            url = f"http://{pod['status']['podIP']}:{spec.monitoring.metrics_port}/progress"
+            try:
+                with urllib.request.urlopen(url, timeout=self.settings.progress_timeout_s) as resp:
+                    doc = json.loads(resp.read())
+            except (OSError, ValueError):
+                continue
+            if isinstance(doc, dict) and doc.get("rank") == 0:
+                return doc
         return None
-    _condition(patch, status, "Valid", True, "SpecValid", "the spec passed schema and CEL validation", generation)
-    return parsed
+
+    def _gpu(self, obj: Obj, owner: Owner, status: Obj, running: bool, progress: Mapping[str, Any] | None) -> failures.Failure | None:
+        """GPUHealthy from Prometheus (when configured); a hardware XID is a failure of the attempt."""
+        url = self.settings.prometheus_url
+        if not url or not running:
+            return None
+        xid_query, util_query = gpu_health.queries(owner)
+        try:
+            health = gpu_health.assess(gpu_health.query(url, xid_query), gpu_health.query(url, util_query), running)
+        except (OSError, RuntimeError, ValueError) as exc:
+            health = gpu_health.Health(True, "MetricsUnavailable", f"cannot query {url}: {exc}")
+        before = next((c for c in status.get("conditions", []) if c.get("type") == "GPUHealthy"), None)
+        status["conditions"] = observe.set_condition(
+            list(status.get("conditions", [])), "GPUHealthy", "True" if health.healthy else "False", health.reason,
+            health.message, obj["metadata"].get("generation"), lifecycle.iso(now()))
+        if not health.healthy and (before is None or before.get("status") != "False" or before.get("reason") != health.reason):
+            self.event(obj, "Warning", health.reason, health.message)
+        step = (progress or {}).get("step")
+        return failures.gpu_failure(None if health.healthy else health.reason, health.message, health.nodes,
+                                    step if isinstance(step, int) else None)
+
+    # ---------------------------------------------------------------------- starting an attempt
+    def _start_attempt(self, obj: Obj, owner: Owner, spec: LlamaFineTuneSpec, attempt: int, status: Obj,
+                       patch: Obj) -> float | None:
+        """Ensure the attempt's children exist and its rendezvous is clean, then create its job.
+        Returns a requeue delay when something it needs is not ready yet."""
+        k, ns = self.kube, self.namespace
+        job_name = owner.job_name(attempt)
+        conditions = list(patch.get("conditions") or status.get("conditions") or [])
+
+        def condition(type_: str, ok: bool, reason: str, message: str) -> None:
+            nonlocal conditions
+            conditions = observe.set_condition(conditions, type_, "True" if ok else "False", reason, message,
+                                               obj["metadata"].get("generation"), lifecycle.iso(now()))
+            patch["conditions"] = conditions
+
+        try:
+            k.apply_config_map(ns, adopted(desired.config_map(owner, spec), obj))
+            if desired.uses_managed_etcd(spec):
+                for child in desired.etcd_objects(owner, self.settings.etcd_image):
+                    if k.ensure(ns, adopted(child, obj)):
+                        self.event(obj, "Normal", "EtcdCreated", f"created managed etcd {child['kind']} {owner.etcd}")
+                if not k.deployment_ready(ns, owner.etcd):
+                    condition("RendezvousReady", False, "WaitingForEtcd", f"etcd {owner.etcd} is not ready yet")
+                    patch["message"] = "waiting for the managed etcd"
+                    return 2.0
+        except ForeignObject as exc:
+            condition("RendezvousReady", False, "PreviousIncarnation", str(exc))
+            patch["message"] = f"waiting for the previous incarnation's objects to go: {exc}"
+            return 1.0
+        self._ensure_monitoring(obj, owner, spec, status, condition)
+        previous = attempt - 1 if attempt > 1 else None
+        try:
+            self._reset(obj, owner, spec, [a for a in (previous, attempt) if a is not None])
+        except rendezvous.RendezvousResetError as exc:
+            condition("RendezvousReady", False, "RendezvousResetFailed", str(exc))
+            return 5.0
+        excluded = patch.get("excludedNodes", status.get("excludedNodes")) or []
+        job = adopted(desired.pytorch_job(owner, spec, attempt, excluded), obj)
+        if k.create_job(ns, job):
+            self.event(obj, "Normal", "JobCreated", f"created PyTorchJob {job_name} (attempt {attempt}, "
+                       f"rendezvous {owner.rendezvous_id(attempt)})" + (f", avoiding {', '.join(excluded)}" if excluded else ""))
+        condition("RendezvousReady", True, "RendezvousReady", f"{spec.rendezvous.backend.value} rendezvous {owner.rendezvous_id(attempt)}")
+        patch.update(attempt=attempt, jobName=job_name, rendezvousId=owner.rendezvous_id(attempt),
+                     totalGpus=spec.cluster.workers * spec.cluster.gpus_per_worker)
+        return None
+
+    def _ensure_monitoring(self, obj: Obj, owner: Owner, spec: LlamaFineTuneSpec, status: Obj, condition: Any) -> None:
+        """PodMonitor, alerts and dashboard; a cluster without the Prometheus Operator gets a warning,
+        never a blocked run."""
+        try:
+            for child in monitoring.monitoring_objects(owner, spec, dict(self.settings.dashboard_labels)):
+                if child["kind"] == "ConfigMap":
+                    self.kube.apply_config_map(self.namespace, adopted(child, obj))
+                else:
+                    self.kube.ensure(self.namespace, adopted(child, obj))
+        except MonitoringUnavailable as exc:
+            if not any(c.get("type") == "MonitoringReady" for c in status.get("conditions", [])):
+                self.event(obj, "Warning", "MonitoringUnavailable", f"{exc}: install the Prometheus Operator for metrics and alerts")
+            condition("MonitoringReady", False, "PrometheusOperatorMissing", str(exc))
+            return
+        except ForeignObject as exc:
+            condition("MonitoringReady", False, "PreviousIncarnation", str(exc))
+            return
+        condition("MonitoringReady", True, "MonitoringCreated", "PodMonitor, alerts and dashboard are in place")
+
+    def _reset(self, obj: Obj, owner: Owner, spec: LlamaFineTuneSpec, attempts: list[int]) -> None:
+        reset_rendezvous(self.settings, owner, spec, attempts,
+                         lambda reason, message: self.event(obj, "Normal", reason, message))
 
 
-# ------------------------------------------------------------------------- reconciliation
-def _rendezvous_address(owner: Owner, spec: LlamaFineTuneSpec, attempt: int) -> str:
-    host, port = desired.rendezvous_endpoint(owner, spec, attempt)
-    return SETTINGS.rendezvous_address_override or f"{host}:{port}"
-
-
-def _reset(body: kopf.Body, owner: Owner, spec: LlamaFineTuneSpec, attempts: list[int]) -> None:
-    """Remove the rendezvous state of the given attempts' ids; TemporaryError when etcd is down."""
-    if spec.rendezvous.backend is RendezvousBackend.C10D:
+def reset_rendezvous(settings: OperatorSettings, owner: Owner, spec: LlamaFineTuneSpec, attempts: list[int],
+                     announce: Any) -> None:
+    """Remove the rendezvous state of the given attempts' ids (never by restarting etcd)."""
+    if spec.rendezvous.backend is RendezvousBackend.C10D or not attempts:
         return
-    address = _rendezvous_address(owner, spec, attempts[-1])
+    host, port = desired.rendezvous_endpoint(owner, spec, attempts[-1])
+    address = settings.rendezvous_address_override or f"{host}:{port}"
     for attempt in attempts:
         rdzv_id = owner.rendezvous_id(attempt)
         try:
             deleted = rendezvous.reset(address, spec.rendezvous.backend, rdzv_id)
-        except rendezvous.RendezvousResetError as exc:
+        except rendezvous.RendezvousResetError:
             RENDEZVOUS_RESETS.labels("error").inc()
-            kopf.warn(body, reason="RendezvousResetFailed", message=str(exc))
-            raise kopf.TemporaryError(f"rendezvous reset failed: {exc}", delay=10) from exc
+            raise
         RENDEZVOUS_RESETS.labels("deleted" if deleted else "clean").inc()
         if deleted:
-            kopf.info(body, reason="RendezvousReset", message=f"removed stale state of rendezvous {rdzv_id}: {len(deleted)} key(s)")
+            announce("RendezvousReset", f"removed stale state of rendezvous {rdzv_id}: {len(deleted)} key(s)")
 
 
-def _start_attempt(body: kopf.Body, owner: Owner, spec: LlamaFineTuneSpec, attempt: int, patch: kopf.Patch,
-                   status: dict[str, Any], generation: int | None, previous_attempt: int | None = None) -> None:
-    """Ensure every object of `attempt` exists and its rendezvous starts clean."""
-    k = kube()
-    k.apply_config_map(owner.namespace, adopted(desired.config_map(owner, spec), body))
-    if desired.uses_managed_etcd(spec):
-        for obj in desired.etcd_objects(owner, SETTINGS.etcd_image):
-            if k.ensure(owner.namespace, adopted(obj, body)):
-                kopf.info(body, reason="EtcdCreated", message=f"created managed etcd {obj['kind']} {owner.etcd}")
-        if not k.deployment_ready(owner.namespace, owner.etcd):
-            _condition(patch, status, "RendezvousReady", False, "WaitingForEtcd", f"etcd {owner.etcd} is not ready yet", generation)
-            _set_phase(patch, owner.namespace, owner.name, Phase.CREATING, "waiting for the managed etcd")
-            raise kopf.TemporaryError("waiting for the managed etcd to be ready", delay=5)
-    _ensure_monitoring(body, owner, spec, patch, status, generation)
-    job_name = owner.job_name(attempt)
-    if k.get_job(owner.namespace, job_name) is None:
-        attempts = [a for a in (previous_attempt, attempt) if a is not None]
-        _reset(body, owner, spec, attempts)
-        created = k.create_job(owner.namespace, adopted(desired.pytorch_job(owner, spec, attempt), body))
-        if created:
-            kopf.info(body, reason="JobCreated", message=f"created PyTorchJob {job_name} (attempt {attempt}, rendezvous {owner.rendezvous_id(attempt)})")
-    _condition(patch, status, "RendezvousReady", True, "RendezvousReady",
-               f"{spec.rendezvous.backend.value} rendezvous {owner.rendezvous_id(attempt)}", generation)
-    patch.status["attempt"] = attempt
-    patch.status["jobName"] = job_name
-    patch.status["rendezvousId"] = owner.rendezvous_id(attempt)
-    patch.status["totalGpus"] = spec.cluster.workers * spec.cluster.gpus_per_worker
-    patch.status["observedGeneration"] = generation
-    if status.get("phase") in (None, Phase.PENDING.value, Phase.CREATING.value) or previous_attempt is not None:
-        _set_phase(patch, owner.namespace, owner.name, Phase.CREATING, f"PyTorchJob {job_name} created")
+def adopted(child: Obj, owner: Mapping[str, Any]) -> Obj:
+    """The child with the LlamaFineTune as its controller owner (kopf.adopt mutates in place)."""
+    kopf.adopt(child, owner=cast(kopf.Body, dict(owner)))
+    return child
 
 
-def _ensure_monitoring(body: kopf.Body, owner: Owner, spec: LlamaFineTuneSpec, patch: kopf.Patch,
-                       status: dict[str, Any], generation: int | None) -> None:
-    """PodMonitor, alerts and dashboard; a cluster without the Prometheus Operator gets a warning,
-    never a blocked run."""
-    k = kube()
+def _condition_is(status: Mapping[str, Any], type_: str, value: str, generation: int | None) -> bool:
+    return any(c.get("type") == type_ and c.get("status") == value and c.get("observedGeneration") == generation
+               for c in status.get("conditions", []) or [])
+
+
+@kopf.daemon(*RESOURCE, cancellation_timeout=5.0)
+async def run_lifecycle(name: str | None, namespace: str | None, memo: kopf.Memo, stopped: kopf.DaemonStopped,
+                        logger: Any, **_: Any) -> None:
+    """The object's lifecycle loop: one step now, then one per wake-up or requeue."""
+    assert name is not None and namespace is not None
+    loop = asyncio.get_running_loop()
+    woken = asyncio.Event()
+    memo["wakers"][(namespace, name)] = (loop, woken)
+    step = Step(memo, namespace, name, logger)
     try:
-        for obj in monitoring.monitoring_objects(owner, spec, dict(SETTINGS.dashboard_labels)):
-            if obj["kind"] == "ConfigMap":
-                k.apply_config_map(owner.namespace, adopted(obj, body))
-            else:
-                k.ensure(owner.namespace, adopted(obj, body))
-    except MonitoringUnavailable as exc:
-        if not any(c.get("type") == "MonitoringReady" for c in status.get("conditions", [])):
-            kopf.warn(body, reason="MonitoringUnavailable", message=f"{exc}: install the Prometheus Operator for metrics and alerts")
-        _condition(patch, status, "MonitoringReady", False, "PrometheusOperatorMissing", str(exc), generation)
-        return
-    _condition(patch, status, "MonitoringReady", True, "MonitoringCreated", "PodMonitor, alerts and dashboard are in place", generation)
+        while not stopped:
+            woken.clear()
+            try:
+                delay = await asyncio.to_thread(step.run)
+            except kopf.TemporaryError as exc:
+                delay = exc.delay or 5.0
+            except Exception as exc:  # an API hiccup must not end the object's lifecycle
+                logger.exception(f"lifecycle step failed: {exc}")
+                delay = 5.0
+            waits = [asyncio.ensure_future(woken.wait()), asyncio.ensure_future(stopped.wait())]
+            try:
+                await asyncio.wait(waits, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+    finally:
+        if memo["wakers"].get((namespace, name), (None, None))[1] is woken:
+            del memo["wakers"][(namespace, name)]
 
 
-@kopf.on.resume(*RESOURCE)
-@kopf.on.create(*RESOURCE)
-def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, patch: kopf.Patch, **_: Any) -> None:
-    with measured("reconcile"), _lock(meta["namespace"], meta["name"]):
-        generation = meta.get("generation")
-        st = dict(status)
-        if st.get("phase") in {p.value for p in TERMINAL_PHASES} and st.get("jobName"):
-            return  # a finished run is not started again on operator restart
-        parsed = _validated(body, spec, patch, st, generation)
-        if parsed is None:
-            _set_phase(patch, meta["namespace"], meta["name"], Phase.FAILED, "invalid spec: see the Valid condition and events")
-            return
-        owner = Owner(meta["name"], meta["namespace"], meta.get("uid", ""))
-        _start_attempt(body, owner, parsed, int(st.get("attempt") or 1), patch, st, generation)
+# ----------------------------------------------------------------------- children -> owner
+@kopf.on.event("kubeflow.org", "v1", "pytorchjobs", labels={LABEL_FINETUNE: kopf.PRESENT})
+@kopf.on.event("", "v1", "pods", labels={LABEL_FINETUNE: kopf.PRESENT, "app.kubernetes.io/component": "trainer"})
+def child_changed(meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+    """A PyTorchJob or trainer pod changed: its owner's lifecycle looks now, not at the next sync."""
+    owner = (meta.get("labels") or {}).get(LABEL_FINETUNE)
+    if owner and meta.get("namespace"):
+        wake(memo, str(meta["namespace"]), str(owner))
 
 
+# ------------------------------------------------------------------------------ spec changes
 IN_PLACE_FIELDS = {("runPolicy", "suspend"), ("cluster", "workers")}
 
 
@@ -261,159 +459,90 @@ def changed_fields(old: Any, new: LlamaFineTuneSpec) -> set[tuple[str, ...]]:
 
 
 @kopf.on.update(*RESOURCE, field="spec")
-def spec_changed(body: kopf.Body, old: Any, new: Any, meta: kopf.Meta, status: kopf.Status,
-                 patch: kopf.Patch, **_: Any) -> None:
-    with measured("update"), _lock(meta["namespace"], meta["name"]):
-        generation = meta.get("generation")
-        st = dict(status)
-        parsed = _validated(body, new, patch, st, generation, old=old)
-        if parsed is None:
+def spec_changed(body: kopf.Body, old: Any, new: Any, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+    namespace, name = str(meta["namespace"]), str(meta["name"])
+    k, settings = kube_of(memo), settings_of(memo)
+    with measured("update"), object_lock(memo):
+        obj = k.get_finetune(namespace, name)
+        if obj is None:
+            return
+        status = dict(obj.get("status") or {})
+        generation = obj["metadata"].get("generation")
+        attempt = int(status.get("attempt") or 0)
+        parsed = validated(memo, obj, old=old)
+        memo.pop("validated", None)
+        if isinstance(parsed, SpecInvalid):
+            for error in parsed.errors:
+                kopf.warn(body, reason="InvalidSpec", message=str(error))
+            conditions = observe.set_condition(list(status.get("conditions", [])), "Valid", "False", "InvalidSpec",
+                                               invalid_message(parsed), generation, lifecycle.iso(now()))
+            k.patch_finetune_status(namespace, name, {"conditions": conditions})
             return  # the running attempt continues with the last valid spec
-        owner = Owner(meta["name"], meta["namespace"], meta.get("uid", ""))
-        attempt = int(st.get("attempt") or 1)
-        changed = changed_fields(old, parsed)
+        if attempt == 0:
+            wake(memo, namespace, name)  # never started (its spec was invalid): the lifecycle starts it
+            return
+        if status.get("phase") in TERMINAL:
+            kopf.info(body, reason="Finished", message=f"the run has {str(status['phase']).lower()}: spec changes do not "
+                      "start it again; create a new LlamaFineTune (or delete and re-apply this one)")
+            k.patch_finetune_status(namespace, name, {"observedGeneration": generation})
+            return
+        owner = Owner(name, namespace, obj["metadata"].get("uid", ""))
         job_name = owner.job_name(attempt)
-        k = kube()
+        changed = changed_fields(old, parsed)
         if not changed:
             # e.g. a default written out explicitly: nothing the run sees differs, so nothing restarts.
-            patch.status["observedGeneration"] = generation
+            k.patch_finetune_status(namespace, name, {"observedGeneration": generation})
             return
         if changed <= IN_PLACE_FIELDS and (("cluster", "workers") not in changed or parsed.cluster.elastic):
             if ("runPolicy", "suspend") in changed:
                 if not parsed.run_policy.suspend:
-                    _reset(body, owner, parsed, [attempt])  # resumed pods must not meet a closed rendezvous
-                k.patch_job(owner.namespace, job_name, {"spec": {"runPolicy": {"suspend": parsed.run_policy.suspend}}})
+                    # resumed pods must not meet a closed rendezvous
+                    reset_rendezvous(settings, owner, parsed, [attempt], lambda r, m: kopf.info(body, reason=r, message=m))
+                k.patch_job(namespace, job_name, {"spec": {"runPolicy": {"suspend": parsed.run_policy.suspend}}})
                 kopf.info(body, reason="Suspended" if parsed.run_policy.suspend else "Resumed",
                           message=f"PyTorchJob {job_name} {'suspended' if parsed.run_policy.suspend else 'resumed'}")
             if ("cluster", "workers") in changed:
-                k.patch_job(owner.namespace, job_name, {"spec": {"pytorchReplicaSpecs": {"Worker": {"replicas": parsed.cluster.workers}}}})
+                k.patch_job(namespace, job_name, {"spec": {"pytorchReplicaSpecs": {"Worker": {"replicas": parsed.cluster.workers}}}})
                 kopf.info(body, reason="Scaled", message=f"elastic workers -> {parsed.cluster.workers}")
-            patch.status["observedGeneration"] = generation
+            k.patch_finetune_status(namespace, name, {"observedGeneration": generation})
+            wake(memo, namespace, name)
             return
         fields = ", ".join(".".join(c) for c in sorted(changed)) or "spec"
-        k.delete_job(owner.namespace, job_name)
+        k.patch_finetune_status(namespace, name, {
+            "attempt": attempt + 1, "phase": Phase.RESTARTING.value, "retryAfter": None, "lastProgressTime": None,
+            "message": f"{fields} changed: restarting from the latest checkpoint as attempt {attempt + 1}",
+            "observedGeneration": generation,
+        })
+        k.delete_job(namespace, job_name)
         kopf.info(body, reason="SpecChanged", message=f"{fields} changed: restarting from the latest checkpoint as attempt {attempt + 1}")
-        _start_attempt(body, owner, parsed, attempt + 1, patch, st, generation, previous_attempt=attempt)
+    wake(memo, namespace, name)
 
 
+# ---------------------------------------------------------------------------------- delete
 @kopf.on.delete(*RESOURCE)
-def cleanup(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, **_: Any) -> None:
-    with measured("delete"):
-        owner = Owner(meta["name"], meta["namespace"], meta.get("uid", ""))
-        k = kube()
-        jobs = k.list_jobs(owner.namespace, f"{LABEL_FINETUNE}={owner.name}")
+def cleanup(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, memo: kopf.Memo, **_: Any) -> None:
+    namespace, name = str(meta["namespace"]), str(meta["name"])
+    k, settings = kube_of(memo), settings_of(memo)
+    with measured("delete"), object_lock(memo):
+        owner = Owner(name, namespace, meta.get("uid", ""))
+        jobs = [j for j in k.list_jobs(namespace, f"{LABEL_FINETUNE}={name}") if owned_by(j, owner.uid)]
         for job in jobs:
-            k.delete_job(owner.namespace, job["metadata"]["name"])
+            k.delete_job(namespace, job["metadata"]["name"])
         try:
             parsed: LlamaFineTuneSpec | None = LlamaFineTuneSpec.model_validate(dict(spec))
         except ValueError:
             parsed = None
-        if parsed is not None and parsed.rendezvous.endpoint is not None and status.get("attempt"):
+        attempt = int(status.get("attempt") or 0)
+        if parsed is not None and parsed.rendezvous.endpoint is not None and attempt:
             try:
-                rendezvous.reset(_rendezvous_address(owner, parsed, int(status["attempt"])), parsed.rendezvous.backend,
-                                 owner.rendezvous_id(int(status["attempt"])))
+                reset_rendezvous(settings, owner, parsed, [attempt], lambda r, m: None)
             except rendezvous.RendezvousResetError as exc:
                 kopf.warn(body, reason="RendezvousResetFailed", message=f"left rendezvous state behind: {exc}")
-        for kind, name in (("Deployment", owner.etcd), ("Service", owner.etcd), ("ConfigMap", owner.config_map),
-                           ("ConfigMap", f"{owner.name}-dashboard"), ("PodMonitor", f"{owner.name}-trainer"),
-                           ("PrometheusRule", f"{owner.name}-alerts")):
-            k.delete(owner.namespace, kind, name)
-        _PHASES.pop(f"{owner.namespace}/{owner.name}", None)
+        # Explicit deletes of what this incarnation owns (garbage collection would get there too, but
+        # only after the CR is gone, and a re-applied CR of the same name would meet them meanwhile).
+        for kind, child in (("Deployment", owner.etcd), ("Service", owner.etcd), ("ConfigMap", owner.config_map),
+                            ("ConfigMap", f"{owner.name}-dashboard"), ("PodMonitor", f"{owner.name}-trainer"),
+                            ("PrometheusRule", f"{owner.name}-alerts")):
+            k.delete(namespace, kind, child)
+        record_phase(memo, namespace, name, None)
         kopf.info(body, reason="Deleted", message=f"removed {len(jobs)} PyTorchJob(s), etcd and config; checkpoints are kept")
-
-
-# ------------------------------------------------------------------------------ status sync
-def _progress_docs(pods: list[dict[str, Any]], port: int) -> list[dict[str, Any]]:
-    docs = []
-    for pod in pods:
-        ip = pod.get("status", {}).get("podIP")
-        if not ip or pod.get("status", {}).get("phase") != "Running":
-            continue
-        try:
-            with urllib.request.urlopen(f"http://{ip}:{port}/progress", timeout=SETTINGS.progress_timeout_s) as resp:
-                docs.append(json.loads(resp.read()))
-        except (OSError, ValueError):
-            continue
-    return docs
-
-
-@kopf.timer(*RESOURCE, interval=SETTINGS.sync_interval_s, initial_delay=SETTINGS.sync_interval_s / 2)
-def sync(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, patch: kopf.Patch, **_: Any) -> None:
-    st = dict(status)
-    if not st.get("jobName") or meta.get("deletionTimestamp"):
-        return
-    with measured("sync"), _lock(meta["namespace"], meta["name"]):
-        try:
-            parsed = LlamaFineTuneSpec.model_validate(dict(spec))
-        except ValueError:
-            return
-        owner = Owner(meta["name"], meta["namespace"], meta.get("uid", ""))
-        k = kube()
-        attempt = int(st.get("attempt") or 1)
-        job = k.get_job(owner.namespace, owner.job_name(attempt))
-        pods = k.list_pods(owner.namespace, f"training.kubeflow.org/job-name={owner.job_name(attempt)}")
-        docs = _progress_docs(pods, parsed.monitoring.metrics_port)
-        obs = observe.observe(job, pods, docs, st, generation=meta.get("generation"), now=now())
-        phase = Phase(obs.status["phase"])
-        evidence = observe.closed_rendezvous(job, pods) if phase is Phase.FAILED else None
-        if evidence is not None:
-            _recover(body, owner, parsed, st, patch, obs, evidence, attempt)
-            return
-        for key, value in obs.status.items():
-            if key not in ("phase", "message"):
-                patch.status[key] = value
-        _set_phase(patch, owner.namespace, owner.name, phase, obs.status["message"])
-        if phase is Phase.FAILED and st.get("phase") != Phase.FAILED.value:
-            patch.status["completionTime"] = obs.status.get("completionTime") or now()
-        for event in obs.events:
-            kopf.event(body, type=event.type, reason=event.reason, message=event.message)
-        if SETTINGS.prometheus_url and phase in (Phase.RUNNING, Phase.RESTARTING):
-            _gpu_health(body, owner, patch, obs.status, st, phase is Phase.RUNNING)
-
-
-def _gpu_health(body: kopf.Body, owner: Owner, patch: kopf.Patch, status: dict[str, Any], previous: dict[str, Any], running: bool) -> None:
-    assert SETTINGS.prometheus_url is not None
-    xid_query, util_query = gpu_health.queries(owner)
-    try:
-        health = gpu_health.assess(
-            gpu_health.query(SETTINGS.prometheus_url, xid_query), gpu_health.query(SETTINGS.prometheus_url, util_query), running
-        )
-    except (OSError, RuntimeError, ValueError) as exc:
-        health = gpu_health.Health(True, "MetricsUnavailable", f"cannot query {SETTINGS.prometheus_url}: {exc}")
-    before = next((c for c in previous.get("conditions", []) if c.get("type") == "GPUHealthy"), None)
-    _condition(patch, status, "GPUHealthy", health.healthy, health.reason, health.message, status.get("observedGeneration"))
-    if not health.healthy and (before is None or before.get("status") != "False" or before.get("reason") != health.reason):
-        kopf.warn(body, reason=health.reason, message=health.message)
-
-
-def _recover(body: kopf.Body, owner: Owner, spec: LlamaFineTuneSpec, st: dict[str, Any], patch: kopf.Patch,
-             obs: observe.Observation, evidence: str, attempt: int) -> None:
-    """A run that died of a closed rendezvous: reset and resubmit with backoff, within budget."""
-    used = int(st.get("retriesUsed") or 0)
-    budget = spec.run_policy.retry_budget
-    if used >= budget:
-        _set_phase(patch, owner.namespace, owner.name, Phase.FAILED,
-                   f"RendezvousClosedError and the retry budget ({budget}) is used up")
-        if st.get("phase") != Phase.FAILED.value:
-            kopf.warn(body, reason="RetryBudgetExhausted", message=f"not resubmitting: {used}/{budget} retries used; last error: {evidence}")
-        return
-    delay = SETTINGS.retry_backoff_s * (2**used)
-    retry_at = st.get("retryAfter")
-    if retry_at is None:
-        when = (datetime.now(UTC) + timedelta(seconds=delay)).isoformat(timespec="seconds").replace("+00:00", "Z")
-        patch.status["retryAfter"] = when
-        _set_phase(patch, owner.namespace, owner.name, Phase.RESTARTING, f"closed rendezvous; resubmitting at {when}")
-        kopf.warn(body, reason="RendezvousClosed", message=f"attempt {attempt} failed: {evidence[:300]}; resubmitting in {delay:.0f}s ({used + 1}/{budget})")
-        if delay > 0:
-            return
-    elif datetime.fromisoformat(str(retry_at).replace("Z", "+00:00")) > datetime.now(UTC):
-        return
-    kube().delete_job(owner.namespace, owner.job_name(attempt))
-    RETRIES.labels("RendezvousClosedError").inc()
-    patch.status["retriesUsed"] = used + 1
-    patch.status["retryAfter"] = None
-    patch.status["workers"] = obs.status["workers"]
-    kopf.info(body, reason="Resubmitted", message=f"resubmitting as attempt {attempt + 1} after resetting the rendezvous ({used + 1}/{budget})")
-    _start_attempt(body, owner, spec, attempt + 1, patch, st, None, previous_attempt=attempt)
-    _set_phase(patch, owner.namespace, owner.name, Phase.RESTARTING, f"resubmitted as attempt {attempt + 1}")
-

@@ -13,14 +13,17 @@ from kubernetes.client.exceptions import ApiException
 
 Obj = dict[str, Any]
 PYTORCHJOBS = ("kubeflow.org", "v1", "pytorchjobs")
+LLAMAFINETUNES = ("llamaft.io", "v1alpha1", "llamafinetunes")
 
 # (api group, resource, verbs): what this module calls. tests/operator/test_rbac.py checks the
 # chart's Role against it.
 API_CALLS: list[tuple[str, str, tuple[str, ...]]] = [
+    ("llamaft.io", "llamafinetunes", ("get",)),
+    ("llamaft.io", "llamafinetunes/status", ("patch",)),
     ("kubeflow.org", "pytorchjobs", ("get", "list", "create", "patch", "delete")),
     ("", "configmaps", ("get", "create", "patch", "delete")),
     ("apps", "deployments", ("get", "create", "delete")),
-    ("", "services", ("create", "delete")),
+    ("", "services", ("get", "create", "delete")),
     ("", "pods", ("list",)),
     ("monitoring.coreos.com", "podmonitors", ("create", "delete")),
     ("monitoring.coreos.com", "prometheusrules", ("create", "delete")),
@@ -30,6 +33,20 @@ MONITORING = {"PodMonitor": "podmonitors", "PrometheusRule": "prometheusrules"}
 
 class MonitoringUnavailable(RuntimeError):
     """The Prometheus Operator's CRDs are not installed in the cluster."""
+
+
+class ForeignObject(RuntimeError):
+    """An object of the wanted name exists but belongs to another owner, typically the previous
+    incarnation of a LlamaFineTune deleted and re-applied at once: wait until it is gone."""
+
+
+def owned_by(obj: Obj, uid: str) -> bool:
+    return any(ref.get("uid") == uid for ref in obj.get("metadata", {}).get("ownerReferences", []) or [])
+
+
+def _owner_uid(obj: Obj) -> str | None:
+    refs = obj.get("metadata", {}).get("ownerReferences", []) or []
+    return str(refs[0].get("uid")) if refs else None
 
 
 def _plain(api: client.ApiClient, obj: Any) -> Obj:
@@ -43,6 +60,22 @@ class Kube:
         self.core = client.CoreV1Api(self.api)
         self.apps = client.AppsV1Api(self.api)
         self.custom = client.CustomObjectsApi(self.api)
+
+    # --------------------------------------------------------------------- LlamaFineTunes
+    def get_finetune(self, namespace: str, name: str) -> Obj | None:
+        """A fresh read (the lifecycle must never decide on a status older than its last write)."""
+        try:
+            return cast(Obj, self.custom.get_namespaced_custom_object(*LLAMAFINETUNES[:2], namespace, LLAMAFINETUNES[2], name))
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def patch_finetune_status(self, namespace: str, name: str, status: Obj) -> None:
+        """A JSON merge patch of .status (None values remove fields)."""
+        self.custom.patch_namespaced_custom_object_status(
+            *LLAMAFINETUNES[:2], namespace, LLAMAFINETUNES[2], name, {"status": status}
+        )
 
     # ------------------------------------------------------------------------- PyTorchJobs
     def get_job(self, namespace: str, name: str) -> Obj | None:
@@ -84,7 +117,7 @@ class Kube:
 
     # ------------------------------------------------------------------- built-in objects
     def apply_config_map(self, namespace: str, cm: Obj) -> str:
-        """created | updated | unchanged."""
+        """created | updated | unchanged; ForeignObject when another owner's ConfigMap has the name."""
         name = cm["metadata"]["name"]
         try:
             current = _plain(self.api, self.core.read_namespaced_config_map(name, namespace))
@@ -93,13 +126,37 @@ class Kube:
                 raise
             self.core.create_namespaced_config_map(namespace, cast(Any, cm))  # the client takes plain dicts
             return "created"
+        self._check_owner(current, cm)
         if current.get("data") == cm["data"]:
             return "unchanged"
         self.core.patch_namespaced_config_map(name, namespace, {"data": cm["data"]})
         return "updated"
 
+    @staticmethod
+    def _check_owner(current: Obj, wanted: Obj) -> None:
+        uid = _owner_uid(wanted)
+        if uid and not owned_by(current, uid) and current.get("metadata", {}).get("ownerReferences"):
+            raise ForeignObject(f"{wanted['kind']} {wanted['metadata']['name']} still belongs to "
+                                f"{current['metadata']['ownerReferences'][0].get('uid')} (being deleted)")
+        if uid and current.get("metadata", {}).get("deletionTimestamp"):
+            raise ForeignObject(f"{wanted['kind']} {wanted['metadata']['name']} is being deleted")
+
+    def _read(self, namespace: str, obj: Obj) -> Obj | None:
+        name = obj["metadata"]["name"]
+        try:
+            if obj["kind"] == "Deployment":
+                return _plain(self.api, self.apps.read_namespaced_deployment(name, namespace))
+            if obj["kind"] == "Service":
+                return _plain(self.api, self.core.read_namespaced_service(name, namespace))
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return None
+
     def ensure(self, namespace: str, obj: Obj) -> bool:
-        """Create a Deployment or Service unless it exists; True when created."""
+        """Create a Deployment, Service or monitoring object unless it exists; True when created.
+        ForeignObject when a Deployment or Service of that name belongs to another owner."""
         try:
             if obj["kind"] == "Deployment":
                 self.apps.create_namespaced_deployment(namespace, cast(Any, obj))
@@ -112,6 +169,9 @@ class Kube:
             return True
         except ApiException as exc:
             if exc.status == 409:
+                current = self._read(namespace, obj)
+                if current is not None:
+                    self._check_owner(current, obj)
                 return False
             if exc.status == 404 and obj["kind"] in MONITORING:
                 raise MonitoringUnavailable(f"{obj['kind']} (monitoring.coreos.com/v1) is not served by this cluster") from exc

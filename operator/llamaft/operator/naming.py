@@ -1,12 +1,16 @@
 """Names and labels of everything the operator creates for a LlamaFineTune.
 
-Names derive from the CR's name (at most 50 characters, DNS-1035; enforced by the CRD), so they are
-stable across operator restarts: finding an object by name is how reconciliation stays idempotent.
+Names derive from the CR's name (at most `resource.MAX_NAME_LENGTH` characters, DNS-1035; enforced
+by the CRD), so they are stable across operator restarts: finding an object by name is how
+reconciliation stays idempotent. Attempts' job names also carry a token of the CR's uid, so a CR
+deleted and re-applied at once (a new uid) never meets the job its predecessor is still deleting.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from llamaft.api.resource import INCARNATION_TOKEN_LENGTH
 
 MANAGED_BY = "llamaft-operator"
 LABEL_FINETUNE = "llamaft.io/finetune"
@@ -25,9 +29,15 @@ class Owner:
     namespace: str
     uid: str = ""
 
+    @property
+    def token(self) -> str:
+        """The incarnation token: the start of the uid (empty when rendering without a cluster)."""
+        return self.uid.replace("-", "")[:INCARNATION_TOKEN_LENGTH]
+
     def job_name(self, attempt: int) -> str:
-        """One PyTorchJob per attempt: a resubmission never races the deletion of the last one."""
-        return f"{self.name}-{attempt}"
+        """One PyTorchJob per attempt and incarnation: a resubmission never races the deletion of
+        the last attempt's job, and a re-applied CR never meets its predecessor's."""
+        return f"{self.name}-{self.token}-{attempt}" if self.token else f"{self.name}-{attempt}"
 
     def rendezvous_id(self, attempt: int) -> str:
         """Unique per run attempt (never torch's shared default "none"), stable for that attempt."""

@@ -1,0 +1,365 @@
+"""(observed state) -> decision: the run lifecycle as one pure function.
+
+The kopf handlers gather what is true now (the LlamaFineTune's status, the current attempt's
+PyTorchJob and pods, the leader's live progress, GPU health, the clock) into `Observed`; `decide`
+returns what to do (`Decision`: jobs to delete, the attempt to start, the status to write, events,
+when to look again) and the handlers carry it out. Nothing here talks to the API or reads a clock,
+so every path is a row in a table test (tests/operator/test_lifecycle.py).
+
+The rules, in order:
+1. A finished run (Succeeded, or Failed after it started) is final: nothing regresses its status
+   (the job going away through ttlSecondsAfterFinished, a manual delete, a late pod event).
+2. Jobs of other attempts that are not yet being deleted are deleted: one live job per run.
+3. The current attempt has no job: wait while a job of that name is still being deleted or
+   belongs to another incarnation (uid); wait for a pending retry's backoff; else create it.
+4. The attempt succeeded (a pod's final report, or the job Succeeded and every pod ended): the
+   final status is the trainer's final report.
+5. The attempt failed (`failures.classify`, a GPU XID, or no step advance within the progress
+   deadline): a retryable cause within `runPolicy.retryBudget` (and not the same failure at the same
+   step `repeatedFailureLimit` times in a row) starts the next attempt from the newest checkpoint,
+   the first retry at once and later ones with exponential backoff; anything else ends `Failed`.
+6. Otherwise the status follows the job (Creating, Running, Restarting, Suspended) and progress.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from llamaft.api.resource import MAX_ATTEMPTS
+from llamaft.api.spec import LlamaFineTuneSpec
+from llamaft.api.status import TERMINAL_PHASES, Phase
+from llamaft.operator import failures, observe
+from llamaft.operator.failures import Failure
+from llamaft.operator.observe import Event
+
+Obj = Mapping[str, Any]
+MAX_FAILURE_HISTORY = 20
+MAX_EXCLUDED_NODES = 16
+MAX_BACKOFF_SECONDS = 600.0
+SUCCESS_REPORT_WAIT_SECONDS = 30.0
+"""After the job succeeds, how long to wait for the pod that ran global rank 0 to end (its
+termination message is the final report) before settling for the last live progress."""
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything the lifecycle decides on, as read by the handlers."""
+
+    spec: LlamaFineTuneSpec
+    status: Mapping[str, Any]
+    now: datetime
+    job_name: str
+    """The current attempt's job name."""
+    job: Obj | None = None
+    """The current attempt's PyTorchJob, when it exists and is this incarnation's."""
+    job_deleting: bool = False
+    """A job of the current attempt's name is being deleted (or belongs to another incarnation)."""
+    stale_jobs: Sequence[str] = ()
+    """This run's jobs of other attempts that are not yet being deleted."""
+    pods: Sequence[Obj] = ()
+    """Pods of the current attempt's job."""
+    progress: Mapping[str, Any] | None = None
+    """The leader's live /progress document."""
+    gpu: Failure | None = None
+    """A GPU XID on one of the job's GPUs (failures.gpu_failure)."""
+    retry_backoff_s: float = 10.0
+    generation: int | None = None
+    """metadata.generation, for the conditions' observedGeneration."""
+
+
+@dataclass
+class Decision:
+    status: dict[str, Any] = field(default_factory=dict)
+    """Merge patch for .status."""
+    delete_jobs: list[str] = field(default_factory=list)
+    start_attempt: int | None = None
+    """Create this attempt's job (after resetting its rendezvous)."""
+    requeue_after: float | None = None
+    """Look again after this many seconds even without an event."""
+    events: list[Event] = field(default_factory=list)
+    retry: Failure | None = None
+    """Set when this decision spends a retry (for metrics)."""
+
+
+def iso(t: datetime) -> str:
+    return t.isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def parse_time(text: Any) -> datetime | None:
+    if not text:
+        return None
+    try:
+        return datetime.fromisoformat(str(text).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def backoff(retries_used: int, base_s: float) -> float:
+    """The first retry goes at once; later ones wait base, 2 x base, ... up to 10 minutes."""
+    if retries_used <= 0:
+        return 0.0
+    return float(min(base_s * 2 ** (retries_used - 1), MAX_BACKOFF_SECONDS))
+
+
+def _conditions(status: Mapping[str, Any], updates: Sequence[tuple[str, bool, str, str]], generation: int | None,
+                now: str) -> list[dict[str, Any]]:
+    conditions = list(status.get("conditions", []) or [])
+    for type_, ok, reason, message in updates:
+        conditions = observe.set_condition(conditions, type_, "True" if ok else "False", reason, message, generation, now)
+    return conditions
+
+
+def _last_step(obs: Observed) -> int | None:
+    live = (obs.progress or {}).get("step")
+    if isinstance(live, int):
+        return live
+    step = (obs.status.get("progress") or {}).get("step")
+    return step if isinstance(step, int) else None
+
+
+def _final_report(pods: Sequence[Obj]) -> dict[str, Any] | None:
+    """The trainer's Succeeded report (written by global rank 0's pod only)."""
+    for pod in pods:
+        state = failures.terminated(pod)
+        report = failures.trainer_report(state.get("message") if state else None)
+        if report is not None and report.get("phase") == "Succeeded":
+            return report
+    return None
+
+
+def _all_pods_ended(pods: Sequence[Obj]) -> bool:
+    return all(p.get("status", {}).get("phase") in ("Succeeded", "Failed") for p in pods)
+
+
+def _job_succeeded(job: Obj | None) -> bool:
+    return any(c.get("type") == "Succeeded" and c.get("status") == "True"
+               for c in (job or {}).get("status", {}).get("conditions", []) or [])
+
+
+def _succeeded_since(job: Obj | None) -> datetime | None:
+    status = (job or {}).get("status", {})
+    for c in status.get("conditions", []) or []:
+        if c.get("type") == "Succeeded" and c.get("status") == "True":
+            return parse_time(c.get("lastTransitionTime")) or parse_time(status.get("completionTime"))
+    return None
+
+
+def _job_failed(job: Obj | None) -> bool:
+    return any(c.get("type") == "Failed" and c.get("status") == "True"
+               for c in (job or {}).get("status", {}).get("conditions", []) or [])
+
+
+PROGRESS_FROM_REPORT = {"step": "step", "totalSteps": "totalSteps", "loss": "loss", "evalLoss": "evalLoss",
+                        "tokensPerSecond": "tokensPerSecond", "epoch": "epoch"}
+
+
+def _progress_with_report(previous: Mapping[str, Any], report: Mapping[str, Any] | None, now: str) -> dict[str, Any]:
+    progress = dict(previous)
+    if report:
+        for src, dst in PROGRESS_FROM_REPORT.items():
+            if report.get(src) is not None:
+                progress[dst] = report[src]
+        progress["updatedAt"] = now
+    if progress.get("step") is not None and progress.get("totalSteps") is not None:
+        progress["stepOfTotal"] = f"{progress['step']}/{progress['totalSteps']}"
+    return progress
+
+
+def decide(obs: Observed) -> Decision:
+    st = obs.status
+    phase = st.get("phase")
+    attempt = int(st.get("attempt") or 0)
+    d = Decision()
+    if phase in {p.value for p in TERMINAL_PHASES} and attempt > 0:
+        return d  # rule 1
+    d.delete_jobs = list(obs.stale_jobs)  # rule 2
+    attempt = max(attempt, 1)
+    if obs.job is None:
+        return _no_job(obs, attempt, d)  # rule 3
+    return _with_job(obs, attempt, d)
+
+
+def _no_job(obs: Observed, attempt: int, d: Decision) -> Decision:
+    st, now = obs.status, iso(obs.now)
+    if obs.job_deleting:
+        d.status.update(phase=st.get("phase") or Phase.CREATING.value,
+                        message=f"waiting for the earlier PyTorchJob {obs.job_name} to be deleted")
+        d.requeue_after = 1.0
+        return d
+    retry_at = parse_time(st.get("retryAfter"))
+    if retry_at is not None and retry_at > obs.now:
+        d.requeue_after = max(0.5, (retry_at - obs.now).total_seconds())
+        return d
+    d.start_attempt = attempt
+    first = int(st.get("attempt") or 0) == 0
+    d.status.update(
+        attempt=attempt, jobName=obs.job_name, retryAfter=None, attemptStartTime=now, lastProgressTime=None,
+    )
+    if first or st.get("phase") in (None, Phase.PENDING.value, Phase.CREATING.value):
+        d.status.update(phase=Phase.CREATING.value, message=f"creating PyTorchJob {obs.job_name}")
+    else:
+        d.status.update(phase=Phase.RESTARTING.value,
+                        message=f"resubmitted as attempt {attempt}: PyTorchJob {obs.job_name} resumes from the newest checkpoint")
+    return d
+
+
+def _stalled(obs: Observed, progress_step: int | None, last_progress: datetime | None) -> Failure | None:
+    """No step advance within the deadline (with the startup grace before the attempt's first step)."""
+    policy = obs.spec.run_policy
+    started = parse_time(obs.status.get("attemptStartTime"))
+    if last_progress is not None:
+        since, allowed = last_progress, policy.progress_deadline_seconds
+    elif started is not None:
+        since, allowed = started, policy.progress_deadline_seconds + policy.startup_grace_seconds
+    else:
+        return None
+    if obs.now - since <= timedelta(seconds=allowed):
+        return None
+    leader = obs.status.get("leaderPod") or "the leader pod"
+    where = f"last step {progress_step}" if progress_step is not None else "no step yet in this attempt"
+    return Failure(failures.STALLED, f"no step advance for {allowed}s ({where}; leader {leader}): "
+                   "a hung collective, a stuck data loader or a stopped process", True,
+                   pod=obs.status.get("leaderPod"), step=progress_step)
+
+
+def _with_job(obs: Observed, attempt: int, d: Decision) -> Decision:
+    st, now, generation = obs.status, iso(obs.now), st_generation(obs)
+    report = _final_report(obs.pods)
+    if report is not None or (_job_succeeded(obs.job) and _all_pods_ended(obs.pods)):
+        return _succeeded(obs, d, report)  # rule 4
+    if _job_succeeded(obs.job):
+        if obs.now - (_succeeded_since(obs.job) or obs.now) < timedelta(seconds=SUCCESS_REPORT_WAIT_SECONDS):
+            d.requeue_after = 1.0
+            d.status["message"] = f"PyTorchJob {obs.job_name} succeeded: waiting for the leader's final report"
+            return d
+        return _succeeded(obs, d, None)
+    suspended = obs.spec.run_policy.suspend
+    failure = None
+    last_step = _last_step(obs)
+    progress_doc = obs.progress
+    # Progress clock: the operator's own observation of the step changing.
+    last_progress = parse_time(st.get("lastProgressTime"))
+    live_step = (progress_doc or {}).get("step")
+    known_step = (st.get("progress") or {}).get("step")
+    if isinstance(live_step, int) and (last_progress is None or live_step != known_step):
+        last_progress = obs.now
+        d.status["lastProgressTime"] = now
+    if not suspended:
+        failure = failures.classify(obs.job, obs.pods, None, last_step) or obs.gpu
+        job_phase, _, _ = observe.job_phase(obs.job)
+        if failure is None and job_phase is Phase.RUNNING:
+            failure = _stalled(obs, last_step, last_progress)
+    if failure is not None:
+        return _failed_attempt(obs, attempt, d, failure)  # rule 5
+    o = observe.observe(obs.job, obs.pods, [progress_doc] if progress_doc else [], st, generation=generation, now=now)
+    d.status.update({k: v for k, v in o.status.items() if k != "observedGeneration"})
+    if o.status["phase"] == Phase.CREATING.value and st.get("phase") == Phase.RESTARTING.value:
+        d.status["phase"] = Phase.RESTARTING.value  # the new attempt's job exists; its pods are not running yet
+        d.status["message"] = st.get("message")
+    d.events += o.events
+    return d
+
+
+def st_generation(obs: Observed) -> int | None:
+    return obs.generation
+
+
+def _succeeded(obs: Observed, d: Decision, report: Mapping[str, Any] | None) -> Decision:
+    st, now = obs.status, iso(obs.now)
+    o = observe.observe(obs.job, obs.pods, [obs.progress] if obs.progress else [], st, generation=st_generation(obs), now=now)
+    progress = _progress_with_report(o.status.get("progress", {}), report, now)
+    message = f"PyTorchJob {obs.job_name} succeeded" + (f" at step {progress['step']}" if progress.get("step") is not None else "")
+    d.status.update({k: v for k, v in o.status.items() if k not in ("observedGeneration", "conditions", "phase", "message")})
+    d.status.update(
+        phase=Phase.SUCCEEDED.value, message=message, progress=progress,
+        completionTime=(obs.job or {}).get("status", {}).get("completionTime") or now,
+        conditions=_conditions(st, [("Running", False, "NotRunning", ""), ("Succeeded", True, "Succeeded", message),
+                                    ("Failed", False, "NotFailed", "")], st_generation(obs), now),
+    )
+    if report is not None and report.get("exportPath"):
+        d.status["exportPath"] = report["exportPath"]
+    d.events.append(Event("Normal", "Succeeded", message))
+    return d
+
+
+def _repeated(history: Sequence[Mapping[str, Any]], failure: Failure, attempt: int, limit: int) -> bool:
+    """The same failure at the same step in `limit` consecutive attempts, this one included."""
+    needed = limit - 1
+    recent = list(history)[-needed:] if needed else []
+    if len(recent) < needed:
+        return False
+    for offset, record in enumerate(reversed(recent), start=1):
+        if record.get("attempt") != attempt - offset or (record.get("reason"), record.get("step")) != failure.signature():
+            return False
+    return True
+
+
+def _failed_attempt(obs: Observed, attempt: int, d: Decision, failure: Failure) -> Decision:
+    st, now, policy = obs.status, iso(obs.now), obs.spec.run_policy
+    used, budget = int(st.get("retriesUsed") or 0), policy.retry_budget
+    history = list(st.get("failures", []) or [])
+    record: dict[str, Any] = {
+        "attempt": attempt, "reason": failure.reason, "retryable": failure.retryable, "message": failure.message,
+        "node": failure.node, "pod": failure.pod, "exitCode": failure.exit_code, "step": failure.step, "time": now,
+    }
+    d.status["failures"] = (history + [{k: v for k, v in record.items() if v is not None}])[-MAX_FAILURE_HISTORY:]
+    excluded = list(st.get("excludedNodes", []) or [])
+    if failure.node and failure.node not in excluded:
+        excluded = (excluded + [failure.node])[-MAX_EXCLUDED_NODES:]
+        d.status["excludedNodes"] = excluded
+        d.events.append(Event("Warning", "NodeExcluded", f"later attempts avoid node {failure.node}: {failure.reason}"))
+    progress = _progress_with_report(st.get("progress") or {}, None, now)
+    if obs.progress:
+        progress = observe.progress_status(obs.progress, progress)
+    d.status["progress"] = progress
+    verdict: str | None = None
+    if not failure.retryable:
+        verdict = f"{failure.reason} is permanent"
+        event_reason = failure.reason
+    elif _repeated(history, failure, attempt, policy.repeated_failure_limit):
+        verdict = f"{failure.reason} at step {failure.step} in {policy.repeated_failure_limit} consecutive attempts"
+        event_reason = "RepeatedFailure"
+    elif used >= budget:
+        verdict = f"the retry budget ({budget}) is used up"
+        event_reason = "RetryBudgetExhausted"
+    elif attempt >= MAX_ATTEMPTS:
+        verdict = f"attempt {attempt} is the last one a LlamaFineTune may use"
+        event_reason = "TooManyAttempts"
+    if verdict is not None:
+        message = f"attempt {attempt} failed ({failure.reason}): {failure.message}; not retrying: {verdict}"
+        d.status.update(
+            phase=Phase.FAILED.value, message=message[:2000], completionTime=now, retryAfter=None,
+            conditions=_conditions(st, [("Running", False, "NotRunning", ""), ("Failed", True, failure.reason, message[:2000])],
+                                   st_generation(obs), now),
+        )
+        if not _job_failed(obs.job):
+            # The training operator has not failed the job (a stall, an XID, one pod's evidence):
+            # its pods may still hold GPUs, so the job goes. A Failed job stays for `kubectl logs`
+            # (cleanPodPolicy Running already removed its running pods).
+            d.delete_jobs.append(obs.job_name)
+        d.events.append(Event("Warning", event_reason, message[:1000]))
+        return d
+    delay = backoff(used, obs.retry_backoff_s)
+    nxt = attempt + 1
+    d.retry = failure
+    d.delete_jobs.append(obs.job_name)
+    d.status.update(
+        attempt=nxt, retriesUsed=used + 1, lastProgressTime=None, leaderPod=None,
+        phase=Phase.RESTARTING.value,
+        conditions=_conditions(st, [("Running", False, failure.reason, failure.message[:2000])], st_generation(obs), now),
+    )
+    when = "now" if delay == 0 else f"in {delay:.0f}s"
+    message = (f"attempt {attempt} failed ({failure.reason}): {failure.message[:600]}; restarting from the newest "
+               f"checkpoint as attempt {nxt} {when} ({used + 1}/{budget} retries)")
+    d.status["message"] = message
+    d.events.append(Event("Warning", failure.reason, message))
+    if delay == 0:
+        d.start_attempt = nxt
+        d.status.update(retryAfter=None, attemptStartTime=now)
+    else:
+        d.status["retryAfter"] = iso(obs.now + timedelta(seconds=delay))
+        d.requeue_after = delay
+    return d
