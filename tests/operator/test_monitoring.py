@@ -78,7 +78,7 @@ def test_alert_rules_and_dashboard_queries_pass_promtool_check(tmp_path: Path) -
 def test_alerts_fire_and_stay_quiet_as_intended(tmp_path: Path) -> None:
     tool = promtool()
     rules = _rules_file(tmp_path, monitoring.prometheus_rule(OWNER, spec())["spec"]["groups"])
-    pod, other = 'namespace="team-a", pod="ft-2-worker-0"', 'namespace="team-b", pod="ft-2-worker-0"'
+    pod, other = 'namespace="team-a", pod="ft-abcd-2-worker-0"', 'namespace="team-b", pod="ft-abcd-2-worker-0"'
     tests = {
         "rule_files": [str(rules)],
         "evaluation_interval": "1m",
@@ -96,10 +96,10 @@ def test_alerts_fire_and_stay_quiet_as_intended(tmp_path: Path) -> None:
             "alert_rule_test": [
                 {"eval_time": "1m", "alertname": "LlamaFineTuneGPUXidError", "exp_alerts": []},
                 {"eval_time": "3m", "alertname": "LlamaFineTuneGPUXidError", "exp_alerts": [{
-                    "exp_labels": {"severity": "critical", "finetune": "ft", "namespace": "team-a", "pod": "ft-2-worker-0",
+                    "exp_labels": {"severity": "critical", "finetune": "ft", "namespace": "team-a", "pod": "ft-abcd-2-worker-0",
                                    "gpu": "3", "Hostname": "node-7"},
                     "exp_annotations": {
-                        "summary": "GPU 3 of ft-2-worker-0 reported hardware XID 79",
+                        "summary": "GPU 3 of ft-abcd-2-worker-0 reported hardware XID 79",
                         "description": monitoring.alert_rules(OWNER)[0]["annotations"]["description"]},
                 }]},
                 {"eval_time": "5m", "alertname": "LlamaFineTuneLowGPUUtilisation", "exp_alerts": []},
@@ -109,9 +109,9 @@ def test_alerts_fire_and_stay_quiet_as_intended(tmp_path: Path) -> None:
                 {"eval_time": "10m", "alertname": "LlamaFineTuneNoProgress", "exp_alerts": []},
                 {"eval_time": "5m", "alertname": "LlamaFineTuneRestarting", "exp_alerts": []},
                 {"eval_time": "28m", "alertname": "LlamaFineTuneRestarting", "exp_alerts": [{
-                    "exp_labels": {"severity": "warning", "finetune": "ft", "namespace": "team-a", "pod": "ft-2-worker-0",
+                    "exp_labels": {"severity": "warning", "finetune": "ft", "namespace": "team-a", "pod": "ft-abcd-2-worker-0",
                                    "container": "pytorch"},
-                    "exp_annotations": {"summary": "ft-2-worker-0 restarted in the last 15 minutes",
+                    "exp_annotations": {"summary": "ft-abcd-2-worker-0 restarted in the last 15 minutes",
                                         "description": monitoring.alert_rules(OWNER)[3]["annotations"]["description"]}}]},
                 {"eval_time": "20m", "alertname": "LlamaFineTuneNoProgress", "exp_alerts": [{
                     "exp_labels": {"severity": "warning", "finetune": "ft", "namespace": "team-a"},

@@ -27,24 +27,28 @@ IDLE_POD = "idle-1-worker-0"  # a second job whose GPUs are healthy but starved
 GPU_LABELS = 'UUID="GPU-8f1c",device="nvidia{gpu}",modelName="NVIDIA H100 80GB HBM3",Hostname="node-7",container="pytorch",namespace="default",pod="{pod}"'
 
 
-def dcgm_exposition() -> str:
+def dcgm_exposition(pod_name: str = POD) -> str:
     """dcgm-exporter's text format (DCGM_EXPORTER_KUBERNETES=true adds pod/namespace/container)."""
     lines = []
     values = {"DCGM_FI_DEV_GPU_UTIL": 7, "DCGM_FI_DEV_MEM_COPY_UTIL": 3, "DCGM_FI_DEV_SM_CLOCK": 1980,
               "DCGM_FI_DEV_GPU_TEMP": 61, "DCGM_FI_DEV_POWER_USAGE": 402.5}
     for metric, value in values.items():
         lines += [f"# HELP {metric} {metric}", f"# TYPE {metric} gauge"]
-        lines += [f'{metric}{{gpu="{g}",{GPU_LABELS.format(gpu=g, pod=pod)}}} {value}' for g in range(4) for pod in (POD, IDLE_POD)]
+        lines += [f'{metric}{{gpu="{g}",{GPU_LABELS.format(gpu=g, pod=pod)}}} {value}' for g in range(4) for pod in (pod_name, IDLE_POD)]
     lines += ["# HELP DCGM_FI_DEV_XID_ERRORS Value of the last XID error encountered.", "# TYPE DCGM_FI_DEV_XID_ERRORS gauge"]
     lines += [f'DCGM_FI_DEV_XID_ERRORS{{gpu="{g}",{GPU_LABELS.format(gpu=g, pod=pod)},err_code="{c}",err_msg="{m}"}} {c}'
-              for pod, g, c, m in ((POD, 0, 0, "No Error"), (POD, 3, 79, "GPU has fallen off the bus"), (IDLE_POD, 0, 0, "No Error"))]
+              for pod, g, c, m in ((pod_name, 0, 0, "No Error"), (pod_name, 3, 79, "GPU has fallen off the bus"), (IDLE_POD, 0, 0, "No Error"))]
     return "\n".join(lines) + "\n"
 
 
-def serve(text: str) -> tuple[ThreadingHTTPServer, int]:
+EXPOSITION = {"text": ""}
+"""What the replayed dcgm-exporter serves now (a test points its series at a real job's pod)."""
+
+
+def serve() -> tuple[ThreadingHTTPServer, int]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802
-            body = text.encode()
+            body = EXPOSITION["text"].encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.end_headers()
@@ -71,7 +75,8 @@ def prometheus() -> Iterator[str]:
                           "eta_seconds": 100})
     trainer_port = free_port()
     trainer = progress.serve(trainer_port)
-    dcgm, dcgm_port = serve(dcgm_exposition())
+    EXPOSITION["text"] = dcgm_exposition()
+    dcgm, dcgm_port = serve()
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "prometheus.yml"
@@ -129,16 +134,27 @@ def test_assess_low_utilisation_and_healthy() -> None:
     assert gpu_health.assess([], [gpu_health.Sample({}, 85.0)], running=True).reason == "Healthy"
 
 
-def test_operator_sets_gpu_healthy_false_with_the_xid(prometheus: str, cluster: Cluster, kubeconfig: Path, tmp_path: Path) -> None:
+def test_a_hardware_xid_fails_the_attempt_and_the_next_avoids_the_node(prometheus: str, cluster: Cluster, kubeconfig: Path,
+                                                                       tmp_path: Path) -> None:
     op = Operator(kubeconfig, tmp_path / "operator.log", LLAMAFT_PROMETHEUS_URL=prometheus).start()
     try:
         cluster.create(NAME, tiny_spec())
-        wait_for("job", lambda: cluster.job(f"{NAME}-1"))
-        cluster.set_job_status(f"{NAME}-1", [("Created", "PyTorchJobCreated", "c"), ("Running", "PyTorchJobRunning", "r")])
+        job = wait_for("job", lambda: cluster.attempt_job(NAME, 1))["metadata"]["name"]
+        pod = f"{job}-worker-0"
+        EXPOSITION["text"] = dcgm_exposition(pod)  # the replayed exporter now reports the XID on this job's GPU
+        wait_for("series of the job's pod", lambda: gpu_health.query(prometheus, f'DCGM_FI_DEV_XID_ERRORS{{pod="{pod}"}}'))
+        cluster.set_job_status(job, [("Created", "PyTorchJobCreated", "c"), ("Running", "PyTorchJobRunning", "r")])
         condition = wait_for("GPUHealthy", lambda: next((c for c in cluster.status(NAME).get("conditions", [])
                                                          if c["type"] == "GPUHealthy"), None), timeout=40)
         assert condition["status"] == "False" and condition["reason"] == "XidError"
-        assert "XID 79 on pod gpuh-1-worker-0 GPU 3 on node-7: GPU has fallen off the bus" in condition["message"]
-        wait_for("XidError event", lambda: [e for e in cluster.events(NAME) if e["reason"] == "XidError" and e["type"] == "Warning"])
+        assert f"XID 79 on pod {pod} GPU 3 on node-7: GPU has fallen off the bus" in condition["message"]
+        status = wait_for("attempt 2", lambda: (s := cluster.status(NAME)).get("attempt") == 2 and s)
+        assert status["failures"][0]["reason"] == "GPUXid" and status["excludedNodes"] == ["node-7"]
+        second = wait_for("job 2", lambda: cluster.attempt_job(NAME, 2))
+        affinity = second["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["affinity"]
+        assert affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
+            "matchExpressions"][0] == {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["node-7"]}
+        reasons = {e["reason"] for e in cluster.events(NAME)}
+        assert {"XidError", "GPUXid", "NodeExcluded"} <= reasons
     finally:
         op.stop()

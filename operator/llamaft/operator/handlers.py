@@ -206,13 +206,17 @@ class Step:
             if self.kube.delete_job(self.namespace, job_name):
                 self.logger.info(f"deleted PyTorchJob {job_name}")
         patch.update(decision.status)
+        # Conditions this step set before deciding (Valid, GPUHealthy) live in `status`.
+        patch.setdefault("conditions", status.get("conditions", []))
         requeue = decision.requeue_after
         if decision.start_attempt is not None:
             requeue = self._start_attempt(obj, owner, parsed, decision.start_attempt, status, patch) or requeue
         if decision.retry is not None:
             RETRIES.labels(decision.retry.reason).inc()
         patch["observedGeneration"] = generation
-        self.kube.patch_finetune_status(self.namespace, self.name, patch)
+        changes = {key: value for key, value in patch.items() if obj.get("status", {}).get(key) != value}
+        if changes:  # an unchanged status is not written: no watch event, no write load
+            self.kube.patch_finetune_status(self.namespace, self.name, changes)
         record_phase(self.memo, self.namespace, self.name, patch.get("phase", status.get("phase")))
         for event in decision.events:
             self.event(obj, event.type, event.reason, event.message)

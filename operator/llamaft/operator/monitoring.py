@@ -23,8 +23,10 @@ LOW_UTILISATION_PERCENT = 20
 
 
 def pod_selector(owner: Owner) -> str:
-    """PromQL label matchers for every worker pod of every attempt of this fine-tune."""
-    return f'namespace="{owner.namespace}", pod=~"{owner.name}-[0-9]+-worker-[0-9]+"'
+    """PromQL label matchers for every worker pod of every attempt of this incarnation of the
+    fine-tune (pods are `<job>-worker-<i>`, jobs `<name>-<uid token>-<attempt>`)."""
+    prefix = f"{owner.name}-{owner.token}" if owner.token else owner.name
+    return f'namespace="{owner.namespace}", pod=~"{prefix}-[0-9]+-worker-[0-9]+"'
 
 
 def _metadata(owner: Owner, spec: LlamaFineTuneSpec, name: str) -> Obj:

@@ -12,9 +12,10 @@ from llamaft.operator.desired import ETCD_IMAGE
 @dataclass(frozen=True)
 class OperatorSettings:
     sync_interval_s: float = 15.0
-    """How often a running fine-tune's status is refreshed from its PyTorchJob and trainer."""
-    retry_backoff_s: float = 30.0
-    """First delay before resubmitting a run that failed recoverably; doubles per retry."""
+    """How often an active fine-tune's progress is refreshed from its leader's /progress. Failures
+    do not wait for it: events of the job and its pods wake the lifecycle at once."""
+    retry_backoff_s: float = 10.0
+    """The first retry of a run goes at once; the second waits this long, doubling per retry."""
     etcd_image: str = ETCD_IMAGE
     rendezvous_address_override: str | None = None
     """host:port the operator uses to reach every etcd (when it runs outside the cluster, e.g.
