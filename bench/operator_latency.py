@@ -59,7 +59,7 @@ def main() -> None:
                 while len(seen) < count and time.perf_counter() < deadline:
                     now = time.perf_counter()
                     for job in cluster.jobs():
-                        owner = job["metadata"]["name"].rsplit("-", 1)[0]
+                        owner = job["metadata"]["labels"]["llamaft.io/finetune"]
                         if owner in created and owner not in seen:
                             seen[owner] = now
                     time.sleep(0.25)

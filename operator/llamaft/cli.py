@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from llamaft.api.spec import LlamaFineTuneSpec
 from llamaft.api.validation import SpecInvalid
 
 
@@ -53,7 +54,85 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                 f"{doc.label}: ok ({name}: {spec.cluster.workers} worker(s) x {spec.cluster.gpus_per_worker} GPU(s), "
                 f"{spec.fsdp.sharding_strategy.value}, {spec.fsdp.mixed_precision.value})"
             )
+            print(f"  capacity: {_capacity_line(spec)}")
     return 1 if failed else 0
+
+
+def _capacity_line(spec: LlamaFineTuneSpec) -> str:
+    """The admission verdict the operator will reach (advisory here: the API server accepts the
+    object either way; with spec.preflight Enforce the operator refuses a run that will not fit)."""
+    from llamaft.api.spec import PreflightMode
+    from llamaft.planner import admission, read_model_config
+
+    if spec.preflight is PreflightMode.OFF:
+        return "not checked (spec.preflight: Off)"
+    found = read_model_config(spec.model.source)
+    verdict = admission(spec, found[0] if found else None)
+    action = ""
+    if verdict.fits is False:
+        action = " [the operator will refuse it]" if verdict.refuse else " [spec.preflight Warn: the operator only warns]"
+    return f"{verdict.reason}{action}: {verdict.message} (details: llamaft plan)"
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    """The capacity plan of a LlamaFineTune (GPU memory by component, verdict, fixes, host RAM,
+    checkpoints, time). Exit status 0 when it fits or cannot be told, 3 when it will not fit."""
+    import json
+
+    from llamaft.manifests import load_finetune
+    from llamaft.planner import UnknownShape, read_model_config, resolve_shape, verdict
+    from llamaft.planner.plan import DEFAULT_MFU, apply_changes, build_plan
+    from llamaft.planner.report import render_plan
+    from llamaft.planner.shapes import meta_parameter_count
+
+    body, spec = load_finetune(args.file)
+    overrides = {}
+    if args.gpu_model:
+        overrides["cluster.gpuModel"] = args.gpu_model
+    if args.gpu_memory:
+        overrides["cluster.gpuMemory"] = args.gpu_memory
+    if overrides:
+        spec = apply_changes(spec, overrides)
+    config: dict[str, object] | None = None
+    origin = "built-in table"
+    if args.model_config:
+        path = Path(args.model_config)
+        path = path / "config.json" if path.is_dir() else path
+        config = json.loads(path.read_text(encoding="utf-8"))
+        origin = str(path)
+    else:
+        found = read_model_config(spec.model.source)
+        if found is not None:
+            config, origin = found
+    try:
+        shape = resolve_shape(spec.model.source, config)
+    except UnknownShape as exc:
+        print(f"{args.file}: {exc}", file=sys.stderr)
+        return 2
+    source = f"shape from {origin}; analytic count"
+    exact_notes: list[str] = []
+    if args.exact:
+        from llamaft.planner.shapes import KNOWN_CONFIGS
+
+        cfg = config if config is not None else KNOWN_CONFIGS.get(spec.model.source.strip().rstrip("/").lower())
+        counted = meta_parameter_count(dict(cfg)) if cfg is not None else None
+        if counted is None:
+            exact_notes.append("--exact: torch/transformers are not installed (or no config dict): analytic count used")
+        elif counted == shape.parameters:
+            source = f"shape from {origin}; {counted:,} on the meta device = analytic"
+        else:
+            exact_notes.append(f"the meta-device model has {counted:,} parameters, the analytic Llama count "
+                               f"{shape.parameters:,}: the model has parts the planner does not model")
+    plan = build_plan(spec, shape, mfu=args.mfu if args.mfu is not None else DEFAULT_MFU,
+                      dataset_records=args.dataset_records, dataset_tokens=args.dataset_tokens,
+                      parameter_source=source)
+    plan.notes.extend(exact_notes)
+    result = verdict(plan)
+    if args.json:
+        print(json.dumps({"name": body["metadata"]["name"], **result.to_dict()}, indent=2, default=str))
+    else:
+        print(render_plan(body["metadata"]["name"], plan, result))
+    return 3 if result.fits is False else 0
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -123,6 +202,20 @@ def build_parser() -> argparse.ArgumentParser:
     validate = sub.add_parser("validate", help="check LlamaFineTune YAML files exactly as the cluster would")
     validate.add_argument("files", nargs="+", help="YAML files (several documents per file allowed)")
     validate.set_defaults(func=_cmd_validate)
+
+    plan = sub.add_parser("plan", help="capacity plan: per-GPU memory by component, verdict and fixes, host RAM, "
+                                       "checkpoint size, time (no GPU, no weights needed)")
+    plan.add_argument("file", help="YAML file with one LlamaFineTune")
+    plan.add_argument("--model-config", help="the model's config.json (file or directory) when the source is "
+                                             "not a local directory nor a well-known hub id")
+    plan.add_argument("--gpu-model", help="plan for this GPU (as cluster.gpuModel: A100-80GB, H100, H200, L40S, ...)")
+    plan.add_argument("--gpu-memory", help="plan for this much memory per GPU (as cluster.gpuMemory, e.g. 80Gi)")
+    plan.add_argument("--mfu", type=float, help="model FLOPs utilisation to assume for the time estimate (default 0.4)")
+    plan.add_argument("--dataset-records", type=int, help="records in the dataset (to turn epochs into steps)")
+    plan.add_argument("--dataset-tokens", type=int, help="tokens in the dataset (epochs into steps with packing)")
+    plan.add_argument("--exact", action="store_true", help="also count parameters on the meta device (needs torch)")
+    plan.add_argument("--json", action="store_true", help="machine-readable output")
+    plan.set_defaults(func=_cmd_plan)
 
     run = sub.add_parser("run", help="run a LlamaFineTune (--local: torchrun on this machine)")
     run.add_argument("file", help="YAML file with one LlamaFineTune")

@@ -81,3 +81,29 @@ def test_cluster_without_the_prometheus_operator_still_runs_jobs(tmp_path: Path)
             op.stop()
     finally:
         bare.stop()
+
+
+NOT_FITTING = {"model": {"source": "meta-llama/Llama-2-70b-hf"}, "cluster": {"workers": 1, "gpusPerWorker": 8,
+               "instanceType": "p4d.24xlarge"}, "fsdp": {"shardingStrategy": "NO_SHARD"}}
+
+
+def test_a_run_that_cannot_fit_is_refused_before_anything_is_created(cluster: Cluster, operator: Operator) -> None:
+    cluster.create("toobig", tiny_spec(**NOT_FITTING))
+    status = wait_for("Failed", lambda: (s := cluster.status("toobig")).get("phase") == "Failed" and s)
+    capacity = next(c for c in status["conditions"] if c["type"] == "CapacityFits")
+    assert capacity["status"] == "False" and capacity["reason"] == "WillNotFit"
+    assert "will not fit" in capacity["message"] and "cheapest fix" in capacity["message"]
+    assert "WillNotFit" in status["message"] or "will not fit" in status["message"]
+    assert cluster.jobs("llamaft.io/finetune=toobig") == [] and not cluster.exists("ConfigMap", "toobig-config")
+    wait_for("event", lambda: [e for e in cluster.events("toobig") if e["reason"] == "WillNotFit" and e["type"] == "Warning"])
+
+
+def test_preflight_warn_runs_anyway_and_off_does_not_check(cluster: Cluster, operator: Operator) -> None:
+    cluster.create("warned", tiny_spec(**NOT_FITTING, preflight="Warn"))
+    wait_for("job despite the warning", lambda: cluster.attempt_job("warned", 1))
+    status = wait_for("condition", lambda: (s := cluster.status("warned")) and any(
+        c["type"] == "CapacityFits" for c in s.get("conditions", [])) and s)
+    assert next(c for c in status["conditions"] if c["type"] == "CapacityFits")["status"] == "False"
+    cluster.create("unchecked", tiny_spec(**NOT_FITTING, preflight="Off"))
+    wait_for("job", lambda: cluster.attempt_job("unchecked", 1))
+    assert not any(c["type"] == "CapacityFits" for c in cluster.status("unchecked").get("conditions", []))

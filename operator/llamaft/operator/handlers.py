@@ -34,7 +34,7 @@ from typing import Any, cast
 import kopf
 
 from llamaft.api import resource
-from llamaft.api.spec import LlamaFineTuneSpec, RendezvousBackend
+from llamaft.api.spec import LlamaFineTuneSpec, PreflightMode, RendezvousBackend
 from llamaft.api.status import TERMINAL_PHASES, Phase
 from llamaft.api.validation import SpecInvalid, validate_spec
 from llamaft.operator import desired, failures, gpu_health, lifecycle, monitoring, observe, rendezvous
@@ -42,6 +42,7 @@ from llamaft.operator.kube import ForeignObject, Kube, MonitoringUnavailable, ow
 from llamaft.operator.metrics import FINETUNES, RECONCILE_SECONDS, RECONCILES, RENDEZVOUS_RESETS, RETRIES
 from llamaft.operator.naming import LABEL_FINETUNE, Owner
 from llamaft.operator.settings import OperatorSettings
+from llamaft.planner import Admission, admission
 
 RESOURCE = (resource.GROUP, resource.VERSION, resource.PLURAL)
 TERMINAL = {p.value for p in TERMINAL_PHASES}
@@ -196,12 +197,14 @@ class Step:
             return None
         patch: Obj = {}
         if not _condition_is(status, "Valid", "True", generation):
-            patch["conditions"] = observe.set_condition(
+            status["conditions"] = observe.set_condition(
                 list(status.get("conditions", [])), "Valid", "True", "SpecValid", "the spec passed schema and CEL validation",
                 generation, lifecycle.iso(now()))
-            status["conditions"] = patch["conditions"]
+        capacity = self._capacity(obj, parsed, status, generation)
         obs = self._observe(obj, owner, parsed, status, max(attempt, 1), generation)
         decision = lifecycle.decide(obs)
+        if decision.start_attempt is not None and capacity is not None and capacity.refuse:
+            decision = lifecycle.will_not_fit(obs, capacity.message)
         for job_name in decision.delete_jobs:
             if self.kube.delete_job(self.namespace, job_name):
                 self.logger.info(f"deleted PyTorchJob {job_name}")
@@ -224,6 +227,24 @@ class Step:
             return None
         interval = self.settings.sync_interval_s
         return min(requeue, interval) if requeue is not None else interval
+
+    def _capacity(self, obj: Obj, spec: LlamaFineTuneSpec, status: Obj, generation: int | None) -> Admission | None:
+        """The capacity planner's verdict (once per generation): the CapacityFits condition, a
+        Warning event when it will not fit, and, with spec.preflight Enforce, no job at all."""
+        if spec.preflight is PreflightMode.OFF:
+            return None
+        cached = self.memo.get("capacity")
+        if cached is not None and cached[0] == generation:
+            return cached[1]  # type: ignore[no-any-return]
+        verdict = admission(spec)
+        self.memo["capacity"] = (generation, verdict)
+        value = {True: "True", False: "False", None: "Unknown"}[verdict.fits]
+        before = next((c for c in status.get("conditions", []) if c.get("type") == "CapacityFits"), None)
+        status["conditions"] = observe.set_condition(list(status.get("conditions", [])), "CapacityFits", value, verdict.reason,
+                                                     verdict.message[:2000], generation, lifecycle.iso(now()))
+        if verdict.fits is False and (before is None or before.get("message") != verdict.message[:2000]):
+            self.event(obj, "Warning", verdict.reason, verdict.message[:1000])
+        return verdict
 
     def _invalid(self, obj: Obj, status: Obj, exc: SpecInvalid, generation: int | None) -> None:
         if _condition_is(status, "Valid", "False", generation):

@@ -363,3 +363,18 @@ def _failed_attempt(obs: Observed, attempt: int, d: Decision, failure: Failure) 
         d.status["retryAfter"] = iso(obs.now + timedelta(seconds=delay))
         d.requeue_after = delay
     return d
+
+
+def will_not_fit(obs: Observed, message: str) -> Decision:
+    """The capacity planner refuses the attempt (spec.preflight Enforce): Failed before any job."""
+    now = iso(obs.now)
+    text = f"refused before creating anything (spec.preflight Enforce): {message}"
+    d = Decision()
+    d.delete_jobs = list(obs.stale_jobs)
+    d.status.update(
+        phase=Phase.FAILED.value, message=text[:2000], completionTime=now,
+        conditions=_conditions(obs.status, [("Failed", True, "WillNotFit", text[:2000])], obs.generation, now),
+    )
+    if obs.status.get("phase") != Phase.FAILED.value:
+        d.events.append(Event("Warning", "WillNotFit", text[:1000]))
+    return d

@@ -1,0 +1,633 @@
+"""Per-rank GPU memory of one training step, by component, for the trainer as it is written.
+
+The estimate replays one optimizer step of `llamaft_trainer` (model.py -> parallelize.py ->
+train.py) as a sequence of allocations and frees and keeps the largest total, with what made it
+up. Nothing is fitted: every term below is a tensor the code allocates, with its dtype.
+
+What it follows (FSDP2, `fully_shard` per decoder layer plus the root, as parallelize.py does):
+  * parameters: the master copy in fp32 (pure-bf16: bf16) sharded over the shard group, each
+    tensor's dim 0 padded to a multiple of the group size; frozen base weights under LoRA too.
+  * gradients and AdamW's exp_avg/exp_avg_sq: the same sharding and dtype, trainable tensors only.
+  * all-gathers: a unit's parameters in the compute dtype (bf16; fp32 for fp32) while it runs,
+    twice over during the copy-out; the next unit prefetched in backward (and in forward on CUDA,
+    where the all-gather stream runs ahead); every decoder layer but the last is resharded after
+    forward (FULL_SHARD, HYBRID_SHARD, NO_SHARD), none is (SHARD_GRAD_OP); the root (embedding,
+    final norm, LM head) is resharded after forward and gathered again for backward.
+  * gradient reduction: a unit's unsharded gradients (compute dtype) and the reduce-scatter input
+    in the reduce dtype (fp32 for bf16/fp16); on CUDA the previous unit's buffer is still held
+    while the next unit's backward runs.
+  * gradient accumulation: train.py turns gradient sync off on all but the last micro-step, so
+    FSDP2 keeps every trainable parameter's *unsharded* gradient in the reduce dtype between
+    micro-steps (FSDPParam.to_accumulated_grad_if_needed); this is usually the largest cost of
+    gradientAccumulationSteps > 1 and is shown as its own component.
+  * activations: the tensors Hugging Face's LlamaDecoderLayer saves for backward under autograd,
+    per token (RMSNorm's fp32 upcast, q/k/v after RoPE, the attention output, the SwiGLU
+    intermediates, ...), which depend on which weights are trainable (LoRA freezes the base and
+    the norms), on LoRA dropout (a mask and a copy per adapted projection), on the attention
+    implementation (sdpa/flash: no T x T matrix; eager: the softmax in fp32 and its bf16 copy;
+    GQA heads repeated when sdpa gets a padding mask) and on activation checkpointing (a
+    checkpointed layer keeps only its input; backward recomputes one layer at a time).
+  * logits and loss: train.py computes `logits[:, :-1].float()` and cross-entropy: bf16 logits,
+    an fp32 copy and log-softmax's fp32 output in forward; in backward the saved log-softmax plus
+    two fp32 gradients (12 bytes per vocabulary entry per token at the peak).
+  * optimizer step: AdamW's foreach implementation (CUDA) allocates one temporary the size of the
+    trainable shard (sqrt of exp_avg_sq).
+  * CPU offload: parameters, gradients and optimizer state live in host memory (and the step runs
+    there); the GPU keeps the gathered units, activations and reduction buffers.
+
+FSDP1 (`implementation: fsdp1`) is estimated with the same terms (it shards the same bytes, as
+flat parameters). `compile: true` usually lowers activation memory; it is not modelled.
+
+The "tensor peak" is what `torch.cuda.max_memory_allocated` reports (the CPU bench measures the
+same quantity as live tensor storage); the CUDA context, NCCL buffers and allocator fragmentation
+come on top as the stated allowance in plan.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from llamaft.api.spec import (
+    AttentionImplementation,
+    CheckpointingMode,
+    FsdpImplementation,
+    LlamaFineTuneSpec,
+    MixedPrecision,
+    ShardingStrategy,
+    TrainingJobConfig,
+    WrapPolicyType,
+)
+from llamaft.planner.shapes import LORA_MODULES, ModelShape
+
+TRAINER_SYNCS_EVERY_MICRO_STEP = False
+"""Mirrors llamaft_trainer.train._set_sync: gradients are reduced on the last micro-step only
+(FSDP2 `set_requires_gradient_sync(False)` before it). Flip when the trainer changes."""
+
+COMPONENTS: dict[str, str] = {
+    "parameters": "sharded parameters (master copy)",
+    "gradients": "sharded gradients",
+    "optimizer": "optimizer state (AdamW exp_avg, exp_avg_sq)",
+    "accumulated_gradients": "unsharded gradients kept between micro-steps",
+    "gathered_parameters": "all-gathered parameters (units in use + prefetch)",
+    "reduce_buffers": "unit gradients + reduce-scatter buffers",
+    "activations": "activations saved for backward",
+    "temporaries": "recomputation + backward temporaries",
+    "logits": "logits + cross-entropy",
+    "optimizer_temporaries": "optimizer-step temporaries",
+}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The settings the estimate depends on (built from a spec with `setup_from_spec`)."""
+
+    strategy: ShardingStrategy
+    world_size: int
+    shard_size: int
+    precision: MixedPrecision
+    batch: int
+    seq: int
+    accumulation: int = 1
+    ac_mode: CheckpointingMode = CheckpointingMode.NONE
+    ac_every: int = 2
+    attention: AttentionImplementation = AttentionImplementation.SDPA
+    packing: bool = True
+    lora_rank: int | None = None
+    lora_targets: tuple[str, ...] = ()
+    lora_dropout: float = 0.0
+    cpu_offload: bool = False
+    implementation: FsdpImplementation = FsdpImplementation.FSDP2
+    wrap_min_params: int | None = None
+    """None: one unit per decoder layer; else only layers with at least this many parameters."""
+    device: str = "cuda"
+    """`cuda` (streams overlap: forward prefetch, foreach AdamW) or `cpu` (what the CPU bench runs)."""
+    sync_between_micro_steps: bool = False
+    """False: as train.py does today, gradient sync is off on all but the last micro-step, so FSDP2
+    keeps unsharded gradients between micro-steps. True: a trainer that reduce-scatters every
+    micro-step (sharded gradients accumulate instead)."""
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_rank is not None
+
+
+def shard_group_size(spec: LlamaFineTuneSpec) -> int:
+    """Ranks a parameter is sharded over, as runtime.build_mesh decides."""
+    world = spec.world_size
+    strategy = spec.fsdp.sharding_strategy
+    if strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
+        return world
+    if strategy is ShardingStrategy.NO_SHARD:
+        return 1
+    if spec.fsdp.hybrid_shard is not None:
+        return spec.fsdp.hybrid_shard.shard_group_size
+    return max(spec.cluster.gpus_per_worker, 1)
+
+
+def setup_from_spec(spec: LlamaFineTuneSpec | TrainingJobConfig, *, world_size: int | None = None,
+                    shard_size: int | None = None, device: str = "cuda") -> Setup:
+    """The estimate's settings for a spec (a TrainingJobConfig needs world and shard sizes)."""
+    if isinstance(spec, LlamaFineTuneSpec):
+        world_size = spec.world_size if world_size is None else world_size
+        shard_size = shard_group_size(spec) if shard_size is None else shard_size
+    if world_size is None or shard_size is None:
+        raise ValueError("world_size and shard_size are needed for a TrainingJobConfig")
+    lora = spec.training.lora if spec.training.lora is not None and spec.training.lora.enabled else None
+    fsdp = spec.fsdp
+    return Setup(
+        strategy=fsdp.sharding_strategy,
+        world_size=world_size,
+        shard_size=shard_size,
+        precision=fsdp.mixed_precision,
+        batch=spec.training.per_device_batch_size,
+        seq=spec.dataset.max_seq_length,
+        accumulation=spec.training.gradient_accumulation_steps,
+        ac_mode=fsdp.activation_checkpointing.mode,
+        ac_every=fsdp.activation_checkpointing.every_n_layers,
+        attention=spec.model.attn_implementation,
+        packing=spec.dataset.packing,
+        lora_rank=lora.r if lora else None,
+        lora_targets=tuple(lora.target_modules) if lora else (),
+        lora_dropout=lora.dropout if lora else 0.0,
+        cpu_offload=fsdp.cpu_offload,
+        implementation=fsdp.implementation,
+        wrap_min_params=fsdp.wrap_policy.min_num_params if fsdp.wrap_policy.type is WrapPolicyType.SIZE_BASED else None,
+        device=device,
+        sync_between_micro_steps=TRAINER_SYNCS_EVERY_MICRO_STEP,
+    )
+
+
+# ------------------------------------------------------------------------------- dtypes
+def compute_bytes(p: MixedPrecision) -> int:
+    """Bytes per element of gathered parameters and activations (FSDP param_dtype)."""
+    return 4 if p is MixedPrecision.FP32 else 2
+
+
+def master_bytes(p: MixedPrecision) -> int:
+    """Bytes per element of the sharded master parameters, their gradients and AdamW state."""
+    return 2 if p is MixedPrecision.PURE_BF16 else 4
+
+
+def reduce_bytes(p: MixedPrecision) -> int:
+    """Bytes per element of gradient reduction (FSDP reduce_dtype)."""
+    return 2 if p is MixedPrecision.PURE_BF16 else 4
+
+
+# -------------------------------------------------------------------------------- units
+@dataclass(frozen=True)
+class Unit:
+    """One FSDP unit: its parameters as the rank sees them."""
+
+    name: str
+    numel: int
+    trainable: int
+    padded: int
+    """Elements of the unit after padding each tensor's dim 0 to the shard group (all-gather size)."""
+    padded_trainable: int
+    count: int = 1
+    """How many identical units (decoder layers)."""
+
+    def shard(self, group: int) -> int:
+        return self.padded // group
+
+    def shard_trainable(self, group: int) -> int:
+        return self.padded_trainable // group
+
+
+def _padded(shape: tuple[int, ...], group: int) -> int:
+    rows = -(-shape[0] // group) * group
+    rest = 1
+    for d in shape[1:]:
+        rest *= d
+    return rows * rest
+
+
+def _tensors_layer(shape: ModelShape, setup: Setup) -> list[tuple[tuple[int, ...], bool]]:
+    """(shape, trainable) of one decoder layer's tensors, LoRA adapters included."""
+    full = not setup.lora
+    tensors = [(s, full) for _, s in shape.layer_tensors()]
+    if setup.lora and setup.lora_rank:
+        linear = shape.linear_shapes()
+        for target in setup.lora_targets:
+            if target in linear:
+                out_f, in_f = linear[target]
+                tensors.append(((setup.lora_rank, in_f), True))
+                tensors.append(((out_f, setup.lora_rank), True))
+    return tensors
+
+
+def _unit(name: str, tensors: list[tuple[tuple[int, ...], bool]], group: int, implementation: FsdpImplementation,
+          count: int = 1) -> Unit:
+    numel = sum(_numel(s) for s, _ in tensors)
+    trainable = sum(_numel(s) for s, t in tensors if t)
+    if implementation is FsdpImplementation.FSDP1:
+        # One flat parameter per unit, padded to a multiple of the group.
+        padded = -(-numel // group) * group
+        padded_trainable = -(-trainable // group) * group if trainable else 0
+    else:
+        padded = sum(_padded(s, group) for s, _ in tensors)
+        padded_trainable = sum(_padded(s, group) for s, t in tensors if t)
+    return Unit(name, numel, trainable, padded, padded_trainable, count)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def units(shape: ModelShape, setup: Setup) -> tuple[Unit, Unit, int]:
+    """(decoder-layer unit, root unit, number of layers wrapped as their own unit)."""
+    group = setup.shard_size
+    layer = _tensors_layer(shape, setup)
+    layer_numel = sum(_numel(s) for s, _ in layer)
+    wrapped = shape.num_layers
+    if setup.wrap_min_params is not None and layer_numel < setup.wrap_min_params:
+        wrapped = 0
+    root_tensors = [(s, not setup.lora) for _, s in shape.root_tensors()]
+    root_tensors += layer * (shape.num_layers - wrapped)
+    layer_unit = _unit("decoder layer", layer, group, setup.implementation, count=wrapped)
+    root_unit = _unit("root", root_tensors, group, setup.implementation)
+    return layer_unit, root_unit, wrapped
+
+
+# -------------------------------------------------------------------------- activations
+def _checkpointed(index: int, setup: Setup) -> bool:
+    if setup.ac_mode is CheckpointingMode.FULL:
+        return True
+    return setup.ac_mode is CheckpointingMode.SELECTIVE and index % setup.ac_every == 0
+
+
+def layer_activation_bytes_per_token(shape: ModelShape, setup: Setup) -> float:
+    """Bytes one decoder layer saves for backward per token (not checkpointed).
+
+    HF LlamaDecoderLayer under autograd, compute dtype c:
+      RMSNorm (x2): fp32 upcast of its input (4h), the normalised value (c*h, saved to multiply by a
+        trainable weight), its output (c*h, saved by the projections whose weight is trainable).
+      attention: q and k after RoPE, v (c * head dims; k/v repeated to all heads for eager, and for
+        sdpa when it gets a padding mask), sdpa/flash: output (c*q_dim) + log-sum-exp (fp32 per
+        head); eager: softmax in fp32 plus its cast (per key position); o_proj input (c*q_dim,
+        separate from the sdpa output on CPU; the same storage on CUDA).
+      MLP: gate output, silu(gate), up output (3 * c*i), down_proj input (c*i when trainable).
+      LoRA on a projection: dropout mask (1 byte) + dropped input (c) when dropout > 0 (else the
+        shared input is saved), and the rank-r intermediate (c*r).
+    """
+    c = compute_bytes(setup.precision)
+    h, i, q, kv = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
+    full = not setup.lora
+    targets = set(setup.lora_targets) & set(LORA_MODULES) if setup.lora else set()
+    p = setup.lora_dropout
+    r = setup.lora_rank or 0
+
+    def input_saved(module: str) -> bool:
+        return full or (module in targets and p == 0)
+
+    def lora_extra(module: str, in_dim: int) -> float:
+        if module not in targets:
+            return 0.0
+        return (in_dim * (1 + c) if p > 0 else 0.0) + c * r
+
+    total = 0.0
+    # input_layernorm + the q/k/v inputs
+    total += 4 * h + (c * h if full else 0) + (c * h if any(input_saved(m) for m in ("q_proj", "k_proj", "v_proj")) else 0)
+    total += lora_extra("q_proj", h) + lora_extra("k_proj", h) + lora_extra("v_proj", h)
+    attn = setup.attention
+    grouped = shape.num_kv_heads < shape.num_heads
+    if attn is AttentionImplementation.EAGER:
+        total += 3 * c * q  # q, k and v repeated to every head
+        total += 4 * shape.num_heads * setup.seq  # softmax output (fp32), per key position
+        if c != 4:
+            total += c * shape.num_heads * setup.seq  # its cast back to the compute dtype
+        total += c * q if input_saved("o_proj") else 0  # contiguous copy of the attention output
+    else:
+        expand = grouped and attn is AttentionImplementation.SDPA and not setup.packing
+        kvd = q if expand else kv
+        total += c * (q + 2 * kvd) + c * q + 4 * shape.num_heads  # q, k, v, output, log-sum-exp
+        if input_saved("o_proj") and setup.device == "cpu":
+            total += c * q  # the CPU kernel's output is not in o_proj's layout: a contiguous copy
+    total += lora_extra("o_proj", q)
+    # post_attention_layernorm + the gate/up inputs
+    total += 4 * h + (c * h if full else 0) + (c * h if any(input_saved(m) for m in ("gate_proj", "up_proj")) else 0)
+    total += lora_extra("gate_proj", h) + lora_extra("up_proj", h)
+    total += 3 * c * i + (c * i if input_saved("down_proj") else 0) + lora_extra("down_proj", i)
+    return total
+
+
+def shared_activation_bytes(shape: ModelShape, setup: Setup) -> float:
+    """Tensors held once per micro-batch: inputs (ids, labels, mask: int64), the rotary cos/sin
+    tables (compute dtype) and the 4-D attention mask (eager always; sdpa when padding)."""
+    c = compute_bytes(setup.precision)
+    tokens = setup.batch * setup.seq
+    total = 24.0 * tokens + 2 * c * shape.head_dim * tokens
+    if setup.attention is AttentionImplementation.EAGER or (
+        setup.attention is AttentionImplementation.SDPA and not setup.packing
+    ):
+        total += c * setup.batch * setup.seq * setup.seq
+    return total
+
+
+def final_norm_bytes_per_token(shape: ModelShape, setup: Setup) -> float:
+    c = compute_bytes(setup.precision)
+    full = not setup.lora
+    return 4 * shape.hidden_size + (2 * c * shape.hidden_size if full else 0)
+
+
+def backward_temporaries_per_token(shape: ModelShape, setup: Setup) -> float:
+    """Gradients of activations alive while one layer runs backward: the SwiGLU gradients
+    (3 * c*i) and two of width h, or the attention's (eager: the T x T gradients in fp32)."""
+    c = compute_bytes(setup.precision)
+    h, i, q, kv = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
+    mlp = c * (3 * i + 2 * h)
+    if setup.attention is AttentionImplementation.EAGER:
+        attn = (c + 8) * shape.num_heads * setup.seq + c * 3 * q
+    else:
+        attn = c * (2 * q + 2 * kv) + (4 * q if setup.device == "cuda" else 0)
+    return float(max(mlp, attn))
+
+
+def forward_temporaries_per_token(shape: ModelShape, setup: Setup, checkpointed: bool) -> float:
+    """Extra tensors alive inside one layer's forward beyond what it saves (the residual stream; a
+    checkpointed layer's SwiGLU intermediates, which are computed but not kept)."""
+    c = compute_bytes(setup.precision)
+    extra = 2 * c * shape.hidden_size
+    if checkpointed:
+        extra += 3 * c * shape.intermediate_size
+    return float(extra)
+
+
+# ---------------------------------------------------------------------------- timeline
+class Timeline:
+    """Live bytes by component; remembers the largest total and what made it up."""
+
+    def __init__(self) -> None:
+        self.live: dict[str, float] = dict.fromkeys(COMPONENTS, 0.0)
+        self.peak = 0.0
+        self.at_peak: dict[str, float] = dict(self.live)
+        self.peak_event = ""
+        self.phase_peaks: dict[str, float] = {}
+
+    def add(self, component: str, amount: float, event: str | None = None) -> None:
+        self.live[component] += amount
+        if event is not None:
+            self.mark(event)
+
+    def sub(self, component: str, amount: float) -> None:
+        self.live[component] -= amount
+
+    def mark(self, event: str) -> None:
+        total = sum(self.live.values())
+        phase = event.split(":", 1)[0]
+        self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0.0), total)
+        if total > self.peak:
+            self.peak = total
+            self.at_peak = dict(self.live)
+            self.peak_event = event
+
+
+@dataclass
+class MemoryEstimate:
+    """Per-rank GPU tensor memory at the peak of a steady-state optimizer step."""
+
+    peak_bytes: int
+    components: dict[str, int]
+    peak_event: str
+    phase_peaks: dict[str, int]
+    parameters: int
+    trainable_parameters: int
+    shard_size: int
+    layer_unit_parameters: int
+    root_unit_parameters: int
+    host_offloaded_bytes: int
+    """Per rank, in host memory with cpuOffload (sharded parameters, gradients, optimizer state)."""
+    persistent_bytes: int
+    """Sharded parameters + optimizer state held on the GPU all the time."""
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "peakBytes": self.peak_bytes,
+            "components": dict(self.components),
+            "peakEvent": self.peak_event,
+            "phasePeaks": dict(self.phase_peaks),
+            "parameters": self.parameters,
+            "trainableParameters": self.trainable_parameters,
+            "shardGroupSize": self.shard_size,
+            "hostOffloadedBytes": self.host_offloaded_bytes,
+            "notes": list(self.notes),
+        }
+
+    def biggest_component(self) -> tuple[str, int]:
+        name = max(self.components, key=lambda k: self.components[k])
+        return name, self.components[name]
+
+
+def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
+    """Replay one optimizer step (all its micro-steps) and return the per-rank peak."""
+    layer, root, wrapped = units(shape, setup)
+    group = setup.shard_size
+    c = compute_bytes(setup.precision)
+    m = master_bytes(setup.precision)
+    rd = reduce_bytes(setup.precision)
+    cuda = setup.device == "cuda"
+    tokens = setup.batch * setup.seq
+    reshard = setup.strategy is not ShardingStrategy.SHARD_GRAD_OP
+
+    shard_numel = layer.shard(group) * layer.count + root.shard(group)
+    shard_trainable = layer.shard_trainable(group) * layer.count + root.shard_trainable(group)
+    trainable = layer.trainable * layer.count + root.trainable
+    params_bytes = m * shard_numel
+    opt_bytes = 2 * m * shard_trainable
+    grads_total = m * shard_trainable
+    offload = setup.cpu_offload
+    on_gpu = 0.0 if offload else 1.0
+
+    act_layer = layer_activation_bytes_per_token(shape, setup) * tokens
+    act_ckpt = c * shape.hidden_size * tokens
+    shared = shared_activation_bytes(shape, setup)
+    norm_act = final_norm_bytes_per_token(shape, setup) * tokens
+    bwd_tmp = backward_temporaries_per_token(shape, setup) * tokens
+    vocab = shape.vocab_size
+    logits_c = c * vocab * tokens
+    logits_f = 4.0 * vocab * tokens
+    lm_head_trainable = not setup.lora
+    embed_grad = c * shape.embedding_parameters if lm_head_trainable else 0.0
+    head_grad = 0.0 if shape.tie_word_embeddings else embed_grad
+
+    def simulate(accumulated: bool, sync: bool, tl: Timeline, grads_present: bool = False, step: bool = True) -> None:
+        tl.live = dict.fromkeys(COMPONENTS, 0.0)
+        tl.add("parameters", on_gpu * params_bytes)
+        tl.add("optimizer", on_gpu * opt_bytes)
+        if grads_present:
+            tl.add("gradients", on_gpu * grads_total)
+        if accumulated:
+            tl.add("accumulated_gradients", rd * trainable)
+        tl.add("activations", shared, "forward:inputs")
+        # -------- forward
+        root_gathered = c * root.padded
+        tl.add("gathered_parameters", 2 * root_gathered, "forward:root all-gather")
+        tl.sub("gathered_parameters", root_gathered)
+        tl.add("temporaries", c * shape.hidden_size * tokens)  # embedding output
+        gathered: set[int] = set()
+        layer_gather = c * layer.padded
+
+        def gather(index: int, event: str) -> None:
+            if index in gathered or index >= wrapped or index < 0:
+                return
+            tl.add("gathered_parameters", 2 * layer_gather, event)
+            tl.sub("gathered_parameters", layer_gather)
+            gathered.add(index)
+
+        def release(index: int) -> None:
+            if index in gathered:
+                gathered.discard(index)
+                tl.sub("gathered_parameters", layer_gather)
+
+        saved_per_layer: list[float] = []
+        for index in range(shape.num_layers):
+            ckpt = _checkpointed(index, setup)
+            gather(index, f"forward:layer {index} all-gather")
+            if cuda:
+                gather(index + 1, f"forward:layer {index + 1} prefetch")
+            saved = act_ckpt if ckpt else act_layer
+            tmp = forward_temporaries_per_token(shape, setup, ckpt) * tokens
+            tl.add("activations", saved)
+            tl.add("temporaries", tmp, f"forward:layer {index}")
+            tl.sub("temporaries", tmp)
+            saved_per_layer.append(saved)
+            if reshard and index < wrapped - 1:
+                release(index)
+        tl.sub("temporaries", c * shape.hidden_size * tokens)
+        tl.add("activations", norm_act)
+        tl.add("logits", logits_c, "forward:lm_head")
+        if reshard:
+            tl.sub("gathered_parameters", root_gathered)
+        if c != 4:
+            tl.add("logits", logits_f)
+        tl.add("logits", logits_f, "loss:cross-entropy forward")
+        # token_loss_sum returns: the bf16 logits and the fp32 copy are released
+        tl.sub("logits", logits_c + (logits_f if c != 4 else 0.0))
+        # -------- backward: cross-entropy (saved log-softmax + two fp32 gradients)
+        tl.add("logits", 2 * logits_f, "loss:cross-entropy backward")
+        tl.sub("logits", 2 * logits_f)  # saved output and nll gradient released
+        tl.add("logits", logits_c, "loss:logits gradient")
+        tl.sub("logits", logits_f)
+        if reshard:
+            tl.add("gathered_parameters", 2 * root_gathered, "backward:root all-gather")
+            tl.sub("gathered_parameters", root_gathered)
+        root_grads = 0.0
+        tl.add("reduce_buffers", head_grad)
+        root_grads += head_grad
+        tl.add("temporaries", c * shape.hidden_size * tokens, "backward:lm_head")
+        tl.sub("logits", logits_c)
+        tl.sub("activations", norm_act)
+        held_rs = 0.0
+        for index in reversed(range(shape.num_layers)):
+            ckpt = _checkpointed(index, setup)
+            is_unit = index < wrapped
+            gather(index, f"backward:layer {index} all-gather")
+            gather(index - 1, f"backward:layer {index - 1} prefetch")
+            recompute = act_layer if ckpt else 0.0
+            unit_grads = c * layer.trainable if is_unit else 0.0
+            tl.add("temporaries", recompute + bwd_tmp)
+            tl.add("reduce_buffers", unit_grads, f"backward:layer {index}")
+            tl.sub("temporaries", recompute + bwd_tmp)
+            tl.sub("activations", saved_per_layer[index])
+            if not is_unit:
+                # part of the root: its gradients wait for the root's reduce-scatter
+                tl.add("reduce_buffers", c * layer.trainable)
+                root_grads += c * layer.trainable
+                continue
+            if sync:
+                rs = rd * layer.padded_trainable
+                tl.add("reduce_buffers", rs, f"backward:layer {index} reduce-scatter")
+                if not grads_present:
+                    tl.add("gradients", on_gpu * m * layer.shard_trainable(group))
+                tl.sub("reduce_buffers", unit_grads)
+                if accumulated:
+                    tl.sub("accumulated_gradients", rd * layer.trainable)
+                if cuda:
+                    tl.sub("reduce_buffers", held_rs)
+                    held_rs = rs
+                else:
+                    tl.sub("reduce_buffers", rs)
+            else:
+                tl.sub("reduce_buffers", unit_grads)
+                if not accumulated:
+                    tl.add("accumulated_gradients", rd * layer.trainable, f"backward:layer {index} keep gradients")
+            release(index)
+        tl.sub("reduce_buffers", held_rs)
+        # embedding backward, then the root's reduction (final callback)
+        tl.add("reduce_buffers", embed_grad if not shape.tie_word_embeddings else 0.0, "backward:embedding")
+        root_grads += embed_grad if not shape.tie_word_embeddings else 0.0
+        if sync:
+            rs = rd * root.padded_trainable
+            tl.add("reduce_buffers", rs, "backward:root reduce-scatter")
+            if not grads_present:
+                tl.add("gradients", on_gpu * m * root.shard_trainable(group))
+            tl.sub("reduce_buffers", rs + root_grads)
+            if accumulated:
+                tl.sub("accumulated_gradients", rd * root.trainable)
+        else:
+            tl.sub("reduce_buffers", root_grads)
+            if not accumulated:
+                tl.add("accumulated_gradients", rd * root.trainable)
+        tl.sub("gathered_parameters", root_gathered)
+        for index in list(gathered):
+            release(index)
+        tl.sub("activations", shared)
+        if not (sync and step):
+            return
+        if cuda and not offload:
+            tl.add("optimizer_temporaries", m * shard_trainable, "optimizer:AdamW step")
+            tl.sub("optimizer_temporaries", m * shard_trainable)
+        tl.mark("optimizer:step done")
+        tl.sub("gradients", on_gpu * grads_total)
+
+    tl = Timeline()
+    if setup.accumulation <= 1:
+        simulate(False, True, tl)
+    elif setup.sync_between_micro_steps:
+        simulate(False, True, tl, step=False)
+        simulate(False, True, tl, grads_present=True)
+    else:
+        simulate(False, False, tl)
+        simulate(True, setup.accumulation == 2, tl)
+        if setup.accumulation > 2:
+            simulate(True, True, tl)
+
+    notes: list[str] = []
+    if setup.accumulation > 1 and not setup.sync_between_micro_steps:
+        notes.append(
+            f"gradientAccumulationSteps {setup.accumulation}: the trainer turns gradient sync off between "
+            f"micro-steps, so each rank keeps all {trainable:,} trainable parameters' gradients unsharded "
+            f"({_gib(rd * trainable)} in the reduce dtype)"
+        )
+    if setup.wrap_min_params is not None and wrapped < shape.num_layers:
+        notes.append(
+            f"wrapPolicy sizeBased: decoder layers have {layer.numel:,} parameters, fewer than minNumParams "
+            f"{setup.wrap_min_params:,}, so the whole model is one FSDP unit (gathered at once)"
+        )
+    if setup.lora:
+        unknown = [t for t in setup.lora_targets if t not in LORA_MODULES]
+        if unknown:
+            notes.append(f"LoRA targets {unknown} are not Llama projections; not counted")
+    return MemoryEstimate(
+        peak_bytes=int(round(tl.peak)),
+        components={k: int(round(v)) for k, v in tl.at_peak.items()},
+        peak_event=tl.peak_event,
+        phase_peaks={k: int(round(v)) for k, v in tl.phase_peaks.items()},
+        parameters=layer.numel * layer.count + root.numel,
+        trainable_parameters=int(trainable),
+        shard_size=group,
+        layer_unit_parameters=layer.numel,
+        root_unit_parameters=root.numel,
+        host_offloaded_bytes=int(params_bytes + opt_bytes + grads_total) if offload else 0,
+        persistent_bytes=int(on_gpu * (params_bytes + opt_bytes)),
+        notes=notes,
+    )
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB"
