@@ -1,7 +1,8 @@
-"""`python -m llamaft_trainer`: the entry point torchrun starts on every node."""
+"""`python -m llamaft_trainer`: the entry point torchrun starts on every node.
 
-import sys
+It leaves through exit_process, never through interpreter finalization (shutdown.py says why)."""
 
 from llamaft_trainer.main import main
+from llamaft_trainer.shutdown import exit_process
 
-sys.exit(main())
+exit_process(main())

@@ -14,6 +14,7 @@ import io
 import json
 import random
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,8 @@ class Checkpointer:
         self.directory = directory.rstrip("/")
         self.keep_last = keep_last
         self.rank = rank
+        self.save_seconds: list[float] = []
+        """How long each save of this run took: what a save on SIGTERM is expected to cost."""
 
     def _path(self, name: str) -> str:
         return f"{self.root.rstrip('/')}/{name}"
@@ -77,6 +80,7 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, state: TrainState) -> str:
+        started = time.perf_counter()
         name = f"step-{state.step:08d}"
         path = self._path(name)
         if self.rank == 0 and self.fs.exists(path):
@@ -98,6 +102,7 @@ class Checkpointer:
                 f.write(json.dumps(state.to_dict()))
             self._prune()
         dist.barrier()
+        self.save_seconds.append(time.perf_counter() - started)
         return self._writer_path(name)
 
     def load(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> TrainState:

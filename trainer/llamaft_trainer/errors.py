@@ -1,4 +1,4 @@
-"""Errors the trainer reports before any GPU time is spent."""
+"""Errors the trainer reports before any GPU time is spent, and the exit codes of its processes."""
 
 
 class ConfigError(ValueError):
@@ -10,3 +10,7 @@ class ConfigError(ValueError):
 
 
 EXIT_CONFIG_ERROR = 2
+EXIT_FAILURE = 1
+"""Any other failure (torchrun exits 1 for any failed worker anyway: the termination message says why)."""
+EXIT_PREEMPTED = 143
+"""128 + SIGTERM: stopped on SIGTERM (after a checkpoint when the grace period allowed one); retryable."""

@@ -119,6 +119,10 @@ def format_event(event: dict[str, Any]) -> str | None:
         return f"exported the fine-tuned model ({event['format']}) to {event['path']}"
     if kind == "error":
         return f"error: {event['message']}"
+    if kind == "preempted":
+        return f"SIGTERM: stopping after step {event['step']} ({'saving' if event['save'] else 'no time to save'}: {event['detail']})"
+    if kind == "done" and event.get("phase") == "Failed" and event.get("reason") != "ConfigError":
+        return f"failed ({event['reason']}) at step {event.get('step')}: {event.get('message')}"
     return None
 
 

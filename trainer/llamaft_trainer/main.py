@@ -5,6 +5,12 @@ train loop -> checkpoint/export, each step from its own module.
 
 The config file is the training part of the LlamaFineTune spec (JSON or YAML, camelCase, the same
 pydantic model the operator validated), or a whole LlamaFineTune.
+
+How it ends (docs/progress-contract.md): exit 0 and a Succeeded message; 2 for a configuration
+error; 143 (128 + SIGTERM) when SIGTERM stopped it, after a checkpoint if the grace period allowed
+one; 1 for any other failure. Every failing rank writes its termination message with the reason
+(ConfigError, Preempted, CollectiveTimeout, PeerLost or the exception's type). The process always
+leaves through shutdown.exit_process, never through interpreter finalization.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +36,16 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from llamaft_trainer import data as data_step
 from llamaft_trainer import model as model_step
+from llamaft_trainer import termination
 from llamaft_trainer.checkpoint import Checkpointer, TrainState
-from llamaft_trainer.errors import EXIT_CONFIG_ERROR, ConfigError
+from llamaft_trainer.errors import EXIT_CONFIG_ERROR, EXIT_FAILURE, EXIT_PREEMPTED, ConfigError
 from llamaft_trainer.export import export_hugging_face
-from llamaft_trainer.metrics import Progress, flops_per_token, log_json, peak_flops, write_termination_message
+from llamaft_trainer.metrics import Progress, flops_per_token, log_json, peak_flops
 from llamaft_trainer.parallelize import parallelize
+from llamaft_trainer.preemption import StopSignal
 from llamaft_trainer.runtime import Runtime, build_mesh, init_runtime
+from llamaft_trainer.shutdown import exit_process, teardown
+from llamaft_trainer.termination import RunRecord
 from llamaft_trainer.train import LoopResult, build_optimizer, build_scheduler, total_steps, train_loop
 
 
@@ -120,8 +131,13 @@ def setup(cfg: TrainingJobConfig, rt: Runtime) -> Session:
     return Session(cfg, rt, model, tokenizer, model_config, data, optimizer, scheduler, steps, fpt, n_params)
 
 
-def run(cfg: TrainingJobConfig, rt: Runtime, *, progress: Progress | None = None, stop_after: int | None = None) -> tuple[Session, LoopResult]:
-    """One whole run: setup, resume, train, final checkpoint and export."""
+def run(
+    cfg: TrainingJobConfig, rt: Runtime, *, progress: Progress | None = None, stop_after: int | None = None,
+    stop: StopSignal | None = None, record: RunRecord | None = None,
+) -> tuple[Session, LoopResult]:
+    """One whole run: setup, resume, train, final checkpoint and export (not after a stop on
+    SIGTERM). `record` is kept current for the termination message."""
+    record = record if record is not None else RunRecord()
     started = time.perf_counter()
     s = setup(cfg, rt)
     if rt.is_leader:
@@ -139,14 +155,15 @@ def run(cfg: TrainingJobConfig, rt: Runtime, *, progress: Progress | None = None
     latest = checkpointer.latest() if cfg.checkpointing.resume else None
     if latest is not None:
         state = checkpointer.load(latest, s.model, s.optimizer, s.scheduler)
+        record.checkpoint_step = latest
         if rt.is_leader:
             log_json("resume", step=state.step, epoch=state.epoch, path=f"{cfg.checkpointing.directory}/step-{latest:08d}")
     result = train_loop(
         s.model, cfg, s.data, rt, s.optimizer, s.scheduler, state, s.steps,
         checkpointer=checkpointer, progress=progress, flops_per_token=s.flops_per_token,
-        peak_flops=peak_flops(rt.device), stop_after=stop_after,
+        peak_flops=peak_flops(rt.device), stop_after=stop_after, stop=stop, record=record,
     )
-    if state.step >= s.steps and cfg.checkpointing.export_hugging_face:
+    if result.stopped is None and state.step >= s.steps and cfg.checkpointing.export_hugging_face:
         destination = f"{cfg.checkpointing.directory.rstrip('/')}/export"
         lora = cfg.training.lora is not None and cfg.training.lora.enabled
         export_hugging_face(
@@ -155,51 +172,70 @@ def run(cfg: TrainingJobConfig, rt: Runtime, *, progress: Progress | None = None
         )
         if rt.is_leader:
             log_json("export", path=destination, format="peft-adapter" if lora else "safetensors")
+        record.export_path = destination
         if progress is not None:
             progress.update(exportPath=destination)
     return s, result
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the trainer; returns the process's exit code (the caller exits with exit_process)."""
     parser = argparse.ArgumentParser(prog="llamaft_trainer", description=__doc__)
     parser.add_argument("--config", default=os.environ.get("LLAMAFT_CONFIG", "/etc/llamaft/config.json"))
     parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("LLAMAFT_METRICS_PORT", "0")),
                         help="serve /metrics and /progress on this port from local rank 0 (0: off)")
     args = parser.parse_args(argv)
+    stop = StopSignal()
+    stop.install()  # first: a SIGTERM during setup is remembered, not fatal
+    record = RunRecord()
     rt: Runtime | None = None
+    server: ThreadingHTTPServer | None = None
+    healthy = False
     try:
         cfg = load_config(args.config)
-        rt = init_runtime()
+        rt = init_runtime(cfg.training.collective_timeout_seconds)
         progress = None
         if rt.is_local_leader:
             progress = Progress()
             # The operator asks every worker and takes global rank 0's document as the leader's.
             progress.update(rank=rt.rank, pod=os.environ.get("HOSTNAME"))
             if args.metrics_port:
-                progress.serve(args.metrics_port)
-        _, result = run(cfg, rt, progress=progress)
-        summary = {"phase": "Succeeded", "step": result.state.step, "loss": result.losses[-1] if result.losses else None}
+                server = progress.serve(args.metrics_port)
+        _, result = run(cfg, rt, progress=progress, stop=stop, record=record)
+        healthy = True  # every rank got here together (a stop is agreed on collectively)
+        if result.stopped is not None:
+            message = result.stopped.message(record.checkpoint_step)
+            _report(termination.failed(termination.PREEMPTED, message, record, retryable=True), rt)
+            if progress is not None:
+                progress.update(phase="Preempted")
+            return EXIT_PREEMPTED
         if progress is not None:
             progress.update(phase="Succeeded")
-            summary["exportPath"] = progress.snapshot().get("exportPath")
         if rt.is_leader:
-            log_json("done", **summary)
-            write_termination_message(summary)
+            _report(termination.succeeded(record), rt)
         return 0
     except ConfigError as exc:
         if rt is None or rt.is_leader:
             log_json("error", kind="ConfigError", message=str(exc))
             print(f"llamaft: configuration error: {exc}", file=sys.stderr, flush=True)
-        write_termination_message({"phase": "Failed", "reason": "ConfigError", "message": str(exc)})
+        _report(termination.failed(termination.CONFIG_ERROR, str(exc), record, retryable=False), rt)
         return EXIT_CONFIG_ERROR
     except Exception as exc:
-        write_termination_message({"phase": "Failed", "reason": type(exc).__name__, "message": str(exc)})
         traceback.print_exc()
-        raise
+        reason, retryable = termination.classify(exc)
+        _report(termination.failed(reason, f"{type(exc).__name__}: {exc}", record, retryable=retryable), rt, always=True)
+        return EXIT_FAILURE
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        teardown(rt, server, healthy=healthy)
+
+
+def _report(doc: dict[str, Any], rt: Runtime | None, *, always: bool = False) -> None:
+    """The termination message, and the same document as the last `done` line on stdout (global
+    rank 0's, or every rank's for an unexpected error: the rank that failed may not be rank 0)."""
+    termination.write(doc)
+    if always or rt is None or rt.is_leader:
+        log_json("done", **doc, **({"rank": rt.rank} if rt is not None else {}))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -24,6 +24,8 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from transformers import PretrainedConfig
 
+from llamaft_trainer import termination
+
 PEAK_FLOPS_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
 
 
@@ -142,19 +144,17 @@ class Progress:
             def log_message(self, format: str, *args: Any) -> None:
                 return
 
-        server = ThreadingHTTPServer(("0.0.0.0", port), Handler)
+        # All interfaces by default (the pod's IP, and localhost for kubectl port-forward);
+        # LLAMAFT_METRICS_HOST pins one address, e.g. when several "pods" share one host in tests.
+        server = ThreadingHTTPServer((os.environ.get("LLAMAFT_METRICS_HOST", "0.0.0.0"), port), Handler)
         threading.Thread(target=server.serve_forever, daemon=True, name="metrics").start()
         return server
 
 
 def write_termination_message(doc: dict[str, Any]) -> None:
-    """Kubernetes shows /dev/termination-log in the pod status; the operator reads it."""
-    path = os.environ.get("LLAMAFT_TERMINATION_LOG", "/dev/termination-log")
-    try:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(json.dumps(doc, default=str)[:4000])
-    except OSError:
-        pass
+    """Kubernetes shows /dev/termination-log in the pod status; the operator reads it. The contract
+    (fields, the 4096-byte limit, which rank's message wins) lives in termination.py."""
+    termination.write(doc)
 
 
 def eprint(*args: Any) -> None:

@@ -2,6 +2,10 @@
 
 torchrun (and the Kubeflow training operator through PET_* variables) sets RANK, LOCAL_RANK,
 WORLD_SIZE and LOCAL_WORLD_SIZE; CUDA/NCCL is chosen when GPUs are visible, CPU/gloo otherwise.
+
+Every process group gets `training.collectiveTimeoutSeconds`: a peer that died or hangs (SIGSTOP,
+a wedged GPU, a lost node) turns a blocked collective into an error in bounded time, which the
+trainer reports as CollectiveTimeout or PeerLost (termination.classify) instead of holding the job.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ class Runtime:
     world_size: int
     local_world_size: int
     device: torch.device
+    timeout_s: float = 600.0
+    """Timeout of every collective (training.collectiveTimeoutSeconds)."""
 
     @property
     def is_leader(self) -> bool:
@@ -33,8 +39,10 @@ class Runtime:
         return self.local_rank == 0
 
 
-def init_runtime(timeout_s: int = 1800) -> Runtime:
-    """Initialise the default process group (a single process works too: world size 1)."""
+def init_runtime(timeout_s: float = 600.0) -> Runtime:
+    """Initialise the default process group (a single process works too: world size 1) with the
+    spec's collective timeout (main passes `training.collectiveTimeoutSeconds`; 600 s is its default).
+    gloo fails the blocked operation after it; NCCL's watchdog aborts the communicator."""
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -50,7 +58,7 @@ def init_runtime(timeout_s: int = 1800) -> Runtime:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
         dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
-    return Runtime(rank, local_rank, world, local_world, device)
+    return Runtime(rank, local_rank, world, local_world, device, float(timeout_s))
 
 
 def build_mesh(fsdp: FsdpSpec, rt: Runtime) -> DeviceMesh:
@@ -60,6 +68,15 @@ def build_mesh(fsdp: FsdpSpec, rt: Runtime) -> DeviceMesh:
     shardGroupSize (default: the ranks of one node), replicate across them. NO_SHARD: replicate over
     every rank with shard groups of one, i.e. DDP semantics with FSDP2's mixed-precision policy.
     """
+    mesh = _init_mesh(fsdp, rt)
+    # DeviceMesh creates the groups of a 2-D mesh with new_group's default timeout (30 min for
+    # gloo, torch 2.13), not the default group's: give every group the spec's timeout.
+    for name in mesh.mesh_dim_names or ():
+        mesh.get_group(name).set_timeout(timedelta(seconds=rt.timeout_s))
+    return mesh
+
+
+def _init_mesh(fsdp: FsdpSpec, rt: Runtime) -> DeviceMesh:
     device_type = rt.device.type
     strategy = fsdp.sharding_strategy
     if strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):

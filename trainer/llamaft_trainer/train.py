@@ -5,6 +5,10 @@ Loss normalisation: each optimizer step's loss is the sum of token losses over t
 batch (every micro-step on every rank) divided by its number of target tokens, so any sharding
 strategy, world size or accumulation split gives the same loss and gradients as one process on
 the same batch. FSDP averages gradients over ranks, so each rank scales by world_size / tokens.
+
+Stopping on SIGTERM (preemption.py): the stop flag rides on the all-reduce every step already does,
+so all ranks stop after the same step; the step's eval runs, then the save happens where a
+scheduled checkpoint would (a resumed run continues exactly as from any other checkpoint).
 """
 
 from __future__ import annotations
@@ -26,7 +30,15 @@ from transformers import get_scheduler
 from llamaft_trainer.checkpoint import Checkpointer, TrainState
 from llamaft_trainer.data import IGNORE_INDEX, Data, batches_from
 from llamaft_trainer.metrics import Progress, log_json, peak_memory_bytes
+from llamaft_trainer.preemption import (
+    StopReport,
+    StopSignal,
+    agree_to_save,
+    estimate_save_seconds,
+    local_checkpoint_bytes,
+)
 from llamaft_trainer.runtime import Runtime
+from llamaft_trainer.termination import RunRecord
 
 SCHEDULER_NAMES = {
     SchedulerType.COSINE: "cosine",
@@ -41,6 +53,8 @@ class LoopResult:
     losses: list[float] = field(default_factory=list)
     eval_losses: list[float] = field(default_factory=list)
     checkpoints: list[str] = field(default_factory=list)
+    stopped: StopReport | None = None
+    """Set when the loop ended early because some rank got SIGTERM."""
 
 
 def build_optimizer(model: nn.Module, cfg: TrainingJobConfig) -> torch.optim.Optimizer:
@@ -145,8 +159,11 @@ def train_loop(
     flops_per_token: float,
     peak_flops: float | None,
     stop_after: int | None = None,
+    stop: StopSignal | None = None,
+    record: RunRecord | None = None,
 ) -> LoopResult:
-    """Run optimizer steps from `state.step` to `steps` (or `stop_after`, for tests)."""
+    """Run optimizer steps from `state.step` to `steps` (or `stop_after`, for tests), or until
+    some rank got SIGTERM (`stop`). `record` is kept current for the termination message."""
     tc = cfg.training
     accum = tc.gradient_accumulation_steps
     scaler = None
@@ -155,6 +172,12 @@ def train_loop(
 
         scaler = ShardedGradScaler(device=rt.device.type)
     result = LoopResult(state)
+    record = record if record is not None else RunRecord()
+    record.step, record.total_steps = state.step, steps
+    if stop is not None and _all_reduce_sum([1.0 if stop.requested else 0.0], rt.device)[0] > 0:
+        # SIGTERM during setup or resume: nothing new to save.
+        result.stopped = StopReport(state.step, stop.requested, False, "the signal came before the first step: nothing new to save")
+        return result
     model.train()
     groups = _micro_batches(data, state, accum)
     started = time.perf_counter()
@@ -186,11 +209,16 @@ def train_loop(
         state.step += 1
         state.batches_in_epoch += accum
         seq_tokens = sum(int(b["input_ids"].numel()) for b in group)
-        (loss_total, tokens_total) = _all_reduce_sum([loss_sum, float(seq_tokens)], rt.device)
+        # The stop flag rides along: every rank gets the same sum, so all stop after this step.
+        stop_vote = 1.0 if stop is not None and stop.requested else 0.0
+        (loss_total, tokens_total, stop_votes) = _all_reduce_sum([loss_sum, float(seq_tokens), stop_vote], rt.device)
         step_loss = loss_total / max(global_tokens, 1.0)
         state.tokens_seen += int(tokens_total)
         result.losses.append(step_loss)
         elapsed = time.perf_counter() - step_start
+        record.step, record.loss = state.step, step_loss
+        record.tokens += int(tokens_total)
+        record.train_seconds += elapsed
         if state.step % tc.log_interval == 0 or state.step == steps:
             tps = tokens_total / elapsed
             mfu = (tps / rt.world_size) * flops_per_token / peak_flops if peak_flops else None
@@ -208,22 +236,54 @@ def train_loop(
             if progress is not None:
                 progress.record_step(metrics)
         if tc.eval_interval and state.step % tc.eval_interval == 0 and state.step < steps:
-            _run_eval(model, data, rt, state, progress, result)
+            _run_eval(model, data, rt, state, progress, result, record)
+        if stop is not None and stop_votes > 0:
+            result.stopped = _save_on_stop(model, optimizer, scheduler, state, rt, checkpointer, stop, result, record)
+            return result
         if checkpointer is not None and (state.step % cfg.checkpointing.every_n_steps == 0 or state.step == steps):
-            path = checkpointer.save(model, optimizer, scheduler, state)
-            result.checkpoints.append(path)
-            if rt.is_leader:
-                log_json("checkpoint", step=state.step, path=path)
+            _save(model, optimizer, scheduler, state, rt, checkpointer, result, record)
     if state.step >= steps:
-        _run_eval(model, data, rt, state, progress, result)
+        _run_eval(model, data, rt, state, progress, result, record)
     return result
 
 
-def _run_eval(model: nn.Module, data: Data, rt: Runtime, state: TrainState, progress: Progress | None, result: LoopResult) -> None:
+def _save(
+    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, state: TrainState, rt: Runtime,
+    checkpointer: Checkpointer, result: LoopResult, record: RunRecord,
+) -> None:
+    path = checkpointer.save(model, optimizer, scheduler, state)
+    result.checkpoints.append(path)
+    record.checkpoint_step = state.step
+    if rt.is_leader:
+        log_json("checkpoint", step=state.step, path=path)
+
+
+def _save_on_stop(
+    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, state: TrainState, rt: Runtime,
+    checkpointer: Checkpointer | None, stop: StopSignal, result: LoopResult, record: RunRecord,
+) -> StopReport:
+    """Save when every rank has time for it (a collective decision), else leave the newest
+    complete checkpoint as it is: an interrupted save has no COMPLETE marker and is never resumed."""
+    if checkpointer is None:
+        return StopReport(state.step, stop.requested, False, "checkpointing is off")
+    estimate = estimate_save_seconds(checkpointer.save_seconds, local_checkpoint_bytes(model, optimizer))
+    save, why = agree_to_save(stop, estimate, rt.device)
+    if rt.is_leader:
+        log_json("preempted", step=state.step, save=save, detail=why)
+    if save:
+        _save(model, optimizer, scheduler, state, rt, checkpointer, result, record)
+    return StopReport(state.step, stop.requested, save, why)
+
+
+def _run_eval(
+    model: nn.Module, data: Data, rt: Runtime, state: TrainState, progress: Progress | None, result: LoopResult,
+    record: RunRecord,
+) -> None:
     eval_loss = evaluate(model, data, rt)
     if eval_loss is None:
         return
     result.eval_losses.append(eval_loss)
+    record.eval_loss = eval_loss
     if rt.is_leader:
         log_json("eval", step=state.step, eval_loss=round(eval_loss, 6), perplexity=round(math.exp(min(eval_loss, 50)), 4))
     if progress is not None:

@@ -1,0 +1,148 @@
+"""The termination message: the one document the operator reads after a trainer process ends.
+
+Kubernetes copies the file (`LLAMAFT_TERMINATION_LOG`, default /dev/termination-log) into the
+container status, keeping at most 4096 bytes; the operator classifies the failed attempt from it
+(docs/progress-contract.md section 3). Because torchrun, the container's PID 1, exits 1 whenever a
+worker fails *and* whenever it got SIGTERM itself, the pod's exit code cannot tell a preemption from
+a crash: this message is the evidence.
+
+All local ranks of a pod share the one file, so a write does not blindly replace what another rank
+wrote: a consequence (a peer's connection closed) never hides the cause (the exception on the rank
+that died first). See `PRECEDENCE`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from llamaft_trainer.errors import ConfigError
+
+LIMIT_BYTES = 4096
+"""Kubernetes truncates a container's termination message to 4096 bytes."""
+
+CONFIG_ERROR = "ConfigError"
+PREEMPTED = "Preempted"
+COLLECTIVE_TIMEOUT = "CollectiveTimeout"
+PEER_LOST = "PeerLost"
+
+PRECEDENCE = {CONFIG_ERROR: 4, PREEMPTED: 3, COLLECTIVE_TIMEOUT: 1, PEER_LOST: 0}
+"""Which failure a rank may overwrite in the shared file: a higher (or equal) rank wins; any other
+exception type ranks 2. The same order as the operator's (failures.PRIORITY): a preemption explains
+its peers' errors, and a timeout or a lost peer is usually the echo of another rank's failure."""
+OTHER_ERROR_PRECEDENCE = 2
+
+_TIMED_OUT = re.compile(r"timed out|timeout|watchdog caught collective", re.IGNORECASE)
+_PEER_GONE = re.compile(
+    r"connection (closed|reset|refused)|by peer|broken pipe|socket closed|remote process|network error", re.IGNORECASE
+)
+
+
+@dataclass
+class RunRecord:
+    """What this process knows about the run so far, kept current by the train loop so that the
+    message is right even when an exception unwinds everything else."""
+
+    step: int | None = None
+    """Last completed optimizer step (a resumed run starts at its checkpoint's step)."""
+    total_steps: int | None = None
+    checkpoint_step: int | None = None
+    """Newest complete checkpoint this run resumed from or wrote."""
+    loss: float | None = None
+    eval_loss: float | None = None
+    tokens: int = 0
+    """Tokens trained on by all ranks in this attempt."""
+    train_seconds: float = 0.0
+    """Wall time of this attempt's optimizer steps."""
+    export_path: str | None = None
+
+    def tokens_per_second(self) -> float | None:
+        return round(self.tokens / self.train_seconds, 2) if self.train_seconds > 0 else None
+
+
+def classify(exc: BaseException) -> tuple[str, bool]:
+    """(reason, retryable) for an exception that ended the run.
+
+    gloo raises a plain RuntimeError ("Timed out waiting 15000ms for recv operation", "Connection
+    reset by peer"); NCCL and the store raise the torch.distributed Dist*Error types. Only a
+    configuration error is permanent: running it again gives the same answer."""
+    if isinstance(exc, ConfigError):
+        return CONFIG_ERROR, False
+    text = str(exc)  # the Dist*Error types are RuntimeErrors too
+    if isinstance(exc, RuntimeError) and _TIMED_OUT.search(text):
+        return COLLECTIVE_TIMEOUT, True
+    if isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and _PEER_GONE.search(text)):
+        return PEER_LOST, True
+    return type(exc).__name__, True
+
+
+def succeeded(record: RunRecord) -> dict[str, Any]:
+    """Global rank 0's message after a finished run."""
+    return {
+        "phase": "Succeeded", "step": record.step, "totalSteps": record.total_steps,
+        "loss": record.loss, "evalLoss": record.eval_loss,
+        "tokensPerSecond": record.tokens_per_second(), "exportPath": record.export_path,
+    }
+
+
+def failed(reason: str, message: str, record: RunRecord, *, retryable: bool) -> dict[str, Any]:
+    """The message of every rank that fails (or stops for a preemption)."""
+    return {
+        "phase": "Failed", "reason": reason, "message": message, "step": record.step,
+        "checkpointStep": record.checkpoint_step, "retryable": retryable,
+    }
+
+
+def fit(doc: dict[str, Any], limit: int = LIMIT_BYTES) -> str:
+    """`doc` as JSON of at most `limit` bytes: the message is cut (never the JSON), so what
+    Kubernetes keeps still parses."""
+    text = json.dumps(doc, default=str)
+    if len(text.encode()) <= limit:
+        return text
+    message = str(doc.get("message", ""))
+    low, high, best = 0, len(message), None
+    while low <= high:  # the longest prefix of the message that fits
+        middle = (low + high) // 2
+        candidate = json.dumps({**doc, "message": message[:middle] + "..."}, default=str)
+        if len(candidate.encode()) <= limit:
+            best, low = candidate, middle + 1
+        else:
+            high = middle - 1
+    return best if best is not None else json.dumps({"phase": doc.get("phase"), "reason": doc.get("reason")})
+
+
+def _precedence(doc: dict[str, Any] | None) -> int:
+    if not doc or doc.get("phase") != "Failed":
+        return -1
+    return PRECEDENCE.get(str(doc.get("reason")), OTHER_ERROR_PRECEDENCE)
+
+
+def write(doc: dict[str, Any]) -> bool:
+    """Write the message unless another rank of this worker already wrote a failure that explains
+    more (see PRECEDENCE); True when written. Never raises: a missing or read-only file must not
+    turn into a second error."""
+    path = os.environ.get("LLAMAFT_TERMINATION_LOG", "/dev/termination-log")
+    doc = {**doc, "restartCount": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
+    try:
+        with open(path, "a+", encoding="utf-8") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # local ranks write concurrently
+            f.seek(0)
+            try:
+                existing = json.loads(f.read() or "null")
+            except ValueError:
+                existing = None
+            same_attempt = isinstance(existing, dict) and existing.get("restartCount") == doc["restartCount"]
+            if doc["phase"] == "Failed" and same_attempt and _precedence(existing) > _precedence(doc):
+                return False
+            f.seek(0)
+            f.truncate()
+            f.write(fit(doc))
+            return True
+    except OSError:
+        return False
