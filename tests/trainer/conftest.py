@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ def trainer_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "operator"), str(REPO / "trainer")])
+    # Never the machine's /dev/termination-log: each launch gets its own file unless a test names one.
+    env["LLAMAFT_TERMINATION_LOG"] = tempfile.mkstemp(prefix="termination-", suffix=".log")[1]
     env.update(extra)
     return env
 

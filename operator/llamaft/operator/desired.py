@@ -140,6 +140,9 @@ def _env(spec: LlamaFineTuneSpec) -> list[Obj]:
         {"name": "LLAMAFT_METRICS_PORT", "value": str(spec.monitoring.metrics_port)},
         # The trainer saves a checkpoint on SIGTERM only when the grace period leaves time for it.
         {"name": "LLAMAFT_TERMINATION_GRACE_SECONDS", "value": str(spec.cluster.termination_grace_period_seconds)},
+        # torchrun forwards SIGTERM to its workers and SIGKILLs them after this (default 30 s):
+        # let them use the whole grace period the kubelet gives the pod.
+        {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(spec.cluster.termination_grace_period_seconds)},
         {"name": "TORCH_NCCL_ASYNC_ERROR_HANDLING", "value": "1"},
         {"name": "OMP_NUM_THREADS", "value": "1"},
         {"name": "TOKENIZERS_PARALLELISM", "value": "false"},
