@@ -92,8 +92,9 @@ def test_tiny_example_on_a_cluster(api: Any, namespace: str, operator: subproces
         body["spec"]["model"]["source"] = "/opt/llamaft/.local-assets/tiny-llama"
         body["spec"]["dataset"]["source"] = "/opt/llamaft/examples/data/samsum-tiny.jsonl"
         body["spec"]["checkpointing"]["directory"] = "/tmp/checkpoints"
-    custom.create_namespaced_custom_object("llamaft.io", "v1alpha1", namespace, "llamafinetunes", body)
-    job = _wait(lambda: custom.get_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", "tiny-local-1"), 120)
+    created = custom.create_namespaced_custom_object("llamaft.io", "v1alpha1", namespace, "llamafinetunes", body)
+    job_name = f"tiny-local-{created['metadata']['uid'].replace('-', '')[:4]}-1"  # naming.Owner.job_name
+    job = _wait(lambda: custom.get_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", job_name), 120)
     assert job["spec"]["elasticPolicy"]["rdzvId"].endswith("-1")
     status = _wait(lambda: (s := custom.get_namespaced_custom_object("llamaft.io", "v1alpha1", namespace, "llamafinetunes",
                                                                      "tiny-local").get("status", {})).get("jobName") and s, 60)

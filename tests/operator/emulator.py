@@ -3,16 +3,45 @@
 Adds, per ../shared/reference/NOTES.md: uid, resourceVersion, generation (bumped on spec changes)
 and creationTimestamp; JSON-patch `test` failures as 422 (kopf's finalizer patch relies on it);
 kind/apiVersion on lists; status-subresource isolation (the main endpoint ignores .status, /status
-changes only .status). Not emulated: ownerReference GC, admission webhooks, schema validation.
+changes only .status); label and field selectors on list and watch; PUT; metadata.resourceVersion
+and metadata.uid in a write's body as preconditions (409 Conflict, as client-go's optimistic
+concurrency and the kubelet's status writes rely on); 409 AlreadyExists on creating a live name.
+
+Deletion as the API server and kube-controller-manager do it, because the operator's correctness
+lives in these details (a job that is still there while its pods shut down, dependents that outlive
+their owner for a moment):
+- an object with finalizers gets deletionTimestamp and stays until the last finalizer is removed;
+- propagationPolicy (query parameter or DeleteOptions body; default Background): Foreground adds
+  the `foregroundDeletion` finalizer and the garbage collector removes it once no dependent with
+  blockOwnerDeletion is left; Orphan adds `orphan` and the collector strips the dependents'
+  ownerReferences before it lets the owner go; Background removes the owner at once;
+- the garbage collector (a task in the emulator's loop, woken by every change, acting after
+  `gc_delay` seconds so that a test can see the in-between state) deletes dependents whose owners
+  (by uid) are all gone or waiting for their dependents (Foreground for a dependent that has
+  dependents of its own, else Background), and drops the other references of a dependent that
+  still has a live owner;
+- pods bound to a node are deleted gracefully: deletionTimestamp = now + grace and
+  deletionGracePeriodSeconds (DeleteOptions.gracePeriodSeconds, else
+  spec.terminationGracePeriodSeconds, default 30); the kubelet (tests/operator/sim.py) stops the
+  container and then deletes the pod with gracePeriodSeconds=0, which removes it. Unbound or
+  finished pods, and gracePeriodSeconds=0, are removed at once;
+- pods bound to a Node that no longer exists are force-deleted after `podgc_delay` seconds (the
+  PodGC controller);
+- pods/eviction (policy/v1 Eviction) adds the DisruptionTarget condition and deletes the pod
+  (no PodDisruptionBudgets); pods/binding sets spec.nodeName and PodScheduled.
+Not emulated: admission webhooks, schema validation, namespace deletion, PodDisruptionBudgets.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import datetime
 import itertools
+import json
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -27,10 +56,11 @@ Obj = dict[str, Any]
 
 RESOURCES: dict[str, dict[str, Any]] = {
     "v1/namespaces": {"kind": "Namespace", "singular": "namespace", "namespaced": False},
+    "v1/nodes": {"kind": "Node", "singular": "node", "namespaced": False, "subresources": ["status"]},
     "v1/events": {"kind": "Event", "singular": "event", "namespaced": True},
     "v1/configmaps": {"kind": "ConfigMap", "singular": "configmap", "namespaced": True},
     "v1/services": {"kind": "Service", "singular": "service", "namespaced": True},
-    "v1/pods": {"kind": "Pod", "singular": "pod", "namespaced": True, "subresources": ["status"]},
+    "v1/pods": {"kind": "Pod", "singular": "pod", "namespaced": True, "subresources": ["status", "eviction", "binding"]},
     "apps/v1/deployments": {"kind": "Deployment", "singular": "deployment", "namespaced": True, "subresources": ["status"]},
     "kubeflow.org/v1/pytorchjobs": {"kind": "PyTorchJob", "singular": "pytorchjob", "namespaced": True, "subresources": ["status"]},
     "monitoring.coreos.com/v1/podmonitors": {"kind": "PodMonitor", "singular": "podmonitor", "namespaced": True},
@@ -41,6 +71,48 @@ RESOURCES: dict[str, dict[str, Any]] = {
     },
 }
 VERBS = ["get", "list", "watch", "create", "patch", "update", "delete"]
+FOREGROUND = "foregroundDeletion"
+ORPHAN = "orphan"
+TERMINAL_PHASES = ("Succeeded", "Failed")
+
+
+def now_rfc3339(offset_s: float = 0.0) -> str:
+    """Kubernetes' timestamp format (second precision, UTC, `Z`)."""
+    moment = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=offset_s)
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _crd_schemas() -> dict[str, Obj]:
+    """openAPIV3Schema per resource key of the CRDs this repo defines (generated into crds/)."""
+    out: dict[str, Obj] = {}
+    for path in sorted((Path(__file__).resolve().parents[2] / "crds").glob("*.yaml")):
+        crd = yaml.safe_load(path.read_text())
+        group, plural = crd["spec"]["group"], crd["spec"]["names"]["plural"]
+        for version in crd["spec"]["versions"]:
+            out[f"{group}/{version['name']}/{plural}"] = version["schema"]["openAPIV3Schema"]
+    return out
+
+
+def apply_defaults(value: Any, schema: Obj) -> Any:
+    """Structural-schema defaulting as the API server does it: a missing property with a default
+    gets it (then its own nested defaults), recursively through objects and arrays; a null for a
+    non-nullable property is pruned first, so the default applies."""
+    if isinstance(value, dict) and schema.get("type") == "object":
+        props = schema.get("properties") or {}
+        for key in [k for k, v in value.items() if v is None and k in props and not props[k].get("nullable")]:
+            del value[key]
+        for key, sub in props.items():
+            if key not in value and "default" in sub:
+                value[key] = copy.deepcopy(sub["default"])
+            if key in value:
+                value[key] = apply_defaults(value[key], sub)
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, dict):
+            for key in [k for k in value if k not in props]:
+                value[key] = apply_defaults(value[key], extra)
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [apply_defaults(item, schema["items"]) for item in value]
+    return value
 
 
 def merge_diff(old: Any, new: Any) -> Any:
@@ -75,22 +147,106 @@ def matches(selector: str, labels: dict[str, str]) -> bool:
     return True
 
 
+def field_matches(selector: str, obj: Obj) -> bool:
+    """Field selectors as the API server supports them for every kind (metadata.name,
+    metadata.namespace) and for pods (spec.nodeName, status.phase): `a=b`, `a==b`, `a!=b`."""
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        negate = "!=" in term
+        path, value = term.split("!=" if negate else "=", 1)
+        value = value.lstrip("=")
+        current: Any = obj
+        for part in path.split("."):
+            current = current.get(part) if isinstance(current, dict) else None
+        actual = "" if current is None else str(current)
+        if (actual == value) == negate:
+            return False
+    return True
+
+
+def _selected(request: Any, obj: Obj) -> bool:
+    labels = request.params.get("labelSelector")
+    fields = request.params.get("fieldSelector")
+    if labels and not matches(labels, obj.get("metadata", {}).get("labels") or {}):
+        return False
+    return not (fields and not field_matches(fields, obj))
+
+
 class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
+    """The API server: kmock stores objects and serves reads; this class owns every write."""
+
+    gc_delay = 0.05
+    """Seconds between a change and the garbage collector acting on it (a real GC takes ~10-100 ms)."""
+    gc_period = 0.5
+    """The collector also looks at everything this often (deadlines, missed wake-ups)."""
+    podgc_delay = 2.0
+    """Seconds a pod bound to a vanished Node stays before PodGC force-deletes it (real: 40 s)."""
+
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        self._versions = itertools.count(1)
+        self._versions = itertools.count(2)  # 1 is the default namespace's
         self._last_version = 0
+        self._gc_wake = asyncio.Event()
+        self._orphaned_since: dict[str, float] = {}
+        self._schemas = _crd_schemas()
+
+    def _defaulted(self, resource: Any, obj: Obj) -> Obj:
+        """Objects of this repo's CRDs get their schema's defaults, on create and on every write."""
+        key = f"{resource.group}/{resource.version}/{resource.plural}" if resource.group else f"{resource.version}/{resource.plural}"
+        schema = self._schemas.get(key)
+        return apply_defaults(obj, schema) if schema is not None else obj
 
     def _next_version(self) -> str:
         self._last_version = next(self._versions)
         return str(self._last_version)
 
     def _info(self, request: Any) -> Any:
+        return self._info_for(request.resource)
+
+    def _info_for(self, resource: Any) -> Any:
         for res in self._get_resources():
-            if res == request.resource:
+            if res == resource:
                 return self.resources[res]
         return None
 
+    # ------------------------------------------------------------------------------ the store
+    def _live(self, key: tuple[Any, str | None, str]) -> Obj | None:
+        """A deep copy of the stored object, or None if it does not exist (never or any more)."""
+        if key not in self._objects:
+            return None
+        obj = self._objects[key]
+        return None if obj.deleted else copy.deepcopy(obj.raw)
+
+    async def _store(self, key: tuple[Any, str | None, str], new: Obj, event: str) -> Obj:
+        """Write `new` as the object's next version and tell the watchers. Keeps one version of
+        history: kmock would otherwise keep every version of every object forever."""
+        new = copy.deepcopy(new)
+        new.setdefault("metadata", {})["resourceVersion"] = self._next_version()
+        if key in self._objects:
+            self._objects[key].history[:] = [new]
+        else:
+            self._objects[key] = new
+        await self._buses[key[0]].put({"type": event, "object": copy.deepcopy(new)})
+        self._gc_wake.set()
+        return new
+
+    async def _remove(self, key: tuple[Any, str | None, str]) -> Obj:
+        last = copy.deepcopy(self._objects[key].raw)
+        last["metadata"]["resourceVersion"] = self._next_version()
+        self._objects[key].history[:] = [last, None]
+        await self._buses[key[0]].put({"type": "DELETED", "object": copy.deepcopy(last)})
+        self._gc_wake.set()
+        return last
+
+    async def _store_or_release(self, key: tuple[Any, str | None, str], new: Obj) -> Obj:
+        """After an update: an object being deleted whose last finalizer is gone (and, for a pod,
+        whose grace period was cut to 0 by the kubelet) disappears, as on the API server."""
+        stored = await self._store(key, new, "MODIFIED")
+        meta = stored["metadata"]
+        if meta.get("deletionTimestamp") and not meta.get("finalizers") and not int(meta.get("deletionGracePeriodSeconds") or 0):
+            return await self._remove(key)
+        return stored
+
+    # ---------------------------------------------------------------------------- dispatching
     async def _handle(self, request: Any) -> Any:
         # kmock records every request for assertions and matches reactions by scanning that log,
         # which makes each request cost O(requests so far). Nothing here asserts on the log, so
@@ -100,87 +256,370 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
                 and request.resource not in k8s.KubernetesScaffold._get_resources(self)):
             # As the API server: an undeclared resource (a CRD not installed) is a 404, not stored.
             return await self._render_error(k8s.KubernetesResourceNotFoundError())
-        if request.resource is not None and request.action == enums.action.CREATE and isinstance(request.data, dict):
-            meta = request.data.setdefault("metadata", {})
-            if request.namespace and "namespace" not in meta:
-                meta["namespace"] = request.namespace
-            if "generateName" in meta and "name" not in meta:
-                meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
-            meta.setdefault("uid", str(uuid.uuid4()))
-            meta["resourceVersion"] = self._next_version()
-            meta.setdefault("generation", 1)
-            meta.setdefault("creationTimestamp", datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
-        elif request.resource is not None and request.subresource == "status" and request.name is not None:
-            try:
-                return await self._serve_status(request)
-            except k8s.KubernetesError as exc:
-                return await self._render_error(exc)
-        elif request.resource is not None and request.action == enums.action.UPDATE and request.name is not None:
-            request = await self._rewrite_update(request)
-        response = await super()._handle(request)
-        if request.resource is not None and request.action == enums.action.CREATE and response.status == 200:
-            response.set_status(201)  # the kubernetes client only decodes a create's body on 201
-        return response
-
-    async def _serve_status(self, request: Any) -> Any:
-        """GET/PATCH .../<name>/status: reads the object, changes only its .status."""
-        key = (request.resource, request.namespace, request.name)
-        if request.action == enums.action.UPDATE:
-            request = await self._rewrite_update(request)
-        async with self._lock:
-            if key not in self._objects or self._objects[key].deleted:
-                raise k8s.KubernetesObjectNotFoundError()
-            if request.action == enums.action.UPDATE:
-                self._objects[key].patch(request.data)
-                await self._buses[request.resource].put({"type": "MODIFIED", "object": self._objects[key].raw})
-            raw = copy.deepcopy(dict(self._objects[key].raw))
-        return aiohttp.web.json_response(raw)
-
-    async def _rewrite_update(self, request: Any) -> Any:
-        key = (request.resource, request.namespace, request.name)
-        async with self._lock:
-            if key not in self._objects or self._objects[key].deleted:
-                raise k8s.KubernetesObjectNotFoundError()
-            current = copy.deepcopy(dict(self._objects[key].raw))
+        if request.resource is None:
+            return await super()._handle(request)
+        method = str(request.method.value if hasattr(request.method, "value") else request.method).upper()
         try:
-            new = copy.deepcopy(dict(dicts.patch_dict(current, request.data)))
-        except (jsonpatch.JsonPatchTestFailed, jsonpatch.JsonPatchConflict, jsonpatch.JsonPointerException) as exc:
-            raise k8s.KubernetesError(status=422, reason="Invalid", message=f"the patch cannot be applied: {exc}") from None
+            if request.name is not None and request.subresource == "eviction" and method == "POST":
+                return await self._serve_eviction(request)
+            if request.name is not None and request.subresource == "binding" and method == "POST":
+                return await self._serve_binding(request)
+            if request.name is not None and request.subresource == "status" and method in ("GET", "PATCH", "PUT"):
+                return await self._serve_write(request, status_only=True, replace=method == "PUT") if method != "GET" \
+                    else await self._serve_get(request)
+            if request.subresource is None:
+                if request.action == enums.action.CREATE:
+                    return await self._serve_create_request(request)
+                if request.name is not None and method in ("PATCH", "PUT"):
+                    return await self._serve_write(request, status_only=False, replace=method == "PUT")
+                if request.name is not None and method == "DELETE":
+                    return await self._serve_delete_request(request)
+        except k8s.KubernetesError as exc:
+            return await self._render_error(exc)
+        return await super()._handle(request)
+
+    async def _serve_get(self, request: Any) -> Any:
+        async with self._lock:
+            obj = self._live((request.resource, request.namespace, request.name))
+        if obj is None:
+            raise k8s.KubernetesObjectNotFoundError()
+        return aiohttp.web.json_response(obj)
+
+    # ---------------------------------------------------------------------------------- create
+    async def _serve_create_request(self, request: Any) -> Any:
+        if not isinstance(request.data, dict):
+            raise k8s.KubernetesError(status=400, reason="BadRequest", message="the body must be a JSON object")
+        obj = copy.deepcopy(request.data)
+        meta = obj.setdefault("metadata", {})
+        if request.namespace and "namespace" not in meta:
+            meta["namespace"] = request.namespace
+        if "generateName" in meta and "name" not in meta:
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+        if not meta.get("name"):
+            raise k8s.KubernetesError(status=422, reason="Invalid", message="metadata.name: Required value")
+        meta["uid"] = str(uuid.uuid4())
+        meta["generation"] = 1
+        meta["creationTimestamp"] = now_rfc3339()
+        for field in ("deletionTimestamp", "deletionGracePeriodSeconds", "resourceVersion"):
+            meta.pop(field, None)
         info = self._info(request)
         if info is not None and "status" in info.subresources:
-            if request.subresource == "status":
-                new = {**current, "status": new.get("status")}
-                if new["status"] is None:
-                    new.pop("status")
-            elif "status" in current:
-                new["status"] = current["status"]
-            else:
-                new.pop("status", None)
-        meta = new.setdefault("metadata", {})
-        meta["resourceVersion"] = self._next_version()
-        if new.get("spec") != current.get("spec"):
-            meta["generation"] = int(current.get("metadata", {}).get("generation", 1)) + 1
-        # kmock tracks the request object itself (a copy would match no reaction): rewrite its data.
-        object.__setattr__(request, "data", merge_diff(current, new))
-        return request
+            obj.pop("status", None)  # a create cannot set the status of a resource with /status
+        if info is not None and info.kind:
+            group, version = request.resource.group, request.resource.version
+            obj.setdefault("apiVersion", f"{group}/{version}" if group else version)
+            obj.setdefault("kind", info.kind)
+        if info is not None and info.kind == "Pod":
+            self._default_pod(obj)
+        obj = self._defaulted(request.resource, obj)
+        key = (request.resource, request.namespace or meta.get("namespace"), meta["name"])
+        async with self._lock:
+            if self._live(key) is not None:
+                raise k8s.KubernetesError(status=409, reason="AlreadyExists",
+                                          message=f'{request.resource.plural} "{meta["name"]}" already exists')
+            stored = await self._store(key, obj, "ADDED")
+        # The kubernetes client only decodes a create's body on 201.
+        return aiohttp.web.json_response(stored, status=201)
 
+    @staticmethod
+    def _default_pod(pod: Obj) -> None:
+        """The API server's defaulting for the fields the kubelet and the deletion logic read."""
+        spec = pod.setdefault("spec", {})
+        spec.setdefault("restartPolicy", "Always")
+        spec.setdefault("terminationGracePeriodSeconds", 30)
+        spec.setdefault("schedulerName", "default-scheduler")
+        for container in spec.get("containers") or []:
+            container.setdefault("terminationMessagePath", "/dev/termination-log")
+            container.setdefault("terminationMessagePolicy", "File")
+        pod["status"] = {"phase": "Pending", "qosClass": "BestEffort"}
+
+    # ----------------------------------------------------------------------- patch, put, status
+    async def _serve_write(self, request: Any, *, status_only: bool, replace: bool) -> Any:
+        key = (request.resource, request.namespace, request.name)
+        info = self._info(request)
+        async with self._lock:
+            current = self._live(key)
+            if current is None:
+                raise k8s.KubernetesObjectNotFoundError()
+            if replace:
+                if not isinstance(request.data, dict):
+                    raise k8s.KubernetesError(status=400, reason="BadRequest", message="the body must be a JSON object")
+                wanted = str(request.data.get("metadata", {}).get("resourceVersion") or "")
+                new = copy.deepcopy(request.data)
+            else:
+                wanted = str(request.data.get("metadata", {}).get("resourceVersion") or "") if isinstance(request.data, dict) else ""
+                try:
+                    new = copy.deepcopy(dict(dicts.patch_dict(current, request.data)))
+                except (jsonpatch.JsonPatchTestFailed, jsonpatch.JsonPatchConflict, jsonpatch.JsonPointerException) as exc:
+                    raise k8s.KubernetesError(status=422, reason="Invalid", message=f"the patch cannot be applied: {exc}") from None
+            uid = str(request.data.get("metadata", {}).get("uid") or "") if isinstance(request.data, dict) else ""
+            if uid and uid != current["metadata"].get("uid"):
+                raise k8s.KubernetesError(status=409, reason="Conflict", message=f"Precondition failed: UID in precondition: {uid}, "
+                                          f"UID in object meta: {current['metadata'].get('uid')}")
+            if wanted and wanted != current["metadata"].get("resourceVersion"):
+                raise k8s.KubernetesError(
+                    status=409, reason="Conflict",
+                    message=f"Operation cannot be fulfilled on {request.resource.plural} \"{request.name}\": "
+                            "the object has been modified; please apply your changes to the latest version and try again")
+            if info is not None and "status" in info.subresources:
+                if status_only:
+                    new = {**current, "status": new.get("status")}
+                    if new["status"] is None:
+                        new.pop("status")
+                elif "status" in current:
+                    new["status"] = current["status"]
+                else:
+                    new.pop("status", None)
+            meta = new.setdefault("metadata", {})
+            # Fields only the server sets.
+            for field in ("uid", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "name", "namespace"):
+                if field in current["metadata"]:
+                    meta[field] = current["metadata"][field]
+                else:
+                    meta.pop(field, None)
+            new = self._defaulted(request.resource, new)
+            meta["generation"] = int(current["metadata"].get("generation", 1))
+            if new.get("spec") != current.get("spec"):
+                meta["generation"] += 1
+            stored = await self._store_or_release(key, new)
+        return aiohttp.web.json_response(stored)
+
+    # ---------------------------------------------------------------------------------- delete
+    async def _serve_delete_request(self, request: Any) -> Any:
+        body = request.data if isinstance(request.data, dict) else {}
+        params = request.params
+        policy = params.get("propagationPolicy") or body.get("propagationPolicy")
+        if policy is None and ("orphanDependents" in params or "orphanDependents" in body):
+            orphan = str(params.get("orphanDependents", body.get("orphanDependents"))).lower() == "true"
+            policy = "Orphan" if orphan else "Background"
+        grace_text = params.get("gracePeriodSeconds", body.get("gracePeriodSeconds"))
+        grace = int(grace_text) if grace_text is not None else None
+        preconditions = body.get("preconditions") or {}
+        key = (request.resource, request.namespace, request.name)
+        async with self._lock:
+            result, pending = await self._delete(key, policy=policy, grace=grace, preconditions=preconditions)
+        # As the API server: 202 only for a pending deletion asked for with orphanDependents=false
+        # (kept for old clients), 200 otherwise.
+        explicit = str(params.get("orphanDependents", body.get("orphanDependents", ""))).lower() == "false"
+        return aiohttp.web.json_response(result, status=202 if pending and explicit else 200)
+
+    async def _delete(self, key: tuple[Any, str | None, str], *, policy: str | None = None, grace: int | None = None,
+                      preconditions: dict[str, Any] | None = None) -> tuple[Obj, bool]:
+        """The API server's deletion, for requests and for the collectors. Call with the lock held.
+        Returns (the object as it now is, whether it still exists)."""
+        current = self._live(key)
+        if current is None:
+            raise k8s.KubernetesObjectNotFoundError()
+        meta = current["metadata"]
+        for field in ("uid", "resourceVersion"):
+            if (preconditions or {}).get(field) and preconditions[field] != meta.get(field):  # type: ignore[index]
+                raise k8s.KubernetesError(status=409, reason="Conflict", message=f"Precondition failed: {field} mismatch")
+        if policy not in (None, "Foreground", "Background", "Orphan"):
+            raise k8s.KubernetesError(status=400, reason="BadRequest", message=f"unknown propagationPolicy {policy!r}")
+        info = self._info_for(key[0])
+        is_pod = info is not None and info.kind == "Pod"
+        if is_pod:
+            spec, status = current.get("spec", {}), current.get("status", {})
+            if grace is None:
+                grace = int(spec.get("terminationGracePeriodSeconds", 30))
+            if not spec.get("nodeName") or status.get("phase") in TERMINAL_PHASES:
+                grace = 0  # nothing runs it, or it has finished: no kubelet needs to stop anything
+        else:
+            grace = 0
+        grace = max(grace, 0)
+        finalizers = list(meta.get("finalizers") or [])
+        if policy == "Foreground" and FOREGROUND not in finalizers:
+            finalizers.append(FOREGROUND)
+        elif policy == "Orphan" and ORPHAN not in finalizers:
+            finalizers.append(ORPHAN)
+        if meta.get("deletionTimestamp"):
+            # Already being deleted: a later DELETE can only shorten a pod's grace period and add
+            # the collector's finalizers.
+            old_grace = int(meta.get("deletionGracePeriodSeconds") or 0)
+            if grace < old_grace:
+                meta["deletionGracePeriodSeconds"] = grace
+                meta["deletionTimestamp"] = now_rfc3339(grace)
+            elif finalizers == list(meta.get("finalizers") or []):
+                return current, True
+            meta["finalizers"] = finalizers
+            stored = await self._store_or_release(key, current)
+            return stored, key in self._objects and not self._objects[key].deleted
+        if not finalizers and grace == 0:
+            return await self._remove(key), False
+        meta["deletionTimestamp"] = now_rfc3339(grace)
+        meta["deletionGracePeriodSeconds"] = grace
+        if finalizers:
+            meta["finalizers"] = finalizers
+        if meta.get("generation"):
+            meta["generation"] = int(meta["generation"]) + 1
+        return await self._store(key, current, "MODIFIED"), True
+
+    # ------------------------------------------------------------------- eviction and binding
+    async def _serve_eviction(self, request: Any) -> Any:
+        """policy/v1 Eviction: DisruptionTarget condition, then a graceful delete (no PDBs here)."""
+        key = (request.resource, request.namespace, request.name)
+        options = (request.data or {}).get("deleteOptions") or {} if isinstance(request.data, dict) else {}
+        async with self._lock:
+            pod = self._live(key)
+            if pod is None:
+                raise k8s.KubernetesObjectNotFoundError()
+            if not pod["metadata"].get("deletionTimestamp") and pod.get("status", {}).get("phase") not in TERMINAL_PHASES:
+                status = pod.setdefault("status", {})
+                status["conditions"] = [c for c in status.get("conditions") or [] if c.get("type") != "DisruptionTarget"] + [{
+                    "type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI",
+                    "message": "Eviction API: evicting", "lastTransitionTime": now_rfc3339(),
+                }]
+                await self._store(key, pod, "MODIFIED")
+            grace = options.get("gracePeriodSeconds")
+            await self._delete(key, policy=options.get("propagationPolicy"), grace=None if grace is None else int(grace),
+                               preconditions=options.get("preconditions"))
+        return aiohttp.web.json_response(
+            {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}, status=201)
+
+    async def _serve_binding(self, request: Any) -> Any:
+        """The scheduler's bind: spec.nodeName (once) and PodScheduled=True."""
+        key = (request.resource, request.namespace, request.name)
+        target = ((request.data or {}).get("target") or {}).get("name") if isinstance(request.data, dict) else None
+        if not target:
+            raise k8s.KubernetesError(status=422, reason="Invalid", message="target.name: Required value")
+        async with self._lock:
+            pod = self._live(key)
+            if pod is None:
+                raise k8s.KubernetesObjectNotFoundError()
+            if pod.get("spec", {}).get("nodeName"):
+                raise k8s.KubernetesError(status=409, reason="Conflict",
+                                          message=f"pod {request.name} is already assigned to node {pod['spec']['nodeName']!r}")
+            pod.setdefault("spec", {})["nodeName"] = target
+            status = pod.setdefault("status", {})
+            status["conditions"] = [c for c in status.get("conditions") or [] if c.get("type") != "PodScheduled"] + [
+                {"type": "PodScheduled", "status": "True", "lastTransitionTime": now_rfc3339()}]
+            await self._store(key, pod, "MODIFIED")
+        return aiohttp.web.json_response(
+            {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}, status=201)
+
+    # ------------------------------------------------------------------------- the collectors
+    async def run_collectors(self) -> None:
+        """The garbage collector and PodGC, until cancelled. Woken by every change; each pass
+        waits `gc_delay` first, so that dependents visibly outlive their owner for a moment."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._gc_wake.wait(), self.gc_period)
+            self._gc_wake.clear()
+            await asyncio.sleep(self.gc_delay)
+            try:
+                async with self._lock:
+                    await self._collect()
+            except Exception:  # noqa: BLE001 (a collector bug must not stop the collector)
+                import traceback
+
+                traceback.print_exc()
+
+    async def _collect(self) -> None:
+        live: dict[tuple[Any, str | None, str], Obj] = {}
+        for key, obj in list(self._objects.items()):
+            if not obj.deleted:
+                live[key] = obj.raw
+        by_uid = {raw.get("metadata", {}).get("uid"): key for key, raw in live.items()}
+        dependents: dict[str, list[tuple[Any, Obj]]] = {}
+        for key, raw in live.items():
+            for ref in raw.get("metadata", {}).get("ownerReferences") or []:
+                dependents.setdefault(ref.get("uid"), []).append((key, ref))
+
+        def waiting(uid: str) -> bool:
+            owner = live.get(by_uid.get(uid))  # type: ignore[arg-type]
+            meta = (owner or {}).get("metadata", {})
+            return bool(meta.get("deletionTimestamp")) and FOREGROUND in (meta.get("finalizers") or [])
+
+        # Dependents: delete those without a solid owner; drop dangling references of the others.
+        for key, raw in live.items():
+            meta = raw.get("metadata", {})
+            refs = meta.get("ownerReferences") or []
+            if not refs or meta.get("deletionTimestamp") or self._live(key) is None:
+                continue
+            dangling = [r for r in refs if r.get("uid") not in by_uid]
+            waiting_for = [r for r in refs if r.get("uid") in by_uid and waiting(r["uid"])]
+            solid = [r for r in refs if r not in dangling and r not in waiting_for]
+            if solid:
+                if dangling or waiting_for:  # as the real collector: keep only the solid owners
+                    current = self._live(key)
+                    assert current is not None
+                    current["metadata"]["ownerReferences"] = solid
+                    await self._store(key, current, "MODIFIED")
+                continue
+            policy = "Foreground" if waiting_for and dependents.get(meta.get("uid")) else "Background"
+            with contextlib.suppress(k8s.KubernetesError):
+                await self._delete(key, policy=policy)
+
+        # Owners: release foreground deletions without blocking dependents, orphan on request.
+        for key, raw in live.items():
+            meta = raw.get("metadata", {})
+            finalizers = meta.get("finalizers") or []
+            if not meta.get("deletionTimestamp") or not (FOREGROUND in finalizers or ORPHAN in finalizers):
+                continue
+            uid = meta.get("uid")
+            deps = [(k, r) for k, r in dependents.get(uid, []) if self._live(k) is not None]
+            if ORPHAN in finalizers:
+                for dep_key, _ in deps:
+                    dep = self._live(dep_key)
+                    assert dep is not None
+                    dep["metadata"]["ownerReferences"] = [r for r in dep["metadata"].get("ownerReferences") or [] if r.get("uid") != uid]
+                    if not dep["metadata"]["ownerReferences"]:
+                        dep["metadata"].pop("ownerReferences")
+                    await self._store(dep_key, dep, "MODIFIED")
+                removed = ORPHAN
+            elif not any(r.get("blockOwnerDeletion") for _, r in deps):
+                removed = FOREGROUND
+            else:
+                continue
+            current = self._live(key)
+            if current is not None:
+                current["metadata"]["finalizers"] = [f for f in current["metadata"].get("finalizers") or [] if f != removed]
+                if not current["metadata"]["finalizers"]:
+                    current["metadata"].pop("finalizers")
+                await self._store_or_release(key, current)
+
+        # PodGC: pods bound to a Node that no longer exists.
+        kinds = {(r.group, r.version, r.plural): self.resources[r].kind for r in self.resources}
+
+        def kind(key: tuple[Any, str | None, str]) -> str | None:
+            return kinds.get((key[0].group, key[0].version, key[0].plural))
+
+        nodes = {key[2] for key in live if kind(key) == "Node"}
+        now = time.monotonic()
+        seen: set[str] = set()
+        for key, raw in live.items():
+            node = raw.get("spec", {}).get("nodeName")
+            if kind(key) != "Pod" or not node or node in nodes:
+                continue
+            uid = raw["metadata"]["uid"]
+            seen.add(uid)
+            first = self._orphaned_since.setdefault(uid, now)
+            if now - first >= self.podgc_delay and self._live(key) is not None:
+                with contextlib.suppress(k8s.KubernetesError):
+                    await self._delete(key, grace=0)
+        self._orphaned_since = {uid: t for uid, t in self._orphaned_since.items() if uid in seen}
+
+    # ------------------------------------------------------------------------------- reading
     async def _serve_watch(self, request: Any) -> Any:
         """As the API server: a watch from resourceVersion N does not replay objects at or below N
-        (kmock replays everything, which hands kopf stale duplicates of what it just listed)."""
+        (kmock replays everything, which hands kopf stale duplicates of what it just listed); label
+        and field selectors apply to the stream."""
         since = int(request.params.get("resourceVersion") or 0) if str(request.params.get("resourceVersion", "")).isdigit() else 0
         async for event in super()._serve_watch(request):
-            if isinstance(event, dict) and event.get("type") == "ADDED" and since:
-                version = event.get("object", {}).get("metadata", {}).get("resourceVersion", "0")
-                if str(version).isdigit() and int(version) <= since:
+            if isinstance(event, dict):
+                obj = event.get("object", {})
+                if event.get("type") == "ADDED" and since:
+                    version = obj.get("metadata", {}).get("resourceVersion", "0")
+                    if str(version).isdigit() and int(version) <= since:
+                        continue
+                if not _selected(request, obj):
                     continue
             yield event
 
     async def _serve_list(self, request: Any) -> Any:
         result = await super()._serve_list(request)
         result["metadata"] = {"resourceVersion": str(self._last_version)}
-        selector = request.params.get("labelSelector")
-        if selector:
-            result["items"] = [i for i in result["items"] if matches(selector, i.get("metadata", {}).get("labels") or {})]
+        result["items"] = [copy.deepcopy(i) for i in result["items"] if _selected(request, i)]
         info = self._info(request)
         if info is not None and info.kind:
             result["kind"] = f"{info.kind}List"
@@ -206,9 +645,12 @@ def write_kubeconfig(url: str, path: Path) -> Path:
 class EmulatorThread:
     """The emulator on 127.0.0.1:<port>, in its own thread and event loop, for subprocess clients."""
 
-    def __init__(self, without: tuple[str, ...] = ()) -> None:
-        """`without`: resources this "cluster" does not serve (e.g. no Prometheus Operator)."""
+    def __init__(self, without: tuple[str, ...] = (), *, gc_delay: float | None = None,
+                 podgc_delay: float | None = None) -> None:
+        """`without`: resources this "cluster" does not serve (e.g. no Prometheus Operator).
+        `gc_delay`/`podgc_delay`: see Emulator (how long deletions visibly take)."""
         self.without = without
+        self.gc_delay, self.podgc_delay = gc_delay, podgc_delay
         self.url = ""
         self.emulator: Emulator | None = None
         self._loop = asyncio.new_event_loop()
@@ -223,6 +665,10 @@ class EmulatorThread:
     async def _serve(self) -> None:
         self._stop = asyncio.Event()
         async with Emulator() as emulator, kmock.Server(emulator) as server:
+            if self.gc_delay is not None:
+                emulator.gc_delay = self.gc_delay
+            if self.podgc_delay is not None:
+                emulator.podgc_delay = self.podgc_delay
             for key, info in RESOURCES.items():
                 if key not in self.without:
                     emulator.resources[key] = {**info, "verbs": VERBS}
@@ -230,10 +676,16 @@ class EmulatorThread:
                 "apiVersion": "v1", "kind": "Namespace",
                 "metadata": {"name": "default", "uid": str(uuid.uuid4()), "resourceVersion": "1"},
             }
+            collectors = asyncio.create_task(emulator.run_collectors())
             self.emulator = emulator
             self.url = str(server.url).rstrip("/")
             self._ready.set()
-            await self._stop.wait()
+            try:
+                await self._stop.wait()
+            finally:
+                collectors.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await collectors
 
     def start(self) -> EmulatorThread:
         self._thread.start()
@@ -245,3 +697,11 @@ class EmulatorThread:
         if self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(10)
+
+    def dump(self) -> str:
+        """Every live object, for a failing test's message."""
+        emulator = self.emulator
+        if emulator is None:
+            return "{}"
+        out = {f"{key[0].plural}/{key[1]}/{key[2]}": obj.raw for key, obj in list(emulator.objects.items()) if not obj.deleted}
+        return json.dumps(out, indent=1, default=str)

@@ -55,8 +55,10 @@ def query(url: str, expr: str, timeout_s: float = 5.0) -> list[Sample]:
     return [Sample(dict(r["metric"]), float(r["value"][1])) for r in body["data"]["result"]]
 
 
-def queries(owner: Owner) -> tuple[str, str]:
-    sel = pod_selector(owner)
+def queries(owner: Owner, job_name: str | None = None) -> tuple[str, str]:
+    """(XID query, utilisation query) for the fine-tune's pods, or only the given attempt's: an
+    XID on an earlier attempt's GPU already ended that attempt and must not end the next one."""
+    sel = pod_selector(owner) if job_name is None else f'namespace="{owner.namespace}", pod=~"{job_name}-worker-[0-9]+"'
     xids = "|".join(str(x) for x in HARDWARE_XIDS)
     return (
         f'max by (pod, gpu, Hostname, err_code) (DCGM_FI_DEV_XID_ERRORS{{{sel}, err_code=~"{xids}"}}) > 0',

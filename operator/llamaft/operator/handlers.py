@@ -275,7 +275,7 @@ class Step:
         pods = self.kube.list_pods(self.namespace, f"training.kubeflow.org/job-name={job_name}") if job else []
         job_phase, _, _ = observe.job_phase(job)
         progress = self._leader_progress(pods, spec, status) if job_phase in (Phase.RUNNING, Phase.RESTARTING) else None
-        gpu = self._gpu(obj, owner, status, job_phase is Phase.RUNNING, progress)
+        gpu = self._gpu(obj, owner, job_name, status, job_phase is Phase.RUNNING, progress)
         return lifecycle.Observed(
             spec=spec, status=status, now=now(), job_name=job_name, job=job, job_deleting=deleting,
             stale_jobs=stale, pods=pods, progress=progress, gpu=gpu, retry_backoff_s=self.settings.retry_backoff_s,
@@ -299,12 +299,14 @@ class Step:
                 return doc
         return None
 
-    def _gpu(self, obj: Obj, owner: Owner, status: Obj, running: bool, progress: Mapping[str, Any] | None) -> failures.Failure | None:
-        """GPUHealthy from Prometheus (when configured); a hardware XID is a failure of the attempt."""
+    def _gpu(self, obj: Obj, owner: Owner, job_name: str, status: Obj, running: bool,
+             progress: Mapping[str, Any] | None) -> failures.Failure | None:
+        """GPUHealthy from Prometheus (when configured); a hardware XID on one of the current
+        attempt's GPUs is a failure of the attempt."""
         url = self.settings.prometheus_url
         if not url or not running:
             return None
-        xid_query, util_query = gpu_health.queries(owner)
+        xid_query, util_query = gpu_health.queries(owner, job_name)
         try:
             health = gpu_health.assess(gpu_health.query(url, xid_query), gpu_health.query(url, util_query), running)
         except (OSError, RuntimeError, ValueError) as exc:

@@ -197,6 +197,7 @@ def _no_job(obs: Observed, attempt: int, d: Decision) -> Decision:
     first = int(st.get("attempt") or 0) == 0
     d.status.update(
         attempt=attempt, jobName=obs.job_name, retryAfter=None, attemptStartTime=now, lastProgressTime=None,
+        retriesUsed=int(st.get("retriesUsed") or 0),  # written, so `kubectl get` shows Restarts 0
     )
     if first or st.get("phase") in (None, Phase.PENDING.value, Phase.CREATING.value):
         d.status.update(phase=Phase.CREATING.value, message=f"creating PyTorchJob {obs.job_name}")

@@ -1,0 +1,97 @@
+"""Fixtures for tests on a simulated cluster (tests/operator/sim.py): an API emulator, one shared
+real etcd, SimClusters that are always stopped (every process they started killed, checked), and
+a small LlamaFineTune for the real trainer.
+
+Import the fixture functions into a test module (`from tests.operator.sim_fixtures import
+sim_fixture, ...`: each `*_fixture` is the fixture named without the suffix); they live outside
+conftest.py so that only the modules that want a simulated cluster pay for one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from llamaft_trainer.local_etcd import LocalEtcd
+
+from tests.conftest import REPO, need_etcd
+from tests.operator.emulator import EmulatorThread
+from tests.operator.sim import SimCluster
+
+DATASET = REPO / "examples" / "data" / "samsum-tiny.jsonl"
+SIM_GC_DELAY = 0.3
+"""The emulator's garbage-collector latency in sim tests: long enough that a test sees dependents
+outlive their owner, short against everything else a deletion takes."""
+
+
+def trainer_binds_metrics_host() -> bool:
+    """Whether the trainer binds its metrics server to LLAMAFT_METRICS_HOST (the pod's address).
+    Until it does, two pods on this one machine collide on the metrics port, so sim tests switch
+    the metrics server off (LLAMAFT_METRICS_PORT=0) instead of pretending."""
+    return any("LLAMAFT_METRICS_HOST" in p.read_text() for p in (REPO / "trainer" / "llamaft_trainer").glob("*.py"))
+
+
+def tiny_finetune(name: str, model: Path, workdir: Path, **overrides: Any) -> dict[str, Any]:
+    """A LlamaFineTune for the tiny test model: 2 workers x 1 CPU process, a few steps, no export,
+    rendezvous etcd-v2 through the managed etcd's name (which the sim maps to the local etcd).
+    `overrides` merge into spec sections (e.g. training={"maxSteps": 6})."""
+    spec: dict[str, Any] = {
+        "model": {"source": str(model), "dtype": "float32"},
+        "dataset": {"format": "samsum", "source": str(DATASET), "maxSeqLength": 64, "packing": True, "validationSplit": 0.1},
+        "training": {"maxSteps": 3, "perDeviceBatchSize": 2, "learningRate": 2e-3, "evalInterval": 0, "seed": 7},
+        "fsdp": {"mixedPrecision": "fp32", "activationCheckpointing": {"mode": "none"}},
+        "checkpointing": {"directory": str(workdir / name / "checkpoints"), "everyNSteps": 1000, "exportHuggingFace": False,
+                          "resume": False},
+        "cluster": {"workers": 2, "gpusPerWorker": 0},
+        "rendezvous": {"backend": "etcd-v2"},
+    }
+    for key, value in overrides.items():
+        spec[key] = {**spec.get(key, {}), **value} if isinstance(value, dict) else value
+    return {"apiVersion": "llamaft.io/v1alpha1", "kind": "LlamaFineTune", "metadata": {"name": name, "namespace": "default"},
+            "spec": spec}
+
+
+@pytest.fixture(scope="module", name="sim_etcd")
+def sim_etcd_fixture() -> Iterator[LocalEtcd]:
+    """One real etcd (v2 API) for every "etcd" of the module's clusters; runs use unique ids."""
+    need_etcd()
+    with LocalEtcd() as server:
+        yield server
+
+
+@pytest.fixture(name="sim_emulator")
+def sim_emulator_fixture() -> Iterator[EmulatorThread]:
+    """A fresh API server per test: no state leaks between simulated clusters."""
+    thread = EmulatorThread(gc_delay=SIM_GC_DELAY).start()
+    yield thread
+    thread.stop()
+
+
+@pytest.fixture(name="make_sim")
+def make_sim_fixture(sim_emulator: EmulatorThread, sim_etcd: LocalEtcd, tmp_path: Path) -> Iterator[Callable[..., SimCluster]]:
+    """make_sim(nodes=2, **SimCluster options) -> a started SimCluster on this test's emulator.
+    Teardown stops every one, even when the test failed, and fails the test if a process survived."""
+    started: list[SimCluster] = []
+
+    def make(nodes: int = 2, **options: Any) -> SimCluster:
+        sim = SimCluster(sim_emulator.url, sim_etcd.endpoint, nodes=nodes, workdir=tmp_path / f"sim{len(started)}", **options)
+        started.append(sim)
+        return sim.start()
+
+    yield make
+    leaked: list[str] = []
+    for sim in started:
+        sim.stop()
+        left = SimCluster._pids_with_marker(f"{sim.id}/")
+        if left:
+            leaked.append(f"{sim.workdir}: {left}")
+    if leaked:
+        pytest.fail(f"processes survived SimCluster.stop(): {leaked}")
+
+
+@pytest.fixture(name="sim")
+def sim_fixture(make_sim: Callable[..., SimCluster]) -> SimCluster:
+    """A 3-node simulated cluster."""
+    return make_sim(nodes=3)

@@ -1,0 +1,500 @@
+"""Whole runs on a simulated cluster: the real kopf operator, the API emulator, a simulated Kubeflow
+training operator and kubelets that run the real `torchrun -m llamaft_trainer` on a tiny Llama, a
+real etcd. Each scenario asserts what a user relies on:
+
+- the final phase, and a final status equal to the trainer's own last report;
+- exactly one live PyTorchJob per run;
+- a continuous loss trace: every step of the run was trained, at most one checkpoint interval of
+  steps was redone after a failure, and a redone step reproduced its loss (exact resume);
+- no orphans: deleting the LlamaFineTune leaves no job, pod, etcd, config or process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from llamaft.operator import gpu_health
+from llamaft_trainer.local_etcd import LocalEtcd
+
+from tests.conftest import REPO, need_binary, need_etcd
+from tests.operator.conftest import Cluster, Operator, free_port, wait_for
+from tests.operator.emulator import EmulatorThread, write_kubeconfig
+from tests.operator.sim import SimCluster
+from tests.trainer.conftest import trainer_env
+
+pytestmark = pytest.mark.slow
+DATASET = REPO / "examples" / "data" / "samsum-tiny.jsonl"
+STEPS, EVERY = 120, 20
+"""A tiny-model step takes ~50 ms here: 120 steps leave a window of seconds to inject a fault after
+the first checkpoint (step 20) and before the end."""
+LABEL = "llamaft.io/finetune"
+
+
+# ------------------------------------------------------------------------------------ world
+@pytest.fixture(scope="module")
+def etcd() -> Iterator[LocalEtcd]:
+    need_etcd()
+    with LocalEtcd() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def world(etcd: LocalEtcd, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmulatorThread, Cluster, SimCluster, Path]]:
+    from kubernetes import client
+
+    emulator = EmulatorThread().start()
+    tmp = tmp_path_factory.mktemp("world")
+    kubeconfig = write_kubeconfig(emulator.url, tmp / "kubeconfig")
+    config = client.Configuration()
+    config.host = emulator.url
+    cluster = Cluster(client.ApiClient(config))
+    sim = SimCluster(emulator.url, etcd.endpoint, nodes=4, workdir=tmp / "sim").start()
+    try:
+        yield emulator, cluster, sim, kubeconfig
+    finally:
+        sim.stop()
+        emulator.stop()
+
+
+OPERATOR_ENV = {"LLAMAFT_SYNC_INTERVAL": "1", "LLAMAFT_RETRY_BACKOFF_SECONDS": "1", "LLAMAFT_PROGRESS_TIMEOUT": "0.5"}
+
+
+@pytest.fixture(scope="module")
+def dcgm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, str]]]:
+    """A real Prometheus scraping a replayed dcgm-exporter whose text a test sets (empty: no GPU
+    series at all, as for these CPU pods): (Prometheus URL, {"text": exposition})."""
+    from tests.operator.test_prometheus import EXPOSITION, serve
+
+    binary = need_binary("prometheus", "prometheus")
+    EXPOSITION["text"] = ""
+    server, dcgm_port = serve()
+    tmp = tmp_path_factory.mktemp("prometheus")
+    config = tmp / "prometheus.yml"
+    config.write_text(yaml.safe_dump({"global": {"scrape_interval": "1s"}, "scrape_configs": [
+        {"job_name": "dcgm-exporter", "honor_labels": True, "static_configs": [{"targets": [f"127.0.0.1:{dcgm_port}"]}]}]}))
+    port = free_port()
+    proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={tmp}/data",
+                             f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for("prometheus scraping", lambda: gpu_health.query(url, "up == 1"), timeout=30)
+        yield url, EXPOSITION
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def operator(world: tuple[EmulatorThread, Cluster, SimCluster, Path], etcd: LocalEtcd, dcgm: tuple[str, dict[str, str]],
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
+    op = Operator(world[3], tmp_path_factory.mktemp("op") / "operator.log", cli=True,
+                  LLAMAFT_RENDEZVOUS_ADDRESS_OVERRIDE=etcd.endpoint, LLAMAFT_PROMETHEUS_URL=dcgm[0], **OPERATOR_ENV).start()
+    yield op
+    op.stop()
+
+
+@pytest.fixture
+def cluster(world: tuple[EmulatorThread, Cluster, SimCluster, Path]) -> Cluster:
+    return world[1]
+
+
+@pytest.fixture
+def sim(world: tuple[EmulatorThread, Cluster, SimCluster, Path]) -> SimCluster:
+    return world[2]
+
+
+def run_spec(model: Path, checkpoints: Path, *, backend: str = "etcd-v2", **overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "model": {"source": str(model), "dtype": "float32"},
+        "dataset": {"format": "samsum", "source": str(DATASET), "maxSeqLength": 64, "packing": True, "validationSplit": 0.1},
+        "training": {"maxSteps": STEPS, "perDeviceBatchSize": 2, "learningRate": 2e-3, "evalInterval": 0, "seed": 7,
+                     "collectiveTimeoutSeconds": 30},
+        "fsdp": {"mixedPrecision": "fp32", "activationCheckpointing": {"mode": "none"}},
+        "checkpointing": {"directory": str(checkpoints), "everyNSteps": EVERY, "keepLast": 2, "exportHuggingFace": True},
+        "cluster": {"workers": 2, "gpusPerWorker": 0, "image": "llamaft/trainer:test", "terminationGracePeriodSeconds": 5},
+        "rendezvous": {"backend": backend, "maxRestarts": 0},
+        "monitoring": {"metricsPort": free_port()},
+        "runPolicy": {"retryBudget": 3, "progressDeadlineSeconds": 60, "startupGraceSeconds": 120},
+    }
+    for key, value in overrides.items():
+        spec[key] = {**spec.get(key, {}), **value} if isinstance(value, dict) else value
+    return spec
+
+
+# ------------------------------------------------------------------------------- assertions
+def steps_of(log: str) -> list[dict[str, Any]]:
+    out = []
+    for line in log.splitlines():
+        if line.startswith("{"):
+            try:
+                doc = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(doc, dict):
+                out.append(doc)
+    return out
+
+
+def attempt_logs(cluster: Cluster, sim: SimCluster, name: str, attempts: int, workers: int = 2) -> list[list[dict[str, Any]]]:
+    """The JSON lines of global rank 0 (whichever pod ran it), per attempt."""
+    per_attempt = []
+    for attempt in range(1, attempts + 1):
+        job = cluster.job_name(name, attempt)
+        lines: list[dict[str, Any]] = []
+        for index in range(workers):
+            lines += steps_of(sim.logs(f"{job}-worker-{index}"))
+        per_attempt.append(lines)
+    return per_attempt
+
+
+def assert_continuous(per_attempt: list[list[dict[str, Any]]], total: int = STEPS, every: int = EVERY) -> None:
+    losses: dict[int, float] = {}
+    reached = 0
+    for lines in per_attempt:
+        steps = [line for line in lines if line.get("event") == "step"]
+        if not steps:
+            continue
+        first = steps[0]["step"]
+        assert first >= reached - every + 1 or reached == 0, f"redid more than one checkpoint interval: {reached} -> {first}"
+        assert [s["step"] for s in steps] == list(range(first, first + len(steps))), "steps within an attempt are contiguous"
+        for s in steps:
+            if s["step"] in losses:
+                assert abs(losses[s["step"]] - s["loss"]) < 1e-4, f"step {s['step']} redone with another loss"
+            losses[s["step"]] = s["loss"]
+        reached = max(reached, steps[-1]["step"])
+    assert sorted(losses) == list(range(1, total + 1)), f"steps trained: {sorted(losses)}"
+
+
+def assert_final_report(status: dict[str, Any], per_attempt: list[list[dict[str, Any]]]) -> None:
+    done = [line for line in per_attempt[-1] if line.get("event") == "done"]
+    assert done, "the last attempt's leader printed its done line"
+    report = done[-1]
+    progress = status["progress"]
+    assert progress["step"] == report["step"] == STEPS and progress["stepOfTotal"] == f"{STEPS}/{STEPS}"
+    assert progress["loss"] == pytest.approx(report["loss"], abs=1e-9)
+    assert status["exportPath"] == report["exportPath"] and Path(report["exportPath"], "config.json").exists()
+
+
+def live_jobs(cluster: Cluster, name: str) -> list[str]:
+    return [j["metadata"]["name"] for j in cluster.jobs(f"{LABEL}={name}") if not j["metadata"].get("deletionTimestamp")]
+
+
+def assert_one_live_job(cluster: Cluster, name: str) -> None:
+    expected = [cluster.status(name)["jobName"]]
+    wait_for("exactly one live job", lambda: live_jobs(cluster, name) == expected, timeout=30)
+
+
+def delete_and_assert_no_orphans(cluster: Cluster, sim: SimCluster, name: str) -> None:
+    pods_before = [p.metadata.name for p in cluster.core.list_namespaced_pod("default", label_selector=f"{LABEL}={name}").items]
+    cluster.delete_finetune(name)
+    wait_for(f"{name} gone", lambda: all(i["metadata"]["name"] != name for i in cluster.custom.list_namespaced_custom_object(
+        "llamaft.io", "v1alpha1", "default", "llamafinetunes")["items"]), timeout=60)
+
+    def leftovers() -> list[str]:
+        left = [f"PyTorchJob/{j['metadata']['name']}" for j in cluster.jobs(f"{LABEL}={name}")]
+        left += [f"Pod/{p.metadata.name}" for p in cluster.core.list_namespaced_pod("default", label_selector=f"{LABEL}={name}").items]
+        left += [f"ConfigMap/{c.metadata.name}" for c in cluster.core.list_namespaced_config_map("default", label_selector=f"{LABEL}={name}").items]
+        left += [f"Service/{s.metadata.name}" for s in cluster.core.list_namespaced_service("default", label_selector=f"{LABEL}={name}").items]
+        left += [f"Deployment/{d.metadata.name}" for d in cluster.apps.list_namespaced_deployment("default", label_selector=f"{LABEL}={name}").items]
+        left += [f"process of {p}" for p in pods_before if sim.container_pids(p)]
+        return left
+
+    wait_for("no orphans", lambda: not leftovers(), timeout=60)
+    assert leftovers() == []
+
+
+def phase(cluster: Cluster, name: str, *phases: str, timeout: float = 180) -> dict[str, Any]:
+    return wait_for(f"{name} in {phases}", lambda: (s := cluster.status(name)).get("phase") in phases and s, timeout=timeout)
+
+
+def stepping(cluster: Cluster, sim: SimCluster, name: str, at_least: int, timeout: float = 120,
+             job: str | None = None) -> dict[str, Any]:
+    """Until the attempt's leader has logged step >= at_least (read from the pods' logs as they are
+    written, not from the status, which is refreshed once per sync interval)."""
+    def reached() -> dict[str, Any] | None:
+        status = cluster.status(name)
+        current = job or status.get("jobName")
+        if not current:
+            return None
+        steps = [line["step"] for i in range(2) for line in steps_of(sim.logs(f"{current}-worker-{i}")) if line.get("event") == "step"]
+        return status if steps and max(steps) >= at_least else None
+    return wait_for(f"{name} at step {at_least}", reached, timeout=timeout, interval=0.1)
+
+
+def leader_pod(cluster: Cluster, sim: SimCluster, name: str) -> str:
+    """The pod running global rank 0: the one whose log has the step lines."""
+    job = cluster.status(name)["jobName"]
+    return next(f"{job}-worker-{i}" for i in range(2)
+                if any(line.get("event") == "step" for line in steps_of(sim.logs(f"{job}-worker-{i}"))))
+
+
+def other_pod(cluster: Cluster, sim: SimCluster, name: str) -> str:
+    leader = leader_pod(cluster, sim, name)
+    job = cluster.status(name)["jobName"]
+    return next(f"{job}-worker-{i}" for i in range(2) if f"{job}-worker-{i}" != leader)
+
+
+def finish(cluster: Cluster, sim: SimCluster, name: str, attempts: int) -> dict[str, Any]:
+    status = phase(cluster, name, "Succeeded", "Failed")
+    assert status["phase"] == "Succeeded", json.dumps(status, indent=1)[:4000]
+    assert status["attempt"] == attempts, status.get("failures")
+    per_attempt = attempt_logs(cluster, sim, name, attempts)
+    assert_final_report(status, per_attempt)
+    assert_continuous(per_attempt)
+    assert_one_live_job(cluster, name)
+    return status
+
+
+# -------------------------------------------------------------------------------- scenarios
+def test_fresh_run(cluster: Cluster, sim: SimCluster, operator: Operator, tiny_model: Path, tmp_path: Path) -> None:
+    cluster.create("fresh", run_spec(tiny_model, tmp_path / "ckpt"))
+    status = finish(cluster, sim, "fresh", attempts=1)
+    assert status.get("retriesUsed", 0) == 0 and not status.get("failures")
+    assert {"JobCreated", "Running", "Succeeded"} <= {e["reason"] for e in cluster.events("fresh")}
+    delete_and_assert_no_orphans(cluster, sim, "fresh")
+
+
+@pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
+def test_delete_and_reapply_at_once(cluster: Cluster, sim: SimCluster, operator: Operator, tiny_model: Path, tmp_path: Path,
+                                    backend: str) -> None:
+    """`kubectl delete -f ft.yaml && kubectl apply -f ft.yaml` mid-run: the new incarnation runs to
+    the end (resuming the same checkpoints), never meeting its predecessor's job or rendezvous."""
+    name = f"rerun-{backend.replace('-', '')}"
+    spec = run_spec(tiny_model, tmp_path / "ckpt", backend=backend)
+    cluster.create(name, spec)
+    stepping(cluster, sim, name, EVERY + 1)
+    old_job = cluster.status(name)["jobName"]
+    cluster.delete_finetune(name)
+    wait_for("old incarnation gone", lambda: all(i["metadata"]["name"] != name for i in cluster.custom.list_namespaced_custom_object(
+        "llamaft.io", "v1alpha1", "default", "llamafinetunes")["items"]), timeout=60)
+    cluster.create(name, spec)  # at once: the old job and its pods may still be terminating
+    status = phase(cluster, name, "Succeeded", "Failed")
+    assert status["phase"] == "Succeeded" and status["jobName"] != old_job, status
+    assert status["attempt"] == 1 and not status.get("failures")
+    logs = attempt_logs(cluster, sim, name, 1)
+    assert any(line.get("event") == "resume" for line in logs[0]), "the rerun resumed from the checkpoints"
+    assert_final_report(status, logs)
+    assert_one_live_job(cluster, name)
+    delete_and_assert_no_orphans(cluster, sim, name)
+
+
+def test_reapply_after_success_runs_its_own_job(cluster: Cluster, sim: SimCluster, operator: Operator, tiny_model: Path,
+                                                tmp_path: Path) -> None:
+    """A predecessor's finished job is never taken as the new run's result."""
+    spec = run_spec(tiny_model, tmp_path / "ckpt")
+    cluster.create("again", spec)
+    first = finish(cluster, sim, "again", attempts=1)
+    cluster.delete_finetune("again")
+    wait_for("gone", lambda: all(i["metadata"]["name"] != "again" for i in cluster.custom.list_namespaced_custom_object(
+        "llamaft.io", "v1alpha1", "default", "llamafinetunes")["items"]), timeout=60)
+    cluster.create("again", spec)
+    second = phase(cluster, "again", "Succeeded", "Failed")
+    assert second["phase"] == "Succeeded" and second["jobName"] != first["jobName"]
+    pods = [f"{second['jobName']}-worker-{i}" for i in range(2)]
+    assert any(sim.logs(p) for p in pods), "the new incarnation ran its own pods"
+    assert second["progress"]["step"] == STEPS
+    delete_and_assert_no_orphans(cluster, sim, "again")
+
+
+def test_ttl_after_finish_keeps_the_final_status(cluster: Cluster, sim: SimCluster, operator: Operator, tiny_model: Path,
+                                                 tmp_path: Path) -> None:
+    cluster.create("ttl", run_spec(tiny_model, tmp_path / "ckpt", runPolicy={"ttlSecondsAfterFinished": 1}))
+    status = finish(cluster, sim, "ttl", attempts=1)
+    wait_for("job removed by its TTL", lambda: cluster.job(status["jobName"]) is None, timeout=60)
+    time.sleep(3)  # several sync intervals and pod/job deletion events later
+    after = cluster.status("ttl")
+    assert after["phase"] == "Succeeded" and after["progress"] == status["progress"] and after["conditions"] == status["conditions"]
+    delete_and_assert_no_orphans(cluster, sim, "ttl")
+
+
+def closed_rendezvous(etcd: LocalEtcd, backend: str, rdzv_id: str) -> None:
+    """Leave exactly what a finished torchrun job leaves: a closed rendezvous for the id."""
+    script = Path(tempfile.mkdtemp()) / "noop.py"
+    script.write_text("import torch.distributed as d\nd.init_process_group('gloo')\nd.barrier()\nd.destroy_process_group()\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "1", "--rdzv_backend", backend,
+         "--rdzv_endpoint", etcd.endpoint, "--rdzv_id", rdzv_id, "--max_restarts", "0", str(script)],
+        env=trainer_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+FAULTS = ["kill_container", "oom_kill", "kubelet_eviction", "api_eviction", "preemption", "lose_node", "hang"]
+EXPECTED = {"kill_container": "Killed", "oom_kill": "OOMKilled", "kubelet_eviction": "Evicted", "api_eviction": "Evicted",
+            "preemption": "Preempted", "lose_node": "NodeLost", "hang": "Stalled"}
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_fault_recovers_from_the_checkpoint(cluster: Cluster, sim: SimCluster, operator: Operator, tiny_model: Path,
+                                            tmp_path: Path, fault: str) -> None:
+    name = f"fault-{fault.replace('_', '')}"[:30]
+    deadline = {"progressDeadlineSeconds": 10} if fault == "hang" else {}
+    cluster.create(name, run_spec(tiny_model, tmp_path / "ckpt", runPolicy=deadline))
+    stepping(cluster, sim, name, EVERY + 1)
+    victim = other_pod(cluster, sim, name)
+    node = sim.node_of(victim)
+    started = time.monotonic()
+    if fault == "kill_container":
+        sim.kill_container(victim)
+    elif fault == "oom_kill":
+        sim.oom_kill(victim)
+    elif fault == "kubelet_eviction":
+        sim.evict(victim, "TerminationByKubelet")
+    elif fault == "api_eviction":
+        sim.evict(victim, "EvictionByEvictionAPI")
+    elif fault == "preemption":
+        sim.evict(victim, "PreemptionByScheduler")
+    elif fault == "lose_node":
+        assert node is not None
+        sim.lose_node(node)
+    elif fault == "hang":
+        sim.hang(victim)
+    status = wait_for("attempt 2", lambda: (s := cluster.status(name)).get("attempt") == 2 and s, timeout=60)
+    noticed = time.monotonic() - started
+    record = status["failures"][0]
+    assert record["reason"] == EXPECTED[fault] and record["attempt"] == 1 and record["retryable"], record
+    if fault in ("kubelet_eviction", "lose_node"):
+        assert status["excludedNodes"] == [node], "evidence that names a node keeps the next attempt off it"
+        job = wait_for("attempt 2's job", lambda: cluster.attempt_job(name, 2))
+        terms = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["affinity"]["nodeAffinity"]
+        assert node in json.dumps(terms)
+        pods = wait_for("attempt 2's pods scheduled", lambda: (p := sim.pods(job["metadata"]["name"])) and all(
+            x["spec"].get("nodeName") for x in p) and p)
+        assert all(p["spec"]["nodeName"] != node for p in pods)
+    if fault == "hang":
+        assert record["step"] is not None and "no step advance" in record["message"]
+    else:
+        assert noticed < 15, f"a failure is noticed from the pod's events, not a timer ({noticed:.1f}s)"
+    status = finish(cluster, sim, name, attempts=2)
+    assert status["retriesUsed"] == 1
+    assert record["reason"] in {e["reason"] for e in cluster.events(name)}
+    delete_and_assert_no_orphans(cluster, sim, name)
+
+
+def test_gpu_xid_restarts_without_the_node(cluster: Cluster, sim: SimCluster, operator: Operator,
+                                          dcgm: tuple[str, dict[str, str]], tiny_model: Path, tmp_path: Path) -> None:
+    """dcgm-exporter reports XID 79 on a GPU of one worker: the attempt ends (GPUXid), the next one
+    avoids that node, and runs to the end."""
+    url, exposition = dcgm
+    cluster.create("xid", run_spec(tiny_model, tmp_path / "ckpt"))
+    stepping(cluster, sim, "xid", EVERY + 1)
+    victim = other_pod(cluster, sim, "xid")
+    node = sim.node_of(victim)
+    labels = f'gpu="0",UUID="GPU-1",Hostname="{node}",container="pytorch",namespace="default",pod="{victim}"'
+    exposition["text"] = ("# TYPE DCGM_FI_DEV_XID_ERRORS gauge\n"
+                          f'DCGM_FI_DEV_XID_ERRORS{{{labels},err_code="79",err_msg="GPU has fallen off the bus"}} 79\n')
+    try:
+        status = wait_for("attempt 2", lambda: (s := cluster.status("xid")).get("attempt") == 2 and s, timeout=60)
+    finally:
+        exposition["text"] = ""
+    assert status["failures"][0]["reason"] == "GPUXid" and "XID 79" in status["failures"][0]["message"]
+    assert status["excludedNodes"] == [node]
+    job = wait_for("attempt 2's job", lambda: cluster.attempt_job("xid", 2))["metadata"]["name"]
+    pods = wait_for("attempt 2 scheduled", lambda: (p := sim.pods(job)) and all(x["spec"].get("nodeName") for x in p) and p)
+    assert all(p["spec"]["nodeName"] != node for p in pods)
+    finish(cluster, sim, "xid", attempts=2)
+    assert {"XidError", "GPUXid", "NodeExcluded"} <= {e["reason"] for e in cluster.events("xid")}
+    delete_and_assert_no_orphans(cluster, sim, "xid")
+
+
+def test_closed_rendezvous_is_reset_and_retried(cluster: Cluster, sim: SimCluster, operator: Operator, etcd: LocalEtcd,
+                                                tiny_model: Path, tmp_path: Path) -> None:
+    """Pods that come up after their run id was closed die of RendezvousClosedError; the operator
+    resets the rendezvous and the next attempt runs. (Pods are held Pending by a node selector no
+    node matches until the run id has been closed.)"""
+    cluster.create("closed", run_spec(tiny_model, tmp_path / "ckpt", cluster={"nodeSelector": {"pool": "late"}}))
+    status = wait_for("job", lambda: (s := cluster.status("closed")).get("rendezvousId") and s)
+    closed_rendezvous(etcd, "etcd-v2", status["rendezvousId"])
+    nodes = sorted(n["metadata"]["name"] for n in sim.api.list("/api/v1/nodes"))[:2]  # a lost node is gone for good
+    for node in nodes:  # the sim's Node objects are minimal: do not decode them
+        cluster.core.patch_node(node, {"metadata": {"labels": {"pool": "late"}}}, _preload_content=False)
+    try:
+        status = wait_for("attempt 2", lambda: (s := cluster.status("closed")).get("attempt") == 2 and s, timeout=90)
+        assert status["failures"][0]["reason"] == "RendezvousClosed"
+        status = phase(cluster, "closed", "Succeeded", "Failed")
+        assert status["phase"] == "Succeeded" and status["attempt"] == 2
+        assert {"RendezvousClosed", "RendezvousReset"} <= {e["reason"] for e in cluster.events("closed")}
+        delete_and_assert_no_orphans(cluster, sim, "closed")
+    finally:
+        for node in nodes:
+            cluster.core.patch_node(node, {"metadata": {"labels": {"pool": None}}}, _preload_content=False)
+
+
+def test_budget_used_up_fails_with_the_history(cluster: Cluster, sim: SimCluster, operator: Operator, tiny_model: Path,
+                                               tmp_path: Path) -> None:
+    cluster.create("broke", run_spec(tiny_model, tmp_path / "ckpt", runPolicy={"retryBudget": 1}))
+    stepping(cluster, sim, "broke", EVERY + 1)
+    sim.kill_container(other_pod(cluster, sim, "broke"))
+    wait_for("attempt 2", lambda: cluster.status("broke").get("attempt") == 2, timeout=60)
+    wait_for("attempt 2's job", lambda: cluster.attempt_job("broke", 2))
+    stepping(cluster, sim, "broke", EVERY + 2, job=cluster.job_name("broke", 2))  # attempt 2 resumed and trains
+    sim.kill_container(other_pod(cluster, sim, "broke"))
+    status = phase(cluster, "broke", "Failed", "Succeeded")
+    assert status["phase"] == "Failed" and "retry budget (1) is used up" in status["message"]
+    assert [(f["attempt"], f["reason"]) for f in status["failures"]] == [(1, "Killed"), (2, "Killed")]
+    assert status["retriesUsed"] == 1 and "RetryBudgetExhausted" in {e["reason"] for e in cluster.events("broke")}
+    time.sleep(2)
+    assert cluster.status("broke")["phase"] == "Failed" and cluster.attempt_job("broke", 3) is None
+    delete_and_assert_no_orphans(cluster, sim, "broke")
+
+
+def test_config_error_fails_at_once_without_retry(cluster: Cluster, sim: SimCluster, operator: Operator, tiny_model: Path,
+                                                  tmp_path: Path) -> None:
+    cluster.create("typo", run_spec(tiny_model, tmp_path / "ckpt", dataset={"source": str(tmp_path / "missing.jsonl")}))
+    status = phase(cluster, "typo", "Failed", "Succeeded")
+    assert status["phase"] == "Failed" and status.get("retriesUsed", 0) == 0 and status["attempt"] == 1
+    record = status["failures"][0]
+    assert record["reason"] == "ConfigError" and not record["retryable"] and "missing.jsonl" in record["message"]
+    assert "ConfigError is permanent" in status["message"]
+    time.sleep(2)
+    assert cluster.attempt_job("typo", 2) is None
+    delete_and_assert_no_orphans(cluster, sim, "typo")
+
+
+def test_operator_killed_at_random_points(cluster: Cluster, sim: SimCluster, operator: Operator, etcd: LocalEtcd,
+                                         world: tuple[EmulatorThread, Cluster, SimCluster, Path], tiny_model: Path,
+                                         tmp_path: Path) -> None:
+    """SIGKILL the operator at seeded random moments through a run with a fault in it: the run
+    still ends right, with one job per attempt and no duplicate decisions."""
+    rng = random.Random(8)
+    operator.stop()
+    ops: list[Operator] = []
+
+    def start() -> Operator:
+        op = Operator(world[3], tmp_path / f"op-{len(ops)}.log", LLAMAFT_RENDEZVOUS_ADDRESS_OVERRIDE=etcd.endpoint,
+                      **OPERATOR_ENV).start()
+        ops.append(op)
+        return op
+
+    try:
+        op = start()
+        cluster.create("chaos", run_spec(tiny_model, tmp_path / "ckpt"))
+        time.sleep(rng.uniform(0.5, 3.0))
+        op.kill()  # before, during or right after the first job's creation
+        op = start()
+        stepping(cluster, sim, "chaos", EVERY + 1)
+        sim.kill_container(other_pod(cluster, sim, "chaos"))
+        time.sleep(rng.uniform(0.0, 1.5))
+        op.kill()  # around the failure's classification and the next attempt's creation
+        time.sleep(rng.uniform(0.5, 2.0))
+        op = start()
+        status = finish(cluster, sim, "chaos", attempts=2)
+        assert [f["attempt"] for f in status["failures"]] == [1] and status["retriesUsed"] == 1
+        created = [e for e in cluster.events("chaos") if e["reason"] == "JobCreated"]
+        assert len(created) == 2, [e["message"] for e in created]
+        delete_and_assert_no_orphans(cluster, sim, "chaos")
+    finally:
+        for op in ops:
+            op.kill()
+        operator.start()
