@@ -1,5 +1,10 @@
-"""The images, without a Docker engine: both Dockerfiles pass hadolint, and the operator image's
-install command works in a clean virtual environment and brings no torch."""
+"""The images, without a Docker engine: both Dockerfiles pass hadolint, install with the one
+constraints file CI installs from (and the trainer image's base is the torch release CI tests), the
+constraints pin everything CI installs, and each image's install command works in a clean virtual
+environment (the operator's brings no torch).
+
+    .venv/bin/python -m tests.test_images --write-constraints   # rewrite constraints.txt from .venv
+"""
 
 from __future__ import annotations
 
@@ -7,11 +12,95 @@ import re
 import shutil
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 from tests.conftest import REPO
+
+CONSTRAINTS = REPO / "constraints.txt"
+EXTRAS = ("operator", "trainer", "dev")
+HEADER_LINES = 7
+
+
+def pins(path: Path = CONSTRAINTS) -> dict[str, str]:
+    """constraints.txt as {canonical name: version}; every line is `name==version`."""
+    out = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, sep, version = line.partition("==")
+            assert sep and version, f"{path.name}: not an exact pin: {line!r}"
+            out[canonicalize_name(name)] = version
+    return out
+
+
+def installed_closure(root: str = "llamaft", extras: tuple[str, ...] = EXTRAS) -> dict[str, str]:
+    """Every distribution `root[extras]` needs, transitively, with the installed versions (local
+    labels such as +cpu dropped: the CUDA image's torch has another)."""
+    found: dict[str, str] = {}
+    todo: list[tuple[str, frozenset[str]]] = [(root, frozenset(extras))]
+    done: set[tuple[str, frozenset[str]]] = set()
+    while todo:
+        name, wanted = todo.pop()
+        if (canonicalize_name(name), wanted) in done:
+            continue
+        done.add((canonicalize_name(name), wanted))
+        for text in metadata.distribution(name).requires or []:
+            req = Requirement(text)
+            envs = [{"extra": extra} for extra in wanted] or [{"extra": ""}]
+            if req.marker is not None and not any(req.marker.evaluate(env) for env in envs):
+                continue
+            found[canonicalize_name(req.name)] = Version(metadata.version(req.name)).public
+            todo.append((req.name, frozenset(req.extras)))
+    return found
+
+
+def _dockerfile(name: str) -> str:
+    return (REPO / name).read_text()
+
+
+def test_constraints_pin_exactly_what_ci_installs() -> None:
+    """Nothing floats: every package llamaft[operator,trainer,dev] pulls in is pinned, the file
+    holds nothing else, and the environment the tests run in has exactly those versions (CI's
+    .ci/setup installs from the file; a package upgraded by hand fails here, not in an image)."""
+    want, have = pins(), installed_closure()
+    assert sorted(set(have) - set(want)) == [], "unpinned dependencies: add them to constraints.txt"
+    assert sorted(set(want) - set(have)) == [], "pins of packages nothing installs: remove them"
+    differ = {name: (have[name], want[name]) for name in have if Version(have[name]) != Version(want[name])}
+    assert differ == {}, "installed != pinned (installed, pinned): reinstall with bash .ci/setup or rewrite the file"
+
+
+def test_images_and_ci_install_from_the_constraints() -> None:
+    """The trainer image's base is the CUDA build of the torch CI tests; both images and .ci/setup
+    install with -c constraints.txt; the operator image runs the Python CI runs."""
+    want = pins()
+    trainer, operator = _dockerfile("Dockerfile.trainer"), _dockerfile("Dockerfile.operator")
+    base = re.search(r"^ARG BASE_IMAGE=pytorch/pytorch:(\d+\.\d+\.\d+)-cuda[\d.]+-cudnn\d+-runtime$", trainer, re.M)
+    assert base, "Dockerfile.trainer's default base image is an official pytorch/pytorch CUDA runtime tag"
+    assert base.group(1) == want["torch"], f"base image torch {base.group(1)} != constraints.txt torch {want['torch']}"
+    for name, text, extra in (("Dockerfile.trainer", trainer, "trainer"), ("Dockerfile.operator", operator, "operator")):
+        assert re.search(r"^COPY [^\n]*\bconstraints\.txt\b[^\n]* \./$", text, re.M), f"{name} copies constraints.txt"
+        installs = re.findall(r"pip install ([^\n&\\]*)", text)
+        assert [i.strip() for i in installs] == [f'-c constraints.txt ".[{extra}]"'], (name, installs)
+    python = re.search(r"^FROM python:(\d+\.\d+)-slim$", operator, re.M)
+    assert python and python.group(1) == f"{sys.version_info.major}.{sys.version_info.minor}", "operator image Python != CI's"
+    setup = (REPO / ".ci" / "setup").read_text()
+    assert "CONSTRAINTS=constraints.txt" in setup and '-c "$CONSTRAINTS" -e' in setup
+    assert not re.search(r"torch==\d", setup), ".ci/setup takes torch's version from constraints.txt"
+
+
+def test_constraints_are_what_the_writer_writes() -> None:
+    assert CONSTRAINTS.read_text() == render_constraints(pins()), "rewrite with --write-constraints"
+
+
+def render_constraints(versions: dict[str, str]) -> str:
+    header = "".join(CONSTRAINTS.read_text().splitlines(keepends=True)[:HEADER_LINES])
+    return header + "".join(f"{name}=={versions[name]}\n" for name in sorted(versions))
 
 
 def test_dockerfiles_pass_hadolint() -> None:
@@ -23,12 +112,13 @@ def test_dockerfiles_pass_hadolint() -> None:
 @pytest.mark.slow
 def test_operator_install_command_in_a_clean_venv(tmp_path: Path) -> None:
     dockerfile = (REPO / "Dockerfile.operator").read_text()
-    install = re.search(r'pip install "(\.\[operator\])"', dockerfile)
-    assert install, "Dockerfile.operator installs the operator extra"
+    install = re.search(r'pip install -c (constraints\.txt) "(\.\[operator\])"', dockerfile)
+    assert install, "Dockerfile.operator installs the operator extra with the constraints"
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
-    proc = subprocess.run([str(python), "-m", "pip", "install", "-q", install.group(1)], cwd=REPO, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([str(python), "-m", "pip", "install", "-q", "-c", install.group(1), install.group(2)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     check = "import importlib.util, llamaft.operator.handlers; print(importlib.util.find_spec('torch') is None)"
     out = subprocess.run([str(python), "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=120)
@@ -43,17 +133,24 @@ def test_trainer_install_command_in_a_clean_venv(tmp_path: Path) -> None:
     """Dockerfile.trainer's RUN line on top of a torch that is already there (the CUDA base image's
     role; here the CPU build): the extra installs and the image's own import check passes."""
     dockerfile = (REPO / "Dockerfile.trainer").read_text()
-    run = re.search(r'RUN pip install "(\.\[trainer\])" && python -c "([^"]+)"', dockerfile)
-    assert run, "Dockerfile.trainer installs the trainer extra and checks its imports"
+    run = re.search(r'RUN pip install -c (constraints\.txt) "(\.\[trainer\])" && python -c "([^"]+)"', dockerfile)
+    assert run, "Dockerfile.trainer installs the trainer extra with the constraints and checks its imports"
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
-    base = subprocess.run([*pip, "torch==2.13.0"], capture_output=True, text=True, timeout=900)
+    base = subprocess.run([*pip, f"torch=={pins()['torch']}"], capture_output=True, text=True, timeout=900)
     assert base.returncode == 0, base.stderr[-3000:]
-    extra = subprocess.run([*pip, run.group(1)], cwd=REPO, capture_output=True, text=True, timeout=900)
+    extra = subprocess.run([*pip, "-c", run.group(1), run.group(2)], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert extra.returncode == 0, extra.stderr[-3000:]
-    check = subprocess.run([str(venv / "bin" / "python"), "-c", run.group(2)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    check = subprocess.run([str(venv / "bin" / "python"), "-c", run.group(3)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert check.returncode == 0, check.stderr[-3000:]
     version = subprocess.run([str(venv / "bin" / "python"), "-c", "import torch; print(torch.__version__)"],
                              capture_output=True, text=True, timeout=120)
-    assert version.stdout.startswith("2.13.0"), "the extra must not replace the base image's torch"
+    assert version.stdout.startswith(pins()["torch"]), "the extra must not replace the base image's torch"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--write-constraints"]:
+        sys.exit(__doc__)
+    CONSTRAINTS.write_text(render_constraints(installed_closure()))
+    print(f"wrote {CONSTRAINTS}")

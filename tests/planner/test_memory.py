@@ -98,10 +98,12 @@ def test_sharding_pads_each_tensor_to_the_group() -> None:
 
 
 def test_accumulation_keeps_unsharded_gradients() -> None:
-    """train.py turns gradient sync off between micro-steps: FSDP2 keeps every trainable parameter's
-    gradient unsharded, in the reduce dtype (fp32 for bf16), until the last micro-step."""
+    """train.py reduce-scatters on every micro-step (issue 10; HSDP skips only the replica
+    all-reduce), so the planner assumes sharded gradients. The model of a trainer that turned
+    gradient sync off between micro-steps stays checked: FSDP2 would keep every trainable
+    parameter's gradient unsharded, in the reduce dtype (fp32 for bf16), until the last micro-step."""
     text = (REPO / "trainer" / "llamaft_trainer" / "train.py").read_text()
-    assert "with _set_sync(model, index == accum - 1, cfg)" in text and not TRAINER_SYNCS_EVERY_MICRO_STEP
+    assert "with _micro_step(model, index == accum - 1, cfg)" in text and TRAINER_SYNCS_EVERY_MICRO_STEP
     one = estimate_memory(SMALL, setup(world_size=8, shard_size=8))
     two = estimate_memory(SMALL, setup(world_size=8, shard_size=8, accumulation=2))
     assert one.components["accumulated_gradients"] == 0

@@ -22,6 +22,7 @@ from llamaft.planner import (
     estimate_memory,
     gpu_model,
     instance_type,
+    memory,
     resolve_shape,
     setup_from_spec,
 )
@@ -106,10 +107,17 @@ def test_a_config_that_does_not_fit_gets_its_cheapest_fixes() -> None:
     assert warned.fits is False and not warned.refuse
 
 
-def test_combined_fix_when_cheaper_than_any_single_one() -> None:
+def test_combined_fix_when_cheaper_than_any_single_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """examples/llama2-70b.yaml as written: HYBRID_SHARD 8 cannot hold 70B's fp32 master weights and
-    AdamW state (16 bytes x 69B / 8 = 128 GiB per GPU) and accumulation adds unsharded gradients."""
+    AdamW state (16 bytes x 69B / 8 = 128 GiB per GPU). With the trainer as it is (gradients
+    reduce-scattered every micro-step) FULL_SHARD alone fixes it; for a trainer whose accumulation
+    kept unsharded gradients (the planner's other mode), only a combination does."""
     _, spec = load_finetune(REPO / "examples" / "llama2-70b.yaml")
+    today = admission(spec)
+    assert today.reason == WILL_NOT_FIT and today.plan is not None
+    assert today.plan.fixes[0].fits and today.plan.fixes[0].changes == {
+        "fsdp.shardingStrategy": "FULL_SHARD", "fsdp.hybridShard": None}
+    monkeypatch.setattr(memory, "TRAINER_SYNCS_EVERY_MICRO_STEP", False)
     result = admission(spec)
     plan = result.plan
     assert plan is not None and result.reason == WILL_NOT_FIT
@@ -201,18 +209,21 @@ def test_llama2_7b_lora_and_minimal_examples_fit_on_80gb_class_gpus(gpu: str) ->
         assert admission(apply_changes(spec, {"cluster.gpuModel": gpu})).reason == FITS, name
 
 
-def test_llama2_13b_example_is_over_only_because_of_unsharded_accumulation_gradients() -> None:
-    """examples/llama2-13b.yaml (4 x p4de, accumulation 4): with today's trainer each rank keeps
-    13B x 4 bytes of unsharded gradients between micro-steps; with a trainer that reduce-scatters
-    every micro-step (or without accumulation) it needs well under half the A100's memory."""
+def test_llama2_13b_example_fits_because_accumulation_keeps_gradients_sharded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """examples/llama2-13b.yaml (4 x p4de, accumulation 4): the trainer reduce-scatters every
+    micro-step, so it needs well under half the A100's memory; a trainer that kept 13B x 4 bytes of
+    unsharded gradients between micro-steps (issue 10's starting point) would not fit."""
     _, spec = load_finetune(REPO / "examples" / "llama2-13b.yaml")
     result = admission(spec)
     plan = result.plan
-    assert plan is not None and result.reason == WILL_NOT_FIT
-    assert plan.memory.biggest_component()[0] == "accumulated_gradients"
-    assert plan.memory.peak_bytes < plan.capacity_bytes  # type: ignore[operator]  # the tensors alone would fit
-    synced = estimate_memory(plan.shape, dataclasses.replace(plan.setup, sync_between_micro_steps=True))
-    assert synced.peak_bytes + allowance(synced.peak_bytes, False) < 0.5 * plan.capacity_bytes  # type: ignore[operator]
+    assert plan is not None and result.reason == FITS
+    assert plan.memory.components["accumulated_gradients"] == 0
+    assert plan.memory.peak_bytes + allowance(plan.memory.peak_bytes, False) < 0.5 * plan.capacity_bytes  # type: ignore[operator]
+    monkeypatch.setattr(memory, "TRAINER_SYNCS_EVERY_MICRO_STEP", False)
+    unsynced = admission(spec)
+    assert unsynced.plan is not None and unsynced.reason == WILL_NOT_FIT
+    assert unsynced.plan.memory.biggest_component()[0] == "accumulated_gradients"
+    assert unsynced.plan.memory.peak_bytes < unsynced.plan.capacity_bytes  # type: ignore[operator]  # the tensors alone would fit
 
 
 def test_llama2_70b_fits_with_full_shard_and_per_micro_step_sync() -> None:

@@ -47,6 +47,7 @@ def main(cases_path: str, out_path: str) -> None:
         dist.all_gather_object(gathered, local)
         results[case["name"]] = {
             "losses": result.losses,
+            "grad_norms": result.grad_norms,
             "eval_losses": result.eval_losses,
             "param_sums": gathered,
             "checksum": own,

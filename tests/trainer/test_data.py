@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -61,8 +62,22 @@ def test_jsonl_template_and_field_mapping() -> None:
 
 def test_missing_record_field_is_a_config_error() -> None:
     fmt = d.Formatter(spec())
-    with pytest.raises(ConfigError, match=r"record 3 .* no field\(s\) \['dialogue'\].*promptTemplate"):
-        fmt.check({"text": "x", "summary": "y"}, 3)
+    with pytest.raises(ConfigError, match=r"data.jsonl line 4 has no field\(s\) \['dialogue'\].*promptTemplate"):
+        fmt.check({"text": "x", "summary": "y"}, "data.jsonl line 4")
+    with pytest.raises(ConfigError, match=r"no field\(s\) \['summary'\]"):
+        fmt.check({"dialogue": "x", "summary": None}, "data.jsonl line 4")  # null is as good as missing
+
+
+def test_a_bad_record_is_named_by_its_file_line_before_any_shuffle(tmp_path: Path) -> None:
+    """File line 5 (blank lines count, as in an editor) is reported as line 5, whatever the seeded
+    train/validation split does with it."""
+    path = tmp_path / "data.jsonl"
+    good = json.dumps({"dialogue": "a: hi", "summary": "a greets"})
+    path.write_text("\n".join([good, good, "", good, json.dumps({"dialogue": "b: yo"}), good]) + "\n")
+    numbered = d.read_numbered(spec(source=str(path)))
+    assert [where for where, _ in numbered] == [f"{path} line {n}" for n in (1, 2, 4, 5, 6)]
+    with pytest.raises(ConfigError, match=rf"{path} line 5 has no field\(s\) \['summary'\]"):
+        d.check_records(numbered, spec(source=str(path)))
 
 
 def test_packing_fills_blocks_and_drops_the_remainder() -> None:

@@ -22,6 +22,12 @@ PRECISIONS = ["fp32", "bf16"]
 AC_MODES = ["none", "full", "selective"]
 TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}
 STEPS = 4
+ACCUMULATE = {"perDeviceBatchSize": 1, "gradientAccumulationSteps": 2}
+VARIANTS = [
+    "HYBRID_SHARD-2x1", "accumulation", "accumulation-SHARD_GRAD_OP", "accumulation-HYBRID_SHARD-2x1",
+    "accumulation-NO_SHARD", "accumulation-fsdp1", "accumulation-fsdp1-NO_SHARD", "fsdp1-FULL_SHARD",
+    "fsdp1-HYBRID_SHARD-2x1", "cpu-offload", "size-wrap",
+]
 
 
 def _case(name: str, model: Path, tmp: Path, steps: int = STEPS, **overrides: Any) -> dict[str, Any]:
@@ -45,8 +51,17 @@ def results(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
         # HYBRID with a real replicate dimension: 2 replicas of 1-rank shard groups.
         _case("HYBRID_SHARD-2x1", tiny_model, tmp, fsdp={"shardingStrategy": "HYBRID_SHARD",
               "hybridShard": {"shardGroupSize": 1, "replicaGroupSize": 2}}),
-        # Gradient accumulation: 2 micro-batches of 1 per rank == the same global batch.
-        _case("accumulation", tiny_model, tmp, training={"perDeviceBatchSize": 1, "gradientAccumulationSteps": 2}),
+        # Gradient accumulation: 2 micro-batches of 1 per rank == the same global batch. FSDP2
+        # reduce-scatters every micro-step (sharded gradients accumulate); HSDP / NO_SHARD skip only
+        # the replica all-reduce before the last one; FSDP1 communicates every micro-step (NO_SHARD: no_sync).
+        _case("accumulation", tiny_model, tmp, training=ACCUMULATE),
+        _case("accumulation-SHARD_GRAD_OP", tiny_model, tmp, training=ACCUMULATE, fsdp={"shardingStrategy": "SHARD_GRAD_OP"}),
+        _case("accumulation-HYBRID_SHARD-2x1", tiny_model, tmp, training=ACCUMULATE, fsdp={
+              "shardingStrategy": "HYBRID_SHARD", "hybridShard": {"shardGroupSize": 1, "replicaGroupSize": 2}}),
+        _case("accumulation-NO_SHARD", tiny_model, tmp, training=ACCUMULATE, fsdp={"shardingStrategy": "NO_SHARD"}),
+        _case("accumulation-fsdp1", tiny_model, tmp, training=ACCUMULATE, fsdp={"implementation": "fsdp1"}),
+        _case("accumulation-fsdp1-NO_SHARD", tiny_model, tmp, training=ACCUMULATE,
+              fsdp={"implementation": "fsdp1", "shardingStrategy": "NO_SHARD"}),
         _case("fsdp1-FULL_SHARD", tiny_model, tmp, fsdp={"implementation": "fsdp1"}),
         _case("fsdp1-HYBRID_SHARD-2x1", tiny_model, tmp, fsdp={"implementation": "fsdp1", "shardingStrategy": "HYBRID_SHARD",
               "hybridShard": {"shardGroupSize": 1, "replicaGroupSize": 2}}),
@@ -69,14 +84,15 @@ def test_matches_single_process_reference(results: dict[str, Any], strategy: str
     assert got[-1] < got[0], "the loss should fall over the steps"
 
 
-@pytest.mark.parametrize(
-    "name", ["HYBRID_SHARD-2x1", "accumulation", "fsdp1-FULL_SHARD", "fsdp1-HYBRID_SHARD-2x1", "cpu-offload", "size-wrap"]
-)
+@pytest.mark.parametrize("name", VARIANTS)
 def test_variants_match_reference(results: dict[str, Any], name: str) -> None:
     assert results[name]["losses"] == pytest.approx(results["ref-fp32"]["losses"], abs=TOLERANCE["fp32"])
 
 
-@pytest.mark.parametrize("name", ["HYBRID_SHARD-2x1", "HYBRID_SHARD-fp32-none", "fsdp1-HYBRID_SHARD-2x1", "NO_SHARD-fp32-none"])
+@pytest.mark.parametrize("name", [
+    "HYBRID_SHARD-2x1", "HYBRID_SHARD-fp32-none", "fsdp1-HYBRID_SHARD-2x1", "NO_SHARD-fp32-none",
+    "accumulation-HYBRID_SHARD-2x1", "accumulation-NO_SHARD", "accumulation-fsdp1-NO_SHARD",
+])
 def test_replicas_keep_identical_parameters(results: dict[str, Any], name: str) -> None:
     per_rank = results[name]["param_sums"]
     assert len(per_rank) == 2 and per_rank[0] == per_rank[1]

@@ -3,16 +3,25 @@ etcd-server, v2 API on) or c10d, and train."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import yaml
 from llamaft.cli import main as cli
+from llamaft_trainer.checkpoint import Checkpointer
 
-from tests.conftest import need_etcd
-from tests.trainer.conftest import DATASET
+from tests.conftest import REPO, need_etcd
+from tests.trainer.conftest import DATASET, trainer_env
 
 pytestmark = pytest.mark.slow
 
@@ -64,10 +73,10 @@ def test_legacy_etcd_backend(tiny_model: Path, tmp_path: Path) -> None:
     assert [e["world_size"] for e in events(run_dir) if e["event"] == "setup"] == [2]
 
 
-def test_missing_model_points_at_make_tiny_model(tmp_path: Path) -> None:
+def test_missing_model_points_at_make_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = finetune(tmp_path / "nowhere", tmp_path, "missing", rendezvous={"backend": "c10d"})
-    with pytest.raises(SystemExit, match="llamaft make-tiny-model"):
-        cli(["run", "--local", str(path)])
+    assert cli(["run", "--local", str(path)]) == 2
+    assert "llamaft make-tiny-model" in capsys.readouterr().err
 
 
 def test_run_without_local_explains_the_cluster_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -78,7 +87,77 @@ def test_run_without_local_explains_the_cluster_path(tmp_path: Path, capsys: pyt
 def test_failed_run_reports_and_returns_nonzero(tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = finetune(tiny_model, tmp_path, "bad-data", dataset={"format": "jsonl", "source": str(DATASET), "promptTemplate": "{question}\n", "maxSeqLength": 64},
                     rendezvous={"backend": "c10d", "maxRestarts": 0}, cluster={"workers": 1, "gpusPerWorker": 0})
-    assert cli(["run", "--local", str(path), "--run-dir", str(tmp_path / "bad")]) != 0
+    assert cli(["run", "--local", str(path), "--run-dir", str(tmp_path / "bad")]) == 2  # the trainer's code
     captured = capsys.readouterr()
-    assert "error: spec.dataset: record 0" in captured.out
-    assert "the run failed" in captured.err
+    assert f"error: spec.dataset: {DATASET} line 1 has no field(s) ['question', 'output']" in captured.out
+    assert "the run failed (exit 2)" in captured.err
+    assert captured.err.strip().splitlines()[-1].startswith("llamaft: error: ConfigError: spec.dataset: ")
+
+
+# ------------------------------------------------------------------ interrupts leave nothing behind
+KILL_SEED = int(os.environ.get("LLAMAFT_KILL_SEED", "15"))  # fixed in CI; set it to explore other moments
+TRIALS = [(signal.SIGINT, "Ctrl-C"), (signal.SIGTERM, "SIGTERM"), (signal.SIGKILL, "killed outright")]
+
+
+def _tree_of(marker: str) -> list[psutil.Process]:
+    """Agents and trainers of one run: their command lines carry its config path."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if any(marker in part for part in proc.info["cmdline"] or []):
+                found.append(proc)
+        except psutil.Error:
+            pass
+    return found
+
+
+@pytest.mark.parametrize("trial", range(len(TRIALS)))
+def test_an_interrupt_at_a_random_point_leaves_no_process(tiny_model: Path, tmp_path: Path, trial: int) -> None:
+    """`llamaft run --local` (2 agents, 2 trainers) gets Ctrl-C, SIGTERM or SIGKILL at a random
+    moment (start-up, rendezvous, model loading, training, a save): afterwards no agent or trainer
+    is left, and an interrupted run names the step a rerun resumes from (the newest complete
+    checkpoint, or none)."""
+    signum, what = TRIALS[trial]
+    delay = random.Random(KILL_SEED * 100 + trial).uniform(0.5, 14.0)
+    path = finetune(tiny_model, tmp_path, f"interrupt-{trial}", training={"maxSteps": 100_000, "perDeviceBatchSize": 2,
+                    "learningRate": 2e-3, "evalInterval": 0}, rendezvous={"backend": "c10d"},
+                    checkpointing={"directory": str(tmp_path / "ck"), "everyNSteps": 20, "exportHuggingFace": False})
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).with_name("llamaft")), "run", "--local", str(path), "--run-dir", str(run_dir)],
+        env={**trainer_env(), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, cwd=REPO, start_new_session=True,
+    )
+    marker = str(run_dir / "config.json")
+    try:
+        time.sleep(delay)
+        assert proc.poll() is None, "the run ended before the signal"
+        started = time.monotonic()
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - started
+        deadline = time.monotonic() + (15 if signum == signal.SIGKILL else 0)
+        while _tree_of(marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = _tree_of(marker)
+    finally:
+        for leftover in _tree_of(marker):
+            with contextlib.suppress(psutil.Error):
+                leftover.kill()
+        if proc.poll() is None:
+            proc.kill()
+    context = f"{what} after {delay:.1f} s (seed {KILL_SEED}): {err[-2000:]}"
+    assert not left, f"left running after {context}: {[p.pid for p in left]}"
+    if signum == signal.SIGKILL:
+        assert proc.returncode == -signal.SIGKILL
+        return
+    assert proc.returncode == 128 + signum, context
+    assert took < 5 + 15 + 10, context  # torchrun's shutdown timeout + the runner's margin + slack
+    note = err.strip().splitlines()[-1]
+    latest = Checkpointer(str(tmp_path / "ck"), 1, 0).latest()
+    if "before the run started" in note:
+        assert latest is None, context
+    elif latest is None:
+        assert "no complete checkpoint" in note and "starts from step 0" in note, context
+    else:
+        assert f"resumes from step {latest} ({tmp_path / 'ck'}/step-{latest:08d})" in note, context

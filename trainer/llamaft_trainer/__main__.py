@@ -1,8 +1,17 @@
 """`python -m llamaft_trainer`: the entry point torchrun starts on every node.
 
-It leaves through exit_process, never through interpreter finalization (shutdown.py says why)."""
+A torchrun restart after a configuration error exits 2 at once, before torch is imported
+(elastic.py says why). It leaves through exit_process, never through interpreter finalization
+(shutdown.py says why)."""
 
-from llamaft_trainer.main import main
-from llamaft_trainer.shutdown import exit_process
+from llamaft_trainer.elastic import replay_permanent_error
 
-exit_process(main())
+code = replay_permanent_error()
+if code is None:
+    from llamaft_trainer.main import main
+
+    code = main()
+
+from llamaft_trainer.shutdown import exit_process  # noqa: E402
+
+exit_process(code)

@@ -2,7 +2,8 @@
 
 Layout under `checkpointing.directory` (a path or an fsspec URI):
   step-00000200/               torch.distributed.checkpoint shards (model, optimizer, scheduler,
-                               step, epoch, data position) plus rng-rank-<r>.pt per rank
+                               step, epoch, data position) plus rng-rank-<r>.pt per rank (its random
+                               states and the fp16 gradient scaler: see _rng_state)
   step-00000200/COMPLETE       written by rank 0 after every rank finished; a directory without it
                                is an interrupted save and is never resumed from
   export/                      consolidated Hugging Face safetensors (or the LoRA adapter)
@@ -14,6 +15,7 @@ import io
 import json
 import random
 import re
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -79,7 +81,9 @@ class Checkpointer:
         steps = self.complete_steps()
         return steps[-1] if steps else None
 
-    def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, state: TrainState) -> str:
+    def save(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, state: TrainState, scaler: Any | None = None,
+    ) -> str:
         started = time.perf_counter()
         name = f"step-{state.step:08d}"
         path = self._path(name)
@@ -95,7 +99,7 @@ class Checkpointer:
         }
         save(payload, storage_writer=self._storage_writer(name))
         with self.fs.open(self._path(f"{name}/rng-rank-{self.rank}.pt"), "wb") as f:
-            torch.save(_rng_state(), f)
+            torch.save(_rng_state(scaler), f)
         dist.barrier()
         if self.rank == 0:
             with self.fs.open(self._path(f"{name}/{COMPLETE}"), "w") as f:
@@ -105,7 +109,11 @@ class Checkpointer:
         self.save_seconds.append(time.perf_counter() - started)
         return self._writer_path(name)
 
-    def load(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> TrainState:
+    def load(
+        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any | None = None,
+    ) -> TrainState:
+        """Restore everything a checkpoint holds; the random states last, so that nothing after this
+        call but the next step draws from them."""
         name = f"step-{step:08d}"
         model_sd, optim_sd = get_state_dict(model, optimizer)
         payload: dict[str, Any] = {
@@ -120,7 +128,10 @@ class Checkpointer:
         rng_path = self._path(f"{name}/rng-rank-{self.rank}.pt")
         if self.fs.exists(rng_path):
             with self.fs.open(rng_path, "rb") as f:
-                _set_rng_state(torch.load(io.BytesIO(f.read()), weights_only=False))
+                _set_rng_state(torch.load(io.BytesIO(f.read()), weights_only=False), scaler)
+        else:  # more ranks than the run that saved it: training continues, but not bit for bit
+            print(f"llamaft_trainer: {name} has no random state for rank {self.rank}; dropout masks will differ "
+                  "from an uninterrupted run", file=sys.stderr, flush=True)
         return TrainState(**{k: int(v) for k, v in payload["train"].items()})
 
     def _prune(self) -> None:
@@ -151,18 +162,37 @@ class Checkpointer:
         return FileSystemReader(self._path(name))
 
 
-def _rng_state() -> dict[str, Any]:
+def _rng_state(scaler: Any | None = None) -> dict[str, Any]:
+    """Every random state that can influence the next step, of this rank: Python's, NumPy's, torch's
+    CPU generator and the generator of this rank's accelerator (dropout draws from the latter on a
+    GPU, from the CPU one on the CPU). Data order needs none: the sampler seeds itself with
+    seed + epoch and every loader has its own generator (data.py). Plus the fp16 gradient
+    scaler's state (scale and growth tracker), which changes the steps' updates too."""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy
+
+        state["numpy"] = numpy.random.get_state()
+    except ImportError:
+        pass
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
+    if scaler is not None:
+        state["grad_scaler"] = scaler.state_dict()
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def _set_rng_state(state: dict[str, Any], scaler: Any | None = None) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy
+
+        numpy.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"], torch.cuda.current_device())
+    if scaler is not None and state.get("grad_scaler"):
+        scaler.load_state_dict(state["grad_scaler"])
 
 
 def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -49,12 +49,19 @@ class Example:
 # ------------------------------------------------------------------------------- reading
 def read_records(spec: DatasetSpec) -> list[dict[str, Any]]:
     """All records of the dataset source, in file order."""
+    return [record for _, record in read_numbered(spec)]
+
+
+def read_numbered(spec: DatasetSpec) -> list[tuple[str, dict[str, Any]]]:
+    """(where, record) for every record, in file order: `where` is what a person can find, the
+    file and its line number (`data.jsonl line 5`), or a hub dataset's split and row."""
     src = parse_source(spec.source)
     try:
         if src.kind is SourceKind.HUB:
             import datasets
 
-            return [dict(r) for r in datasets.load_dataset(src.location, split=spec.split)]
+            rows = datasets.load_dataset(src.location, split=spec.split)
+            return [(f"{spec.source} ({spec.split} row {i})", dict(r)) for i, r in enumerate(rows)]
         if src.kind is SourceKind.URI:
             import fsspec
 
@@ -68,7 +75,7 @@ def read_records(spec: DatasetSpec) -> list[dict[str, Any]]:
         raise ConfigError(f"spec.dataset.source: cannot read {spec.source}: {type(exc).__name__}: {exc}") from exc
 
 
-def _parse_jsonl(lines: Any, name: str) -> list[dict[str, Any]]:
+def _parse_jsonl(lines: Any, name: str) -> list[tuple[str, dict[str, Any]]]:
     records = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -79,9 +86,9 @@ def _parse_jsonl(lines: Any, name: str) -> list[dict[str, Any]]:
             raise ConfigError(f"spec.dataset.source: {name} line {number} is not JSON: {exc}") from exc
         if not isinstance(record, dict):
             raise ConfigError(f"spec.dataset.source: {name} line {number} is not a JSON object")
-        records.append(record)
+        records.append((f"{name} line {number}", record))
     if not records:
-        raise ConfigError(f"spec.dataset.source: {name} holds no records")
+        raise ConfigError(f"spec.dataset.source: {name} holds no records (an empty file); point spec.dataset.source at the data")
     return records
 
 
@@ -111,11 +118,12 @@ class Formatter:
             fields = _template_fields(ALPACA_NO_INPUT_TEMPLATE)
         return [*fields, self.response_field]
 
-    def check(self, record: dict[str, Any], index: int) -> None:
-        missing = [f for f in self.required_fields(record) if f not in record]
+    def check(self, record: dict[str, Any], where: str) -> None:
+        """`where`: the record's place in the source, as a person finds it (file and line)."""
+        missing = [f for f in self.required_fields(record) if record.get(f) is None]
         if missing:
             raise ConfigError(
-                f"spec.dataset: record {index} of {self.spec.source} has no field(s) {missing} "
+                f"spec.dataset: {where} has no field(s) {missing} "
                 f"(it has {sorted(record)}); set spec.dataset.promptTemplate / fieldMapping to match the data"
             )
 
@@ -209,11 +217,19 @@ def split_records(records: list[dict[str, Any]], fraction: float, seed: int) -> 
     return train, val
 
 
+def check_records(numbered: list[tuple[str, dict[str, Any]]], spec: DatasetSpec) -> None:
+    """Every record has what the format needs; the first that does not is named by file and line
+    (checked in file order, before any split or shuffle)."""
+    fmt = Formatter(spec)
+    for where, record in numbered:
+        fmt.check(record, where)
+
+
 def to_sequences(records: list[dict[str, Any]], spec: DatasetSpec, tok: PreTrainedTokenizerBase) -> SequenceDataset:
     fmt = Formatter(spec)
     examples = []
     for index, record in enumerate(records):
-        fmt.check(record, index)
+        fmt.check(record, f"record {index} (after the train/validation split) of {spec.source}")
         examples.append(tokenize(*fmt(record), tok, spec.max_seq_length))
     if spec.packing:
         return pack(examples, spec.max_seq_length)
@@ -232,7 +248,9 @@ def build_data(
     spec: DatasetSpec, tok: PreTrainedTokenizerBase, batch_size: int, seed: int, rank: int, world: int
 ) -> Data:
     """Train and validation loaders; every rank sees a disjoint, seed-determined shard per epoch."""
-    records = read_records(spec)
+    numbered = read_numbered(spec)
+    check_records(numbered, spec)
+    records = [record for _, record in numbered]
     train_records, val_records = split_records(records, spec.validation_split, seed)
     train = to_sequences(train_records, spec, tok)
     if len(train) < world * batch_size:
@@ -244,14 +262,24 @@ def build_data(
     sampler: DistributedSampler[Any] = DistributedSampler(
         train, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True
     )
-    loader = DataLoader(train, batch_size=batch_size, sampler=sampler, drop_last=True)
+    # Each loader gets its own generator: creating an iterator draws a base seed (for worker
+    # processes, unused with num_workers=0) from the loader's generator, by default the *global*
+    # one that dropout draws from. A resumed run creates its iterator at another point of the RNG
+    # stream than an uninterrupted one, so that draw shifted every dropout mask after a resume.
+    loader = DataLoader(train, batch_size=batch_size, sampler=sampler, drop_last=True, generator=_loader_generator(seed))
     val_loader = None
     if validation is not None and len(validation) >= world:
         val_sampler: DistributedSampler[Any] = DistributedSampler(
             validation, num_replicas=world, rank=rank, shuffle=False, drop_last=True
         )
-        val_loader = DataLoader(validation, batch_size=batch_size, sampler=val_sampler)
+        val_loader = DataLoader(validation, batch_size=batch_size, sampler=val_sampler, generator=_loader_generator(seed))
     return Data(train, validation, sampler, loader, val_loader)
+
+
+def _loader_generator(seed: int) -> torch.Generator:
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return generator
 
 
 def batches_from(loader: DataLoader[dict[str, torch.Tensor]], skip: int) -> Iterator[dict[str, torch.Tensor]]:

@@ -4,8 +4,9 @@
 class ConfigError(ValueError):
     """The spec cannot run as written (missing tokenizer, unreadable path, bad field, ...).
 
-    The message names the spec field and the fix; main() exits with EXIT_CONFIG_ERROR, which the
-    PyTorchJob's ExitCode restart policy treats as permanent (1-127), so nothing retries it.
+    The message names the spec field and the fix; main() exits with EXIT_CONFIG_ERROR after the
+    termination message says `retryable: false` (the operator's permanent failure) and, under
+    torchrun, after closing the rendezvous so that the agent restarts nothing (elastic.py).
     """
 
 

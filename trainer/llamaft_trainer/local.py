@@ -5,6 +5,19 @@ exactly as on the cluster: through a local etcd for the etcd backends (started h
 `spec.rendezvous.endpoint` is set), or c10d on loopback. GPUs are used when the machine has as
 many as the spec asks for; otherwise each worker runs one CPU process (gloo). Rank 0's JSON log
 lines are shown as live progress; every agent's full output goes to `<run dir>/worker-<i>.log` (rank 0 may be on any of them).
+
+How it ends:
+- Exit code: the trainer's (0; 2 for a configuration error; 143 stopped on SIGTERM; 1 other),
+  from the termination messages the workers wrote (`<run dir>/termination-<i>.json`, one per
+  agent as one per pod), not torchrun's (always 1 on failure). The first line of the error is
+  printed last.
+- Ctrl-C or SIGTERM: every agent gets SIGTERM, as the kubelet sends it (agents and trainers run in
+  their own sessions, so the terminal's SIGINT reaches none of them); the trainers stop after their
+  step and save when torchrun's shutdown timeout allows; after that timeout (plus a margin)
+  whatever is left of the tree is SIGKILLed. A second signal SIGKILLs at once. Then it prints
+  where a rerun resumes (the newest complete checkpoint).
+- If this process is killed outright, each agent gets SIGTERM from the kernel (PR_SET_PDEATHSIG)
+  and stops its workers; a worker whose agent died exits by itself (elastic.watch_agent).
 """
 
 from __future__ import annotations
@@ -16,17 +29,26 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import IO, Any
 
 from llamaft.api.sources import SourceKind, parse_source
 from llamaft.api.spec import LlamaFineTuneSpec, RendezvousBackend
 from llamaft.manifests import load_finetune
 
-from llamaft_trainer.local_etcd import LocalEtcd, free_port
+from llamaft_trainer import termination
+from llamaft_trainer.errors import EXIT_CONFIG_ERROR, ConfigError
+from llamaft_trainer.local_etcd import LocalEtcd, free_port, parent_death_signal
+
+SHUTDOWN_TIMEOUT_S = 30
+"""torchrun's default time between its SIGTERM to the workers and its SIGKILL (TORCH_ELASTIC_SHUTDOWN_TIMEOUT)."""
+STOP_MARGIN_S = 15.0
+"""Beyond the shutdown timeout, how long an interrupted run may take to end before it is SIGKILLed."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +61,10 @@ class LocalPlan:
     run_dir: Path
     config_path: Path
     rdzv_id: str
+    timeout_s: int
+    """training.collectiveTimeoutSeconds: also the bound of every rendezvous."""
+    checkpoints: str
+    resume: bool
 
 
 def plan(path: str | Path, *, nproc_per_worker: int | None, run_dir: str | Path | None) -> tuple[LocalPlan, LlamaFineTuneSpec]:
@@ -46,8 +72,8 @@ def plan(path: str | Path, *, nproc_per_worker: int | None, run_dir: str | Path 
     name = str(body["metadata"]["name"])
     model = parse_source(spec.model.source)
     if model.kind is SourceKind.LOCAL and not Path(model.location).expanduser().exists():
-        raise SystemExit(
-            f"error: spec.model.source: {spec.model.source} does not exist. For the tiny example, build it "
+        raise ConfigError(
+            f"spec.model.source: {spec.model.source} does not exist. For the tiny example, build it "
             f"first: llamaft make-tiny-model {spec.model.source}"
         )
     import torch
@@ -67,7 +93,10 @@ def plan(path: str | Path, *, nproc_per_worker: int | None, run_dir: str | Path 
     config_path = directory / "config.json"
     config_path.write_text(json.dumps(spec.training_config().to_k8s(), indent=2))
     rdzv_id = f"{name}-{uuid.uuid4().hex[:8]}"  # unique per run: a rerun never meets a closed rendezvous
-    return LocalPlan(name, spec.cluster.workers, nproc, device, spec.rendezvous.backend, directory, config_path, rdzv_id), spec
+    return LocalPlan(
+        name, spec.cluster.workers, nproc, device, spec.rendezvous.backend, directory, config_path, rdzv_id,
+        spec.training.collective_timeout_seconds, spec.checkpointing.directory, spec.checkpointing.resume,
+    ), spec
 
 
 def agent_command(p: LocalPlan, spec: LlamaFineTuneSpec, endpoint: str) -> list[str]:
@@ -78,6 +107,8 @@ def agent_command(p: LocalPlan, spec: LlamaFineTuneSpec, endpoint: str) -> list[
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", nnodes, "--nproc_per_node", str(p.nproc_per_worker),
         "--rdzv_backend", p.backend.value, "--rdzv_endpoint", endpoint, "--rdzv_id", p.rdzv_id,
+        # Bounded like every collective: the dynamic backends' join_timeout, legacy etcd's timeout.
+        "--rdzv_conf", f"join_timeout={p.timeout_s},timeout={p.timeout_s}",
         "--max_restarts", str(spec.rendezvous.max_restarts),
         "-m", "llamaft_trainer", "--config", str(p.config_path),
     ]
@@ -142,8 +173,146 @@ def _pump(stream: IO[str], log: IO[str], show: bool, seen: list[dict[str, Any]])
             print(text, flush=True)
 
 
+class Interrupt:
+    """SIGINT / SIGTERM of this process, recorded (the main loop acts on it); the previous handlers
+    come back on exit. Only the main thread can install handlers: elsewhere it records nothing."""
+
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> Interrupt:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.signals.append(signum)
+
+    @property
+    def first(self) -> int | None:
+        return self.signals[0] if self.signals else None
+
+
+def _tree(procs: list[subprocess.Popen[str]]) -> list[Any]:
+    """The agents' descendants (the trainers, in sessions of their own), as psutil processes."""
+    import psutil
+
+    found = []
+    for proc in procs:
+        try:
+            found += psutil.Process(proc.pid).children(recursive=True)
+        except psutil.Error:
+            pass
+    return found
+
+
+def _kill(processes: list[Any]) -> int:
+    import psutil
+
+    killed = 0
+    for proc in processes:
+        try:
+            if proc.is_running():
+                proc.kill()  # psutil refuses a reused pid
+                killed += 1
+        except psutil.Error:
+            pass
+    return killed
+
+
+def stop_tree(procs: list[subprocess.Popen[str]], interrupt: Interrupt, grace_s: float) -> None:
+    """SIGTERM every agent (torchrun passes it to its workers, which stop after their step and save
+    when there is time), wait up to `grace_s`, then SIGKILL what is left of the tree: agents and
+    trainers. A further signal skips the wait."""
+    seen = {p.pid: p for p in _tree(procs)}
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    signals = len(interrupt.signals)
+    while time.monotonic() < deadline and len(interrupt.signals) <= signals:
+        seen.update((p.pid, p) for p in _tree(procs))  # workers that were starting
+        if all(proc.poll() is not None for proc in procs):
+            break
+        time.sleep(0.2)
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    for proc in procs:
+        proc.wait()
+    # Trainers are not in the agents' process groups; with the agents gone they are orphans.
+    _kill(list(seen.values()))
+
+
+def _checkpoint_note(p: LocalPlan) -> str:
+    """Where a rerun of the same command starts."""
+    from llamaft_trainer.checkpoint import Checkpointer
+
+    if not p.resume:
+        return "spec.checkpointing.resume is false: a rerun starts from step 0"
+    try:
+        latest = Checkpointer(p.checkpoints, 1, 0).latest()
+    except Exception as exc:  # an unreadable directory must not hide the interrupt
+        return f"cannot read {p.checkpoints}: {exc}"
+    if latest is None:
+        return f"no complete checkpoint in {p.checkpoints}: a rerun starts from step 0"
+    return f"a rerun of the same command resumes from step {latest} ({p.checkpoints.rstrip('/')}/step-{latest:08d})"
+
+
+def outcome(p: LocalPlan, agent_codes: list[int]) -> tuple[int, str | None]:
+    """(exit code, first error line): the trainer's, from the workers' termination messages (the
+    most telling one, in the operator's order); torchrun's code when no trainer wrote one."""
+    docs = [termination.read(str(p.run_dir / f"termination-{i}.json")) for i in range(p.workers)]
+    failures = [d for d in docs if d and d.get("phase") == "Failed"]
+    if failures:
+        worst = max(failures, key=lambda d: termination.PRECEDENCE.get(str(d.get("reason")), termination.OTHER_ERROR_PRECEDENCE))
+        code = int(worst.get("exitCode") or termination.exit_code(str(worst.get("reason"))))
+        message = str(worst.get("message") or "").strip().splitlines()
+        return code, f"{worst.get('reason')}: {message[0] if message else ''}"
+    code = max(agent_codes) if agent_codes else 1
+    return code, None if code == 0 else _first_error_line(p)
+
+
+def _first_error_line(p: LocalPlan) -> str | None:
+    for index in range(p.workers):
+        path = p.run_dir / f"worker-{index}.log"
+        if not path.exists():
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            if "Error" in line or "error:" in line:
+                return line.strip()
+    return None
+
+
+def _spawn(command: list[str], env: dict[str, str], preexec: Callable[[], None] | None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True, preexec_fn=preexec,
+    )
+
+
 def run_local(path: str | Path, *, nproc_per_worker: int | None = None, run_dir: str | Path | None = None) -> int:
-    p, spec = plan(path, nproc_per_worker=nproc_per_worker, run_dir=run_dir)
+    with Interrupt() as interrupt:
+        try:
+            p, spec = plan(path, nproc_per_worker=nproc_per_worker, run_dir=run_dir)
+        except ConfigError as exc:
+            print(f"llamaft: configuration error: {exc}", file=sys.stderr, flush=True)
+            return EXIT_CONFIG_ERROR
+        return _run(p, spec, interrupt)
+
+
+def _run(p: LocalPlan, spec: LlamaFineTuneSpec, interrupt: Interrupt) -> int:
+    if interrupt.first is not None:
+        print(f"llamaft: {signal.Signals(interrupt.first).name} before the run started: nothing was started",
+              file=sys.stderr, flush=True)
+        return 128 + interrupt.first
     total = p.workers * p.nproc_per_worker
     print(
         f"llamaft: running {p.name} locally: {p.workers} worker(s) x {p.nproc_per_worker} process(es) on {p.device}, "
@@ -154,45 +323,60 @@ def run_local(path: str | Path, *, nproc_per_worker: int | None = None, run_dir:
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // total)))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["PYTHONUNBUFFERED"] = "1"
+    # The trainers read the same variable for their save-on-SIGTERM budget (preemption.py).
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
+    grace_s = float(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) + STOP_MARGIN_S
     if p.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
+    for index in range(p.workers):  # an earlier run's messages are not this run's
+        (p.run_dir / f"termination-{index}.json").unlink(missing_ok=True)
     events: list[dict[str, Any]] = []
     procs: list[subprocess.Popen[str]] = []
     threads: list[threading.Thread] = []
+    codes: list[int] = []
     with rendezvous_endpoint(p, spec) as endpoint:
         try:
             for index in range(p.workers):
+                if interrupt.first is not None:
+                    break
                 worker_env = dict(env)
                 worker_env["LLAMAFT_METRICS_PORT"] = str(free_port())
                 worker_env["LLAMAFT_TERMINATION_LOG"] = str(p.run_dir / f"termination-{index}.json")
-                proc = subprocess.Popen(
-                    agent_command(p, spec, endpoint), env=worker_env, stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                )
-                procs.append(proc)
+                procs.append(_spawn(agent_command(p, spec, endpoint), worker_env, parent_death_signal(signal.SIGTERM)))
+            # Readers start after every fork (preexec_fn and threads do not mix).
+            for index, proc in enumerate(procs):
                 log = (p.run_dir / f"worker-{index}.log").open("w")
                 assert proc.stdout is not None
                 # Only global rank 0 prints JSON events, and the rendezvous decides which agent hosts it.
                 thread = threading.Thread(target=_pump, args=(proc.stdout, log, True, events), daemon=True)
                 thread.start()
                 threads.append(thread)
-            codes = [proc.wait() for proc in procs]
-        except KeyboardInterrupt:
-            for proc in procs:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-            for proc in procs:
-                proc.wait()
-            print("llamaft: interrupted; the newest complete checkpoint resumes on the next run", flush=True)
-            return 130
+            while interrupt.first is None and any(proc.poll() is None for proc in procs):
+                time.sleep(0.1)
+            if interrupt.first is not None:
+                name = signal.Signals(interrupt.first).name
+                print(f"llamaft: {name}: stopping the agents and trainers (SIGTERM, then SIGKILL after {grace_s:.0f} s)",
+                      file=sys.stderr, flush=True)
+            else:
+                codes = [proc.wait() for proc in procs]
+        finally:
+            if interrupt.first is not None or any(proc.poll() is None for proc in procs):
+                stop_tree(procs, interrupt, grace_s)
         for thread in threads:
             thread.join(5)
-    code = max(codes)
+    if interrupt.first is not None:
+        print(f"llamaft: interrupted; nothing of the run is left running; {_checkpoint_note(p)}", file=sys.stderr, flush=True)
+        return 128 + interrupt.first
+    code, error = outcome(p, codes)
     if code != 0:
-        failed = next((i for i, c in enumerate(codes) if c != 0), 0)
-        tail = (p.run_dir / f"worker-{failed}.log").read_text(errors="replace").splitlines()[-25:]
-        print("\n".join(tail), file=sys.stderr)
-        print(f"llamaft: the run failed (exit {code}); full logs in {p.run_dir}", file=sys.stderr, flush=True)
+        if not any(e.get("event") == "error" for e in events):  # not already shown: the log's end
+            failed = next((i for i, c in enumerate(codes) if c != 0), 0)
+            log_path = p.run_dir / f"worker-{failed}.log"
+            if log_path.exists():
+                print("\n".join(log_path.read_text(errors="replace").splitlines()[-25:]), file=sys.stderr)
+        print(f"llamaft: the run failed (exit {code}); full logs in {p.run_dir}", file=sys.stderr)
+        if error:
+            print(f"llamaft: error: {error}", file=sys.stderr, flush=True)
         return code
     exported = [e["path"] for e in events if e.get("event") == "export"]
     losses = [e["loss"] for e in events if e.get("event") == "step"]

@@ -6,14 +6,40 @@ torchrun's `etcd` and `etcd-v2` rendezvous backends speak etcd's v2 API, so it r
 
 from __future__ import annotations
 
+import ctypes
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
+
+PR_SET_PDEATHSIG = 1
+
+
+def parent_death_signal(signum: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A Popen preexec_fn: the child gets `signum` when this process dies (Linux prctl
+    PR_SET_PDEATHSIG), so a killed `llamaft run --local` leaves no etcd or torchrun agent behind.
+    None where there is no prctl."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl: the signal would never come
+            os.kill(os.getpid(), int(signum))
+
+    return preexec
 
 
 def free_port() -> int:
@@ -49,7 +75,7 @@ class LocalEtcd:
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", f"default={peer}", "--enable-v2",
             ],
-            stdout=self.log_path.open("wb"), stderr=subprocess.STDOUT,
+            stdout=self.log_path.open("wb"), stderr=subprocess.STDOUT, preexec_fn=parent_death_signal(),
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -7,8 +7,9 @@ The config file is the training part of the LlamaFineTune spec (JSON or YAML, ca
 pydantic model the operator validated), or a whole LlamaFineTune.
 
 How it ends (docs/progress-contract.md): exit 0 and a Succeeded message; 2 for a configuration
-error; 143 (128 + SIGTERM) when SIGTERM stopped it, after a checkpoint if the grace period allowed
-one; 1 for any other failure. Every failing rank writes its termination message with the reason
+error (permanent: under torchrun it also closes the rendezvous, so no restart follows: elastic.py);
+143 (128 + SIGTERM) when SIGTERM stopped it, after a checkpoint if the grace period allowed one; 1
+for any other failure. Every failing rank writes its termination message with the reason
 (ConfigError, Preempted, CollectiveTimeout, PeerLost or the exception's type). The process always
 leaves through shutdown.exit_process, never through interpreter finalization.
 """
@@ -35,8 +36,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from llamaft_trainer import data as data_step
+from llamaft_trainer import elastic, termination
 from llamaft_trainer import model as model_step
-from llamaft_trainer import termination
 from llamaft_trainer.checkpoint import Checkpointer, TrainState
 from llamaft_trainer.errors import EXIT_CONFIG_ERROR, EXIT_FAILURE, EXIT_PREEMPTED, ConfigError
 from llamaft_trainer.export import export_hugging_face
@@ -46,7 +47,14 @@ from llamaft_trainer.preemption import StopSignal
 from llamaft_trainer.runtime import Runtime, build_mesh, init_runtime
 from llamaft_trainer.shutdown import exit_process, teardown
 from llamaft_trainer.termination import RunRecord
-from llamaft_trainer.train import LoopResult, build_optimizer, build_scheduler, total_steps, train_loop
+from llamaft_trainer.train import (
+    LoopResult,
+    build_optimizer,
+    build_scaler,
+    build_scheduler,
+    total_steps,
+    train_loop,
+)
 
 
 def load_config(path: str | Path) -> TrainingJobConfig:
@@ -55,7 +63,10 @@ def load_config(path: str | Path) -> TrainingJobConfig:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"--config: cannot read {path}: {exc}") from exc
-    body = yaml.safe_load(text)
+    try:
+        body = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config: {path} is not JSON or YAML: {exc}") from exc
     try:
         if isinstance(body, dict) and body.get("kind") == "LlamaFineTune":
             return validate_resource(body).training_config()
@@ -152,16 +163,17 @@ def run(
         progress.update(phase="Training", totalSteps=s.steps)
     checkpointer = Checkpointer(cfg.checkpointing.directory, cfg.checkpointing.keep_last, rt.rank)
     state = TrainState()
+    scaler = build_scaler(cfg, rt)
     latest = checkpointer.latest() if cfg.checkpointing.resume else None
     if latest is not None:
-        state = checkpointer.load(latest, s.model, s.optimizer, s.scheduler)
+        state = checkpointer.load(latest, s.model, s.optimizer, s.scheduler, scaler)
         record.checkpoint_step = latest
         if rt.is_leader:
             log_json("resume", step=state.step, epoch=state.epoch, path=f"{cfg.checkpointing.directory}/step-{latest:08d}")
     result = train_loop(
         s.model, cfg, s.data, rt, s.optimizer, s.scheduler, state, s.steps,
         checkpointer=checkpointer, progress=progress, flops_per_token=s.flops_per_token,
-        peak_flops=peak_flops(rt.device), stop_after=stop_after, stop=stop, record=record,
+        peak_flops=peak_flops(rt.device), stop_after=stop_after, stop=stop, record=record, scaler=scaler,
     )
     if result.stopped is None and state.step >= s.steps and cfg.checkpointing.export_hugging_face:
         destination = f"{cfg.checkpointing.directory.rstrip('/')}/export"
@@ -187,6 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     stop = StopSignal()
     stop.install()  # first: a SIGTERM during setup is remembered, not fatal
+    elastic.watch_agent()
     record = RunRecord()
     rt: Runtime | None = None
     server: ThreadingHTTPServer | None = None
@@ -219,6 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             log_json("error", kind="ConfigError", message=str(exc))
             print(f"llamaft: configuration error: {exc}", file=sys.stderr, flush=True)
         _report(termination.failed(termination.CONFIG_ERROR, str(exc), record, retryable=False), rt)
+        # Permanent: torchrun must not restart the workers into the same error (elastic.py).
+        elastic.end_job(rt.timeout_s if rt is not None else elastic.CLOSE_TIMEOUT_S)
         return EXIT_CONFIG_ERROR
     except Exception as exc:
         traceback.print_exc()

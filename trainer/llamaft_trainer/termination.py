@@ -20,9 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
-
-from llamaft_trainer.errors import ConfigError
+from llamaft_trainer.errors import EXIT_CONFIG_ERROR, EXIT_FAILURE, EXIT_PREEMPTED, ConfigError
 
 LIMIT_BYTES = 4096
 """Kubernetes truncates a container's termination message to 4096 bytes."""
@@ -72,6 +70,8 @@ def classify(exc: BaseException) -> tuple[str, bool]:
     gloo raises a plain RuntimeError ("Timed out waiting 15000ms for recv operation", "Connection
     reset by peer"); NCCL and the store raise the torch.distributed Dist*Error types. Only a
     configuration error is permanent: running it again gives the same answer."""
+    import torch.distributed as dist  # here, not at the top: __main__ reads this module before torch loads
+
     if isinstance(exc, ConfigError):
         return CONFIG_ERROR, False
     text = str(exc)  # the Dist*Error types are RuntimeErrors too
@@ -91,12 +91,34 @@ def succeeded(record: RunRecord) -> dict[str, Any]:
     }
 
 
+def exit_code(reason: str) -> int:
+    """The trainer process's exit code for a failure `reason` (docs/progress-contract.md)."""
+    if reason == CONFIG_ERROR:
+        return EXIT_CONFIG_ERROR
+    if reason == PREEMPTED:
+        return EXIT_PREEMPTED
+    return EXIT_FAILURE
+
+
 def failed(reason: str, message: str, record: RunRecord, *, retryable: bool) -> dict[str, Any]:
-    """The message of every rank that fails (or stops for a preemption)."""
+    """The message of every rank that fails (or stops for a preemption). `exitCode` is the trainer
+    process's own code: under torchrun the pod's exit code is torchrun's (1), so the message is
+    where a 2 (permanent configuration error) reaches the container status."""
     return {
         "phase": "Failed", "reason": reason, "message": message, "step": record.step,
-        "checkpointStep": record.checkpoint_step, "retryable": retryable,
+        "checkpointStep": record.checkpoint_step, "retryable": retryable, "exitCode": exit_code(reason),
     }
+
+
+def read(path: str | None = None) -> dict[str, Any] | None:
+    """The document in the termination log (None: absent, empty or not JSON). Never raises."""
+    path = path or os.environ.get("LLAMAFT_TERMINATION_LOG", "/dev/termination-log")
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.loads(f.read() or "null")
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 def fit(doc: dict[str, Any], limit: int = LIMIT_BYTES) -> str:

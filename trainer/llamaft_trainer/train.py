@@ -1,5 +1,14 @@
-"""Train loop: AdamW, warmup + decay, gradient accumulation without intermediate gradient sync,
-clipping, eval, metrics and checkpoints.
+"""Train loop: AdamW, warmup + decay, gradient accumulation with sharded gradients, clipping, eval,
+metrics and checkpoints.
+
+Gradient accumulation (as torchtitan): FULL_SHARD / SHARD_GRAD_OP reduce-scatter on every
+micro-step, so gradients stay sharded and accumulate in the shards; HYBRID_SHARD and NO_SHARD (a 2-D
+mesh) reduce-scatter inside the shard group every micro-step and skip only the all-reduce across
+replicas until the last micro-step (`set_requires_all_reduce`). Turning gradient sync off
+altogether (`set_requires_gradient_sync(False)`) would keep every gradient unsharded, in the
+reduce dtype, between micro-steps: a whole model's worth per rank. FSDP1 has no "all-reduce only"
+switch: it communicates on every micro-step (its sharded gradients accumulate), except NO_SHARD,
+whose `no_sync` holds full gradients that it holds anyway.
 
 Loss normalisation: each optimizer step's loss is the sum of token losses over the whole global
 batch (every micro-step on every rank) divided by its number of target tokens, so any sharding
@@ -22,7 +31,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from llamaft.api.spec import FsdpImplementation, MixedPrecision, SchedulerType, TrainingJobConfig
+from llamaft.api.spec import (
+    FsdpImplementation,
+    MixedPrecision,
+    SchedulerType,
+    ShardingStrategy,
+    TrainingJobConfig,
+)
 from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import get_scheduler
@@ -51,6 +66,7 @@ SCHEDULER_NAMES = {
 class LoopResult:
     state: TrainState
     losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
     eval_losses: list[float] = field(default_factory=list)
     checkpoints: list[str] = field(default_factory=list)
     stopped: StopReport | None = None
@@ -76,6 +92,15 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingJobConfig, st
     )
 
 
+def build_scaler(cfg: TrainingJobConfig, rt: Runtime) -> Any | None:
+    """fp16's dynamic gradient scaler (None for other precisions); checkpoints save its state."""
+    if cfg.fsdp.mixed_precision is not MixedPrecision.FP16:
+        return None
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler(device=rt.device.type)
+
+
 def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
     """Sum of next-token cross-entropy over target tokens, and their count."""
     input_ids = batch["input_ids"].to(device)
@@ -93,14 +118,23 @@ def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return [float(v) for v in t.tolist()]
 
 
-def _set_sync(model: nn.Module, sync: bool, cfg: TrainingJobConfig) -> Any:
-    """No gradient reduction on non-final micro-steps (FSDP2 flag; FSDP1 no_sync context)."""
+def _micro_step(model: nn.Module, last: bool, cfg: TrainingJobConfig) -> Any:
+    """The communication of one micro-step's backward (see the module docstring): a context to run
+    it in. `last`: the micro-step whose backward completes the optimizer step's gradients."""
     import contextlib
 
+    strategy = cfg.fsdp.sharding_strategy
     if cfg.fsdp.implementation is FsdpImplementation.FSDP1:
-        return contextlib.nullcontext() if sync else model.no_sync()  # type: ignore[operator]
-    model.set_requires_gradient_sync(sync)  # type: ignore[operator]
+        if strategy is ShardingStrategy.NO_SHARD and not last:
+            return model.no_sync()  # type: ignore[operator]
+        return contextlib.nullcontext()
+    if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.NO_SHARD):
+        model.set_requires_all_reduce(last)  # type: ignore[operator]
     return contextlib.nullcontext()
+
+
+_set_sync = _micro_step
+"""The former name (bench/plan_accuracy.py replays the trainer's step with it)."""
 
 
 def clip_gradients(model: nn.Module, max_norm: float, cfg: TrainingJobConfig) -> float:
@@ -161,16 +195,15 @@ def train_loop(
     stop_after: int | None = None,
     stop: StopSignal | None = None,
     record: RunRecord | None = None,
+    scaler: Any | None = None,
 ) -> LoopResult:
     """Run optimizer steps from `state.step` to `steps` (or `stop_after`, for tests), or until
-    some rank got SIGTERM (`stop`). `record` is kept current for the termination message."""
+    some rank got SIGTERM (`stop`). `record` is kept current for the termination message.
+    `scaler`: fp16's gradient scaler as a resume restored it (built here when not given)."""
     tc = cfg.training
     accum = tc.gradient_accumulation_steps
-    scaler = None
-    if cfg.fsdp.mixed_precision is MixedPrecision.FP16:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        scaler = ShardedGradScaler(device=rt.device.type)
+    if scaler is None:
+        scaler = build_scaler(cfg, rt)
     result = LoopResult(state)
     record = record if record is not None else RunRecord()
     record.step, record.total_steps = state.step, steps
@@ -190,7 +223,7 @@ def train_loop(
         scale = rt.world_size / max(global_tokens, 1.0)
         loss_sum = 0.0
         for index, batch in enumerate(group):
-            with _set_sync(model, index == accum - 1, cfg):
+            with _micro_step(model, index == accum - 1, cfg):
                 loss, _ = token_loss_sum(model, batch, rt.device)
                 scaled = loss * scale
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()
@@ -215,6 +248,7 @@ def train_loop(
         step_loss = loss_total / max(global_tokens, 1.0)
         state.tokens_seen += int(tokens_total)
         result.losses.append(step_loss)
+        result.grad_norms.append(grad_norm)
         elapsed = time.perf_counter() - step_start
         record.step, record.loss = state.step, step_loss
         record.tokens += int(tokens_total)
@@ -238,10 +272,10 @@ def train_loop(
         if tc.eval_interval and state.step % tc.eval_interval == 0 and state.step < steps:
             _run_eval(model, data, rt, state, progress, result, record)
         if stop is not None and stop_votes > 0:
-            result.stopped = _save_on_stop(model, optimizer, scheduler, state, rt, checkpointer, stop, result, record)
+            result.stopped = _save_on_stop(model, optimizer, scheduler, state, rt, checkpointer, stop, result, record, scaler)
             return result
         if checkpointer is not None and (state.step % cfg.checkpointing.every_n_steps == 0 or state.step == steps):
-            _save(model, optimizer, scheduler, state, rt, checkpointer, result, record)
+            _save(model, optimizer, scheduler, state, rt, checkpointer, result, record, scaler)
     if state.step >= steps:
         _run_eval(model, data, rt, state, progress, result, record)
     return result
@@ -249,9 +283,9 @@ def train_loop(
 
 def _save(
     model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, state: TrainState, rt: Runtime,
-    checkpointer: Checkpointer, result: LoopResult, record: RunRecord,
+    checkpointer: Checkpointer, result: LoopResult, record: RunRecord, scaler: Any | None = None,
 ) -> None:
-    path = checkpointer.save(model, optimizer, scheduler, state)
+    path = checkpointer.save(model, optimizer, scheduler, state, scaler)
     result.checkpoints.append(path)
     record.checkpoint_step = state.step
     if rt.is_leader:
@@ -260,7 +294,7 @@ def _save(
 
 def _save_on_stop(
     model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, state: TrainState, rt: Runtime,
-    checkpointer: Checkpointer | None, stop: StopSignal, result: LoopResult, record: RunRecord,
+    checkpointer: Checkpointer | None, stop: StopSignal, result: LoopResult, record: RunRecord, scaler: Any | None = None,
 ) -> StopReport:
     """Save when every rank has time for it (a collective decision), else leave the newest
     complete checkpoint as it is: an interrupted save has no COMPLETE marker and is never resumed."""
@@ -271,7 +305,7 @@ def _save_on_stop(
     if rt.is_leader:
         log_json("preempted", step=state.step, save=save, detail=why)
     if save:
-        _save(model, optimizer, scheduler, state, rt, checkpointer, result, record)
+        _save(model, optimizer, scheduler, state, rt, checkpointer, result, record, scaler)
     return StopReport(state.step, stop.requested, save, why)
 
 

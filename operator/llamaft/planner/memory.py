@@ -60,7 +60,7 @@ from llamaft.api.spec import (
 )
 from llamaft.planner.shapes import LORA_MODULES, ModelShape
 
-TRAINER_SYNCS_EVERY_MICRO_STEP = False
+TRAINER_SYNCS_EVERY_MICRO_STEP = True
 """Mirrors llamaft_trainer.train._set_sync: gradients are reduced on the last micro-step only
 (FSDP2 `set_requires_gradient_sync(False)` before it). Flip when the trainer changes."""
 
