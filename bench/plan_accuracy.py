@@ -7,7 +7,7 @@ HYBRID_SHARD / NO_SHARD, bf16 / fp16 / fp32 / pure-bf16, activation checkpointin
 selective, LoRA with and without dropout, gradient accumulation, eager vs sdpa, packing vs
 padding, batch and sequence length), each case runs the trainer's own code under torchrun (gloo,
 1, 2 or 4 processes): `model.build_meta_model` (+ `apply_lora`) -> `parallelize.parallelize`
--> `train.build_optimizer`, then optimizer steps made of `train.token_loss_sum`, `_set_sync`
+-> `train.build_optimizer`, then optimizer steps made of `train.token_loss_sum`, `_micro_step`
 (no gradient sync between micro-steps), `clip_gradients` and AdamW, exactly as `train_loop` does.
 It prints, per case, the measured per-rank peak, the planner's estimate (`device="cpu"`) and the
 error; the target is within +-15%.
@@ -163,7 +163,7 @@ def run_case(case: dict[str, Any], rt: Any, steps: int = 2, meter: str = "tracke
     from llamaft_trainer import model as model_step
     from llamaft_trainer.parallelize import parallelize
     from llamaft_trainer.runtime import build_mesh
-    from llamaft_trainer.train import _set_sync, build_optimizer, clip_gradients, token_loss_sum
+    from llamaft_trainer.train import _micro_step, build_optimizer, clip_gradients, token_loss_sum
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from transformers import LlamaConfig
 
@@ -215,7 +215,7 @@ def run_case(case: dict[str, Any], rt: Any, steps: int = 2, meter: str = "tracke
     with tracker:
         for step in range(steps):
             for index, b in enumerate(batches):
-                with _set_sync(model, index == accum - 1, cfg):
+                with _micro_step(model, index == accum - 1, cfg):
                     loss, _ = token_loss_sum(model, b, rt.device)
                     scaled = loss / 1000.0
                     (scaler.scale(scaled) if scaler is not None else scaled).backward()

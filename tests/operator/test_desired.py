@@ -106,7 +106,7 @@ def test_config_map_carries_the_trainer_part_of_the_spec() -> None:
     spec = example("llama2-70b.yaml")
     data = json.loads(desired.config_map(OWNER, spec)["data"]["config.json"])
     assert set(data) == {"model", "dataset", "training", "fsdp", "checkpointing"}
-    assert data["fsdp"]["hybridShard"] == {"shardGroupSize": 8, "replicaGroupSize": 16}
+    assert data["fsdp"]["shardingStrategy"] == "FULL_SHARD" and data["training"]["gradientAccumulationSteps"] == 2
 
 
 def test_pvc_sources_are_mounted_read_only() -> None:

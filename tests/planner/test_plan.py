@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from llamaft.api.spec import LlamaFineTuneSpec
 from llamaft.manifests import load_finetune
 from llamaft.planner import (
     CPU_ONLY,
@@ -108,11 +109,12 @@ def test_a_config_that_does_not_fit_gets_its_cheapest_fixes() -> None:
 
 
 def test_combined_fix_when_cheaper_than_any_single_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    """examples/llama2-70b.yaml as written: HYBRID_SHARD 8 cannot hold 70B's fp32 master weights and
-    AdamW state (16 bytes x 69B / 8 = 128 GiB per GPU). With the trainer as it is (gradients
-    reduce-scattered every micro-step) FULL_SHARD alone fixes it; for a trainer whose accumulation
-    kept unsharded gradients (the planner's other mode), only a combination does."""
-    _, spec = load_finetune(REPO / "examples" / "llama2-70b.yaml")
+    """examples/llama2-70b.yaml with HYBRID_SHARD over the 8 GPUs of a node (as it once was
+    written): that cannot hold 70B's fp32 master weights and AdamW state (16 bytes x 69B / 8 =
+    128 GiB per GPU). With the trainer as it is (gradients reduce-scattered every micro-step)
+    FULL_SHARD alone fixes it; for a trainer whose accumulation kept unsharded gradients (the
+    planner's other mode), only a combination does."""
+    spec = hybrid_70b()
     today = admission(spec)
     assert today.reason == WILL_NOT_FIT and today.plan is not None
     assert today.plan.fixes[0].fits and today.plan.fixes[0].changes == {
@@ -226,15 +228,20 @@ def test_llama2_13b_example_fits_because_accumulation_keeps_gradients_sharded(mo
     assert unsynced.plan.memory.peak_bytes < unsynced.plan.capacity_bytes  # type: ignore[operator]  # the tensors alone would fit
 
 
+def hybrid_70b() -> LlamaFineTuneSpec:
+    _, spec = load_finetune(REPO / "examples" / "llama2-70b.yaml")
+    return apply_changes(spec, {"fsdp.shardingStrategy": "HYBRID_SHARD",
+                                "fsdp.hybridShard": {"shardGroupSize": 8, "replicaGroupSize": 16}})
+
+
 def test_llama2_70b_fits_with_full_shard_and_per_micro_step_sync() -> None:
     _, spec = load_finetune(REPO / "examples" / "llama2-70b.yaml")
+    assert spec.fsdp.sharding_strategy.value == "FULL_SHARD" and admission(spec).fits is True
     shape = resolve_shape(spec.model.source)
     capacity = GPUS["H100"].memory_bytes
-    hybrid = dataclasses.replace(setup_from_spec(spec), sync_between_micro_steps=True)
+    hybrid = dataclasses.replace(setup_from_spec(hybrid_70b()), sync_between_micro_steps=True)
     assert estimate_memory(shape, hybrid).peak_bytes > capacity  # 128 GiB of sharded states per GPU
-    full = dataclasses.replace(setup_from_spec(apply_changes(spec, {"fsdp.shardingStrategy": "FULL_SHARD",
-                                                                    "fsdp.hybridShard": None})),
-                               sync_between_micro_steps=True)
+    full = dataclasses.replace(setup_from_spec(spec), sync_between_micro_steps=True)
     peak = estimate_memory(shape, full).peak_bytes
     assert peak + allowance(peak, False) < 0.5 * capacity
 

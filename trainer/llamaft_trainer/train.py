@@ -133,9 +133,6 @@ def _micro_step(model: nn.Module, last: bool, cfg: TrainingJobConfig) -> Any:
     return contextlib.nullcontext()
 
 
-_set_sync = _micro_step
-"""The former name (bench/plan_accuracy.py replays the trainer's step with it)."""
-
 
 def clip_gradients(model: nn.Module, max_norm: float, cfg: TrainingJobConfig) -> float:
     """Clip to `max_norm` (0: no clipping) and return the global norm before clipping."""

@@ -61,8 +61,9 @@ from llamaft.api.spec import (
 from llamaft.planner.shapes import LORA_MODULES, ModelShape
 
 TRAINER_SYNCS_EVERY_MICRO_STEP = True
-"""Mirrors llamaft_trainer.train._set_sync: gradients are reduced on the last micro-step only
-(FSDP2 `set_requires_gradient_sync(False)` before it). Flip when the trainer changes."""
+"""Mirrors llamaft_trainer.train._micro_step: gradients are reduce-scattered on every micro-step, so
+they stay sharded between micro-steps (False models a trainer that turned gradient sync off until
+the last micro-step, keeping them unsharded). Flip when the trainer changes."""
 
 COMPONENTS: dict[str, str] = {
     "parameters": "sharded parameters (master copy)",
