@@ -77,8 +77,8 @@ def measure(cluster: Cluster, sim: SimCluster, model: Path, tmp: Path, fault: st
     inject(sim, fault, victim)
     recorded = wait_for("failure recorded", lambda: cluster.status(name).get("failures"), timeout=300)
     t_recorded = time.time()
-    job2 = wait_for("attempt 2's job", lambda: cluster.attempt_job(name, 2), timeout=300)
-    created = datetime.fromisoformat(job2["metadata"]["creationTimestamp"].replace("Z", "+00:00")).timestamp()
+    job2 = wait_for("attempt 2's job", lambda: cluster.attempt_job(name, 2), timeout=300, interval=0.05)
+    created = time.time()  # creationTimestamp has whole seconds only: poll instead
     first = wait_for("attempt 2's first step", lambda: first_step(sim, job2["metadata"]["name"]), timeout=300)
     last_before = max((int(line["step"]) for i in range(2) for line in steps_of(sim.logs(f"{cluster.job_name(name, 1)}-worker-{i}"))
                        if line.get("event") == "step"), default=reached)
