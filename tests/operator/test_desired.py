@@ -140,6 +140,43 @@ def test_pod_template_overrides_merge() -> None:
     assert template["metadata"]["labels"]["llamaft.io/finetune"] == OWNER.name
 
 
+def test_an_override_of_the_pytorch_container_patches_it_instead_of_adding_a_second() -> None:
+    """The most common override (a volume mount on the training container) used to render two
+    containers named `pytorch`, the second without an image: lists merge by Kubernetes' keys."""
+    spec = validate_spec({**example("minimal.yaml").to_k8s(), "cluster": {"workers": 1, "env": [{"name": "A", "value": "1"}],
+                          "podTemplateOverrides": {"spec": {
+                              "containers": [{"name": "pytorch", "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+                                              "env": [{"name": "A", "value": "2"}, {"name": "B", "value": "3"}],
+                                              "ports": [{"containerPort": 8000, "name": "prom"}]},
+                                             {"name": "sidecar", "image": "busybox"}],
+                              "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "d"}},
+                                          {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}],
+                              "tolerations": [{"key": "only", "operator": "Exists"}]}}}})
+    pod = desired.pytorch_job(OWNER, spec, 1)["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["pytorch", "sidecar"]
+    pytorch = pod["containers"][0]
+    assert pytorch["image"] == spec.cluster.image and pytorch["command"][0] == "torchrun"
+    assert pytorch["volumeMounts"][-1] == {"name": "data", "mountPath": "/data"}
+    assert [m["mountPath"] for m in pytorch["volumeMounts"]].count("/dev/shm") == 1
+    env = {e["name"]: e.get("value") for e in pytorch["env"]}
+    assert env["A"] == "2" and env["B"] == "3" and env["LLAMAFT_CONFIG"] == "/etc/llamaft/config.json"
+    assert [p["containerPort"] for p in pytorch["ports"]] == [8000] and pytorch["ports"][0]["name"] == "prom"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"} and "data" in volumes
+    assert pod["tolerations"] == [{"key": "only", "operator": "Exists"}], "lists without a merge key replace"
+    assert validate_pytorchjob(desired.pytorch_job(OWNER, spec, 1)) == []
+
+
+def test_strategic_merge_directives_and_nulls() -> None:
+    from llamaft.operator.podmerge import strategic_merge
+
+    base = {"spec": {"volumes": [{"name": "a"}, {"name": "b"}], "hostNetwork": False, "dnsPolicy": "Default"}}
+    patch = {"spec": {"volumes": [{"name": "a", "$patch": "delete"}, {"name": "c", "emptyDir": {}}], "hostNetwork": True,
+                      "dnsPolicy": None}}
+    assert strategic_merge(base, patch) == {"spec": {"volumes": [{"name": "b"}, {"name": "c", "emptyDir": {}}], "hostNetwork": True}}
+    assert base["spec"]["volumes"] == [{"name": "a"}, {"name": "b"}], "inputs are not modified"
+
+
 # A property-based sweep: every spec the API accepts renders a PyTorchJob the cluster accepts.
 @st.composite
 def specs(draw: st.DrawFn) -> dict[str, Any]:

@@ -21,7 +21,6 @@ Choices, and why:
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -36,6 +35,7 @@ from llamaft.operator.naming import (
     LABEL_ATTEMPT,
     Owner,
 )
+from llamaft.operator.podmerge import strategic_merge
 
 ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"
 """etcd 3.6 dropped the v2 API that torchrun's etcd backends use: stay on 3.5.x."""
@@ -198,18 +198,6 @@ def _volumes(owner: Owner, spec: LlamaFineTuneSpec) -> tuple[list[Obj], list[Obj
     return volumes, mounts
 
 
-def _merge(base: Any, extra: Any) -> Any:
-    """podTemplateOverrides: mappings merge recursively, lists are appended to, scalars replace."""
-    if isinstance(base, dict) and isinstance(extra, dict):
-        out = dict(base)
-        for key, value in extra.items():
-            out[key] = _merge(base[key], value) if key in base else copy.deepcopy(value)
-        return out
-    if isinstance(base, list) and isinstance(extra, list):
-        return base + copy.deepcopy(extra)
-    return copy.deepcopy(extra)
-
-
 def _avoid_nodes(excluded: Sequence[str]) -> Obj:
     """Required node affinity that keeps the workers off nodes earlier failures named."""
     return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
@@ -252,7 +240,7 @@ def pod_template(owner: Owner, spec: LlamaFineTuneSpec, attempt: int, excluded_n
     labels = {**owner.labels("trainer"), LABEL_ATTEMPT: str(attempt)}
     template: Obj = {"metadata": {"labels": labels}, "spec": pod_spec}
     if spec.cluster.pod_template_overrides:
-        template = _merge(template, spec.cluster.pod_template_overrides)
+        template = strategic_merge(template, spec.cluster.pod_template_overrides)
     return template
 
 
