@@ -195,6 +195,20 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         schema = self._schemas.get(key)
         return apply_defaults(obj, schema) if schema is not None else obj
 
+    @staticmethod
+    def _admit(resource: Any, obj: Obj) -> None:
+        """Admission as the cluster does it for PyTorchJobs: the Kubeflow CRD's schema and the
+        training operator's webhook rules; a rejected object is a 422 naming the fields."""
+        if (resource.group, resource.plural) != ("kubeflow.org", "pytorchjobs"):
+            return
+        from tests.operator.kubeflow_rules import validate_pytorchjob
+
+        errors = validate_pytorchjob(obj)
+        if errors:
+            name = obj.get("metadata", {}).get("name")
+            raise k8s.KubernetesError(status=422, reason="Invalid",
+                                      message=f'PyTorchJob.kubeflow.org "{name}" is invalid: {"; ".join(errors)[:1500]}')
+
     def _next_version(self) -> str:
         self._last_version = next(self._versions)
         return str(self._last_version)
@@ -312,6 +326,7 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         if info is not None and info.kind == "Pod":
             self._default_pod(obj)
         obj = self._defaulted(request.resource, obj)
+        self._admit(request.resource, obj)
         key = (request.resource, request.namespace or meta.get("namespace"), meta["name"])
         async with self._lock:
             if self._live(key) is not None:

@@ -107,3 +107,14 @@ def test_preflight_warn_runs_anyway_and_off_does_not_check(cluster: Cluster, ope
     cluster.create("unchecked", tiny_spec(**NOT_FITTING, preflight="Off"))
     wait_for("job", lambda: cluster.attempt_job("unchecked", 1))
     assert not any(c["type"] == "CapacityFits" for c in cluster.status("unchecked").get("conditions", []))
+
+
+def test_a_child_the_api_server_rejects_fails_the_run_with_its_message(cluster: Cluster, operator: Operator) -> None:
+    """422 is final: the run ends Failed with the API server's words, no endless retry loop."""
+    cluster.create("rejected", tiny_spec(cluster={"podTemplateOverrides": {"spec": {"hostNetwork": "yes"}}}))
+    status = wait_for("Failed", lambda: (s := cluster.status("rejected")).get("phase") == "Failed" and s)
+    assert "the API server rejected a child object" in status["message"] and "hostNetwork" in status["message"]
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "ChildRejected"
+    wait_for("event", lambda: [e for e in cluster.events("rejected") if e["reason"] == "ChildRejected"])
+    assert cluster.jobs("llamaft.io/finetune=rejected") == []

@@ -32,6 +32,7 @@ from datetime import UTC, datetime
 from typing import Any, cast
 
 import kopf
+from kubernetes.client.exceptions import ApiException
 
 from llamaft.api import resource
 from llamaft.api.spec import LlamaFineTuneSpec, PreflightMode, RendezvousBackend
@@ -213,7 +214,16 @@ class Step:
         patch.setdefault("conditions", status.get("conditions", []))
         requeue = decision.requeue_after
         if decision.start_attempt is not None:
-            requeue = self._start_attempt(obj, owner, parsed, decision.start_attempt, status, patch) or requeue
+            try:
+                requeue = self._start_attempt(obj, owner, parsed, decision.start_attempt, status, patch) or requeue
+            except ApiException as exc:
+                if exc.status not in (400, 422):
+                    raise  # transient: the daemon looks again
+                # The API server rejects what the spec renders: retrying cannot help.
+                rejection = lifecycle.refused(obs, "ChildRejected", f"the API server rejected a child object: {api_message(exc)}")
+                patch.update(rejection.status)
+                decision.events += rejection.events
+                requeue = None
         if decision.retry is not None:
             RETRIES.labels(decision.retry.reason).inc()
         patch["observedGeneration"] = generation
@@ -408,6 +418,15 @@ def reset_rendezvous(settings: OperatorSettings, owner: Owner, spec: LlamaFineTu
         RENDEZVOUS_RESETS.labels("deleted" if deleted else "clean").inc()
         if deleted:
             announce("RendezvousReset", f"removed stale state of rendezvous {rdzv_id}: {len(deleted)} key(s)")
+
+
+def api_message(exc: ApiException) -> str:
+    """The API server's own message (e.g. the field a 422 names), not the client's dump."""
+    try:
+        body = json.loads(exc.body or "{}")
+    except ValueError:
+        body = {}
+    return str(body.get("message") or exc.reason or exc)[:1500]
 
 
 def adopted(child: Obj, owner: Mapping[str, Any]) -> Obj:

@@ -366,16 +366,21 @@ def _failed_attempt(obs: Observed, attempt: int, d: Decision, failure: Failure) 
     return d
 
 
-def will_not_fit(obs: Observed, message: str) -> Decision:
-    """The capacity planner refuses the attempt (spec.preflight Enforce): Failed before any job."""
+def refused(obs: Observed, reason: str, message: str) -> Decision:
+    """The attempt cannot be created at all (the capacity planner refuses it, or the API server
+    rejects a child as invalid): Failed with the reason, never an endless retry loop."""
     now = iso(obs.now)
-    text = f"refused before creating anything (spec.preflight Enforce): {message}"
     d = Decision()
     d.delete_jobs = list(obs.stale_jobs)
     d.status.update(
-        phase=Phase.FAILED.value, message=text[:2000], completionTime=now,
-        conditions=_conditions(obs.status, [("Failed", True, "WillNotFit", text[:2000])], obs.generation, now),
+        phase=Phase.FAILED.value, message=message[:2000], completionTime=now, retryAfter=None,
+        conditions=_conditions(obs.status, [("Failed", True, reason, message[:2000])], obs.generation, now),
     )
     if obs.status.get("phase") != Phase.FAILED.value:
-        d.events.append(Event("Warning", "WillNotFit", text[:1000]))
+        d.events.append(Event("Warning", reason, message[:1000]))
     return d
+
+
+def will_not_fit(obs: Observed, message: str) -> Decision:
+    """The capacity planner refuses the attempt (spec.preflight Enforce): Failed before any job."""
+    return refused(obs, "WillNotFit", f"refused before creating anything (spec.preflight Enforce): {message}")
