@@ -202,7 +202,18 @@ class Step:
                 list(status.get("conditions", [])), "Valid", "True", "SpecValid", "the spec passed schema and CEL validation",
                 generation, lifecycle.iso(now()))
         capacity = self._capacity(obj, parsed, status, generation)
-        obs = self._observe(obj, owner, parsed, status, max(attempt, 1), generation)
+        try:
+            obs = self._observe(obj, owner, parsed, status, max(attempt, 1), generation)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            # No PyTorchJob API: the Kubeflow training operator is not installed (yet).
+            message = ("the cluster does not serve kubeflow.org/v1 PyTorchJobs: install the Kubeflow training "
+                       "operator (v1.9); the run starts once it is there")
+            if status.get("message") != message:
+                self.kube.patch_finetune_status(self.namespace, self.name, {"message": message, "observedGeneration": generation})
+                self.event(obj, "Warning", "TrainingOperatorMissing", message)
+            return 30.0
         decision = lifecycle.decide(obs)
         if decision.start_attempt is not None and capacity is not None and capacity.refuse:
             decision = lifecycle.will_not_fit(obs, capacity.message)
