@@ -33,28 +33,10 @@ from llamaft_trainer.tiny import build_tiny_llama  # noqa: E402
 from tests.operator.conftest import Cluster, Operator, wait_for  # noqa: E402
 from tests.operator.emulator import EmulatorThread, write_kubeconfig  # noqa: E402
 from tests.operator.sim import SimCluster  # noqa: E402
-from tests.operator.test_runs import DATASET, EVERY, other_pod, run_spec, stepping, steps_of  # noqa: E402
+from tests.operator.test_runs import DATASET, EVERY, inject, other_pod, run_spec, stepping, steps_of  # noqa: E402
 
 FAULTS = ["kill_container", "oom_kill", "kubelet_eviction", "preemption", "lose_node", "hang"]
-
-
-def inject(sim: SimCluster, fault: str, pod: str) -> None:
-    if fault == "kill_container":
-        sim.kill_container(pod)
-    elif fault == "oom_kill":
-        sim.oom_kill(pod)
-    elif fault == "kubelet_eviction":
-        sim.evict(pod, "TerminationByKubelet")
-    elif fault == "preemption":
-        sim.evict(pod, "PreemptionByScheduler")
-    elif fault == "lose_node":
-        node = sim.node_of(pod)
-        assert node is not None
-        sim.lose_node(node)
-    elif fault == "hang":
-        sim.hang(pod)
-    else:
-        raise SystemExit(f"unknown fault {fault}; choose from {FAULTS}")
+"""Names understood by tests.operator.test_runs.inject."""
 
 
 def first_step(sim: SimCluster, job: str) -> tuple[float, int] | None:

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,9 +16,9 @@ from typing import Any, TypeVar
 
 import pytest
 from kubernetes import client
-from llamaft_trainer.local_etcd import free_port
+from llamaft_trainer.local_etcd import LocalEtcd, free_port
 
-from tests.conftest import REPO
+from tests.conftest import REPO, need_etcd
 from tests.operator.emulator import EmulatorThread, write_kubeconfig
 
 T = TypeVar("T")
@@ -187,6 +188,28 @@ class Cluster:
             if exc.status == 404:
                 return False
             raise
+
+
+def close_rendezvous(endpoint: str, rdzv_id: str, backend: str = "etcd-v2") -> None:
+    """Leave behind exactly what a finished torchrun job leaves: a closed rendezvous for the id."""
+    from tests.trainer.conftest import trainer_env
+
+    script = Path(tempfile.mkdtemp()) / "noop.py"
+    script.write_text("import torch.distributed as d\nd.init_process_group('gloo')\nd.barrier()\nd.destroy_process_group()\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "1", "--rdzv_backend", backend,
+         "--rdzv_endpoint", endpoint, "--rdzv_id", rdzv_id, "--max_restarts", "0", str(script)],
+        env=trainer_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def etcd() -> Iterator[LocalEtcd]:
+    """A real etcd (v2 API on) on loopback, for rendezvous resets and torchrun's etcd backends."""
+    need_etcd()
+    with LocalEtcd() as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

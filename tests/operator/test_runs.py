@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import random
 import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,11 +24,10 @@ import yaml
 from llamaft.operator import gpu_health
 from llamaft_trainer.local_etcd import LocalEtcd
 
-from tests.conftest import REPO, need_binary, need_etcd
-from tests.operator.conftest import Cluster, Operator, free_port, wait_for
+from tests.conftest import REPO, need_binary
+from tests.operator.conftest import Cluster, Operator, close_rendezvous, free_port, wait_for
 from tests.operator.emulator import EmulatorThread, write_kubeconfig
 from tests.operator.sim import SimCluster
-from tests.trainer.conftest import trainer_env
 
 pytestmark = pytest.mark.slow
 DATASET = REPO / "examples" / "data" / "samsum-tiny.jsonl"
@@ -41,13 +38,6 @@ LABEL = "llamaft.io/finetune"
 
 
 # ------------------------------------------------------------------------------------ world
-@pytest.fixture(scope="module")
-def etcd() -> Iterator[LocalEtcd]:
-    need_etcd()
-    with LocalEtcd() as server:
-        yield server
-
-
 @pytest.fixture(scope="module")
 def world(etcd: LocalEtcd, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmulatorThread, Cluster, SimCluster, Path]]:
     from kubernetes import client
@@ -318,16 +308,18 @@ def test_ttl_after_finish_keeps_the_final_status(cluster: Cluster, sim: SimClust
     delete_and_assert_no_orphans(cluster, sim, "ttl")
 
 
-def closed_rendezvous(etcd: LocalEtcd, backend: str, rdzv_id: str) -> None:
-    """Leave exactly what a finished torchrun job leaves: a closed rendezvous for the id."""
-    script = Path(tempfile.mkdtemp()) / "noop.py"
-    script.write_text("import torch.distributed as d\nd.init_process_group('gloo')\nd.barrier()\nd.destroy_process_group()\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "1", "--rdzv_backend", backend,
-         "--rdzv_endpoint", etcd.endpoint, "--rdzv_id", rdzv_id, "--max_restarts", "0", str(script)],
-        env=trainer_env(), capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+def inject(sim: SimCluster, fault: str, pod: str) -> None:
+    """One fault, by name, on one pod (node faults on the pod's node)."""
+    actions = {
+        "kill_container": lambda: sim.kill_container(pod),
+        "oom_kill": lambda: sim.oom_kill(pod),
+        "kubelet_eviction": lambda: sim.evict(pod, "TerminationByKubelet"),
+        "api_eviction": lambda: sim.evict(pod, "EvictionByEvictionAPI"),
+        "preemption": lambda: sim.evict(pod, "PreemptionByScheduler"),
+        "lose_node": lambda: sim.lose_node(str(sim.node_of(pod))),
+        "hang": lambda: sim.hang(pod),
+    }
+    actions[fault]()
 
 
 FAULTS = ["kill_container", "oom_kill", "kubelet_eviction", "api_eviction", "preemption", "lose_node", "hang"]
@@ -345,21 +337,7 @@ def test_fault_recovers_from_the_checkpoint(cluster: Cluster, sim: SimCluster, o
     victim = other_pod(cluster, sim, name)
     node = sim.node_of(victim)
     started = time.monotonic()
-    if fault == "kill_container":
-        sim.kill_container(victim)
-    elif fault == "oom_kill":
-        sim.oom_kill(victim)
-    elif fault == "kubelet_eviction":
-        sim.evict(victim, "TerminationByKubelet")
-    elif fault == "api_eviction":
-        sim.evict(victim, "EvictionByEvictionAPI")
-    elif fault == "preemption":
-        sim.evict(victim, "PreemptionByScheduler")
-    elif fault == "lose_node":
-        assert node is not None
-        sim.lose_node(node)
-    elif fault == "hang":
-        sim.hang(victim)
+    inject(sim, fault, victim)
     status = wait_for("attempt 2", lambda: (s := cluster.status(name)).get("attempt") == 2 and s, timeout=60)
     noticed = time.monotonic() - started
     record = status["failures"][0]
@@ -415,7 +393,7 @@ def test_closed_rendezvous_is_reset_and_retried(cluster: Cluster, sim: SimCluste
     node matches until the run id has been closed.)"""
     cluster.create("closed", run_spec(tiny_model, tmp_path / "ckpt", cluster={"nodeSelector": {"pool": "late"}}))
     status = wait_for("job", lambda: (s := cluster.status("closed")).get("rendezvousId") and s)
-    closed_rendezvous(etcd, "etcd-v2", status["rendezvousId"])
+    close_rendezvous(etcd.endpoint, status["rendezvousId"])
     nodes = sorted(n["metadata"]["name"] for n in sim.api.list("/api/v1/nodes"))[:2]  # a lost node is gone for good
     for node in nodes:  # the sim's Node objects are minimal: do not decode them
         cluster.core.patch_node(node, {"metadata": {"labels": {"pool": "late"}}}, _preload_content=False)
