@@ -203,7 +203,7 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
             return
         from tests.operator.kubeflow_rules import validate_pytorchjob
 
-        errors = validate_pytorchjob(obj)
+        errors = validate_pytorchjob(obj, llamaft_rules=False)
         if errors:
             name = obj.get("metadata", {}).get("name")
             raise k8s.KubernetesError(status=422, reason="Invalid",

@@ -51,8 +51,10 @@ def schema_errors(obj: dict[str, Any], path: Path, version: str) -> list[str]:
             for e in jsonschema.Draft7Validator(crd_schema(str(path), version)).iter_errors(obj)]
 
 
-def validate_pytorchjob(job: dict[str, Any]) -> list[str]:
-    """Every problem the cluster would report, as strings (empty: accepted)."""
+def validate_pytorchjob(job: dict[str, Any], *, llamaft_rules: bool = True) -> list[str]:
+    """Every problem the cluster would report, as strings (empty: accepted). With llamaft_rules,
+    also what llamaft itself guarantees beyond admission (min <= max workers, a unique rdzvId);
+    the emulator's admission passes False."""
     errors = [
         f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
         for e in jsonschema.Draft7Validator(pytorchjob_schema()).iter_errors(job)
@@ -77,8 +79,8 @@ def validate_pytorchjob(job: dict[str, Any]) -> list[str]:
         if elastic.get("nProcPerNode") is not None and spec.get("nprocPerNode") is not None:
             errors.append("set only one of spec.nprocPerNode and elasticPolicy.nProcPerNode")
         low, high = elastic.get("minReplicas"), elastic.get("maxReplicas")
-        if low is not None and high is not None and low > high:
+        if llamaft_rules and low is not None and high is not None and low > high:
             errors.append("elasticPolicy.minReplicas > maxReplicas")
-        if not elastic.get("rdzvId") or elastic.get("rdzvId") == "none":
+        if llamaft_rules and (not elastic.get("rdzvId") or elastic.get("rdzvId") == "none"):
             errors.append("rdzvId must be set and unique (torch's default 'none' is shared by every job)")
     return errors

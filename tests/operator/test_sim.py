@@ -516,7 +516,8 @@ def test_propagation_policies_and_garbage_collection(sim_emulator: EmulatorThrea
     core, custom = kube(sim_emulator)
 
     def owner(name: str, finalizers: list[str] | None = None) -> Obj:
-        body = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": name, "finalizers": finalizers or []}, "spec": {}}
+        spec = {"pytorchReplicaSpecs": {"Worker": {"replicas": 1, "template": {"spec": {"containers": [{"name": "pytorch", "image": "x"}]}}}}}
+        body = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": name, "finalizers": finalizers or []}, "spec": spec}
         return dict(custom.create_namespaced_custom_object("kubeflow.org", "v1", NS, "pytorchjobs", body))
 
     def job(name: str) -> Obj | None:
