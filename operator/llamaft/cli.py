@@ -9,9 +9,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
 from llamaft.api.spec import LlamaFineTuneSpec
-from llamaft.api.validation import SpecInvalid
+from llamaft.api.validation import FieldError, SpecInvalid
+
+if TYPE_CHECKING:
+    from llamaft.api.documents import Document
 
 
 def _cmd_crd(args: argparse.Namespace) -> int:
@@ -26,16 +30,51 @@ def _cmd_crd(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_ERRORS_PER_DOCUMENT = 50
+_NOTED: set[str] = set()
+MAX_MESSAGE_CHARS = 1000
+
+
+def _bounded(text: str) -> str:
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 1] + "…"
+
+
+def _print_errors(label: str, errors: Sequence[object], out: TextIO | None = None) -> None:
+    out = out or sys.stdout
+    for error in errors[:MAX_ERRORS_PER_DOCUMENT]:
+        print(_bounded(f"{label}: {error}"), file=out)
+    if len(errors) > MAX_ERRORS_PER_DOCUMENT:
+        print(f"{label}: ... and {len(errors) - MAX_ERRORS_PER_DOCUMENT} more errors", file=out)
+
+
+def _admission(doc: Document) -> tuple[LlamaFineTuneSpec | None, list[FieldError]]:
+    """The API server's verdict on one document: the spec, or every error naming its field."""
+    from llamaft.api import resource
+    from llamaft.api.validation import short, validate_resource
+
+    if doc.errors:
+        return None, doc.errors
+    body = doc.body
+    if isinstance(body, dict) and body.get("kind") != resource.KIND and isinstance(body.get("kind"), str):
+        return None, [FieldError("kind", f"this document (line {doc.line}) is a {short(body.get('kind'))} "
+                                         f"{short(body.get('apiVersion'))}, not a {resource.KIND}: llamaft validate checks "
+                                         f"{resource.KIND} documents only; keep other objects in another file")]
+    try:
+        return validate_resource(body), []
+    except SpecInvalid as exc:
+        return None, [FieldError(f"document at line {doc.line}", e.message) if e.path == "<document>" else e
+                      for e in exc.errors]
+
+
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from llamaft.api.validation import validate_resource
-    from llamaft.manifests import is_finetune, read_documents
+    from llamaft.api.documents import read_documents
 
     failed = 0
     for path in args.files:
         try:
-            docs = [d for d in read_documents(path) if is_finetune(d.body)]
-        except (OSError, SpecInvalid) as exc:
-            print(f"{path}: {exc}")
+            docs = read_documents(path)
+        except SpecInvalid as exc:
+            _print_errors(path, [e.message for e in exc.errors])
             failed += 1
             continue
         if not docs:
@@ -43,19 +82,40 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             failed += 1
         for doc in docs:
             try:
-                spec = validate_resource(doc.body)
-            except SpecInvalid as exc:
+                failed += not _validate_document(doc, render=not args.schema_only)
+            except Exception as exc:  # never a traceback: one line naming the document
+                print(_bounded(f"{doc.label}: could not be checked ({type(exc).__name__}: {exc}); please report this"))
                 failed += 1
-                for error in exc.errors:
-                    print(f"{doc.label}: {error}")
-                continue
-            name = doc.body["metadata"]["name"]
-            print(
-                f"{doc.label}: ok ({name}: {spec.cluster.workers} worker(s) x {spec.cluster.gpus_per_worker} GPU(s), "
-                f"{spec.fsdp.sharding_strategy.value}, {spec.fsdp.mixed_precision.value})"
-            )
-            print(f"  capacity: {_capacity_line(spec)}")
     return 1 if failed else 0
+
+
+def _validate_document(doc: Document, render: bool) -> bool:
+    spec, errors = _admission(doc)
+    if spec is None:
+        _print_errors(doc.label, errors)
+        return False
+    name = doc.body["metadata"]["name"]
+    if render:
+        from llamaft.rendered import child_errors, schemas_available
+
+        if not schemas_available() and "schemas" not in _NOTED:
+            print("note: kubernetes-validate is not installed (pip install 'llamaft[operator]'): the objects the "
+                  "operator would create are checked without the Kubernetes and CRD schemas")
+            _NOTED.add("schemas")
+        namespace = doc.body["metadata"].get("namespace") or "default"
+        problems = child_errors(spec, name, namespace)
+        if problems:
+            _print_errors(doc.label, problems)
+            return False
+    print(
+        f"{doc.label}: ok ({name}: {spec.cluster.workers} worker(s) x {spec.cluster.gpus_per_worker} GPU(s), "
+        f"{spec.fsdp.sharding_strategy.value}, {spec.fsdp.mixed_precision.value})"
+    )
+    try:
+        print(f"  capacity: {_capacity_line(spec)}")
+    except Exception as exc:  # advisory only: never fails validation
+        print(_bounded(f"  capacity: not checked ({type(exc).__name__}: {exc})"))
+    return True
 
 
 def _capacity_line(spec: LlamaFineTuneSpec) -> str:
@@ -160,17 +220,35 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
-    """Every object the operator would create for the file's LlamaFineTune, as YAML."""
+    """Every object the operator would create for the file's LlamaFineTune, as YAML; nothing when
+    the API server would refuse it or a child would be refused (the errors name the spec field)."""
     import yaml
 
-    from llamaft.manifests import load_finetune
+    from llamaft.api.documents import read_documents
+    from llamaft.api.resource import MAX_ATTEMPTS
     from llamaft.operator.desired import desired_objects
     from llamaft.operator.naming import Owner
+    from llamaft.rendered import PLACEHOLDER_UID, child_errors
 
-    body, spec = load_finetune(args.file)
+    if not 1 <= args.attempt <= MAX_ATTEMPTS:
+        print(f"error: --attempt must be 1..{MAX_ATTEMPTS}", file=sys.stderr)
+        return 2
+    docs = read_documents(args.file)
+    if len(docs) != 1:
+        print(f"error: {args.file}: expected exactly one LlamaFineTune document, found {len(docs)}", file=sys.stderr)
+        return 1
+    spec, errors = _admission(docs[0])
+    if spec is None:
+        _print_errors("error", errors, sys.stderr)
+        return 1
+    body = docs[0].body
     namespace = args.namespace or body["metadata"].get("namespace") or "default"
-    owner = Owner(body["metadata"]["name"], namespace, body["metadata"].get("uid", ""))
-    objects = desired_objects(owner, spec, args.attempt)
+    uid = str(body["metadata"].get("uid") or "")
+    problems = child_errors(spec, body["metadata"]["name"], namespace, uid=uid or PLACEHOLDER_UID, attempt=args.attempt)
+    if problems:
+        _print_errors("error", problems, sys.stderr)
+        return 1
+    objects = desired_objects(Owner(body["metadata"]["name"], namespace, uid), spec, args.attempt)
     sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False, width=120))
     return 0
 
@@ -200,7 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
     crd.set_defaults(func=_cmd_crd)
 
     validate = sub.add_parser("validate", help="check LlamaFineTune YAML files exactly as the cluster would")
-    validate.add_argument("files", nargs="+", help="YAML files (several documents per file allowed)")
+    validate.add_argument("files", nargs="+", help="YAML files (several documents per file allowed; - reads stdin)")
+    validate.add_argument("--schema-only", action="store_true",
+                          help="only what the API server checks (schema and CEL rules), without rendering the objects "
+                               "the operator would create and checking them")
     validate.set_defaults(func=_cmd_validate)
 
     plan = sub.add_parser("plan", help="capacity plan: per-GPU memory by component, verdict and fixes, host RAM, "
@@ -250,8 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except SpecInvalid as exc:
-        for error in exc.errors:
-            print(f"error: {error}", file=sys.stderr)
+        _print_errors("error", exc.errors, sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

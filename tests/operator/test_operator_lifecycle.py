@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -109,15 +110,59 @@ def test_preflight_warn_runs_anyway_and_off_does_not_check(cluster: Cluster, ope
     assert not any(c["type"] == "CapacityFits" for c in cluster.status("unchecked").get("conditions", []))
 
 
-def test_a_child_the_api_server_rejects_fails_the_run_with_its_message(cluster: Cluster, operator: Operator) -> None:
-    """422 is final: the run ends Failed with the API server's words, no endless retry loop."""
+def test_children_the_cluster_would_reject_are_caught_before_anything_is_created(cluster: Cluster, operator: Operator) -> None:
     cluster.create("rejected", tiny_spec(cluster={"podTemplateOverrides": {"spec": {"hostNetwork": "yes"}}}))
     status = wait_for("Failed", lambda: (s := cluster.status("rejected")).get("phase") == "Failed" and s)
-    assert "the API server rejected a child object" in status["message"] and "hostNetwork" in status["message"]
-    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
-    assert failed["reason"] == "ChildRejected"
-    wait_for("event", lambda: [e for e in cluster.events("rejected") if e["reason"] == "ChildRejected"])
-    assert cluster.jobs("llamaft.io/finetune=rejected") == []
+    valid = next(c for c in status["conditions"] if c["type"] == "Valid")
+    assert valid["status"] == "False" and "spec.cluster.podTemplateOverrides" in valid["message"] and "hostNetwork" in valid["message"]
+    wait_for("event", lambda: [e for e in cluster.events("rejected") if e["reason"] == "InvalidSpec"])
+    assert cluster.jobs("llamaft.io/finetune=rejected") == [] and not cluster.exists("ConfigMap", "rejected-config")
+
+
+def test_a_child_the_api_server_still_rejects_fails_the_run_with_its_message() -> None:
+    """422 is final: the run ends Failed with the API server's words, no endless retry loop (the
+    lifecycle step with a client whose create is refused)."""
+    import json as _json
+
+    from kubernetes.client.exceptions import ApiException
+    from llamaft.operator import handlers
+    from llamaft.operator.settings import OperatorSettings
+
+    class RefusingKube:
+        def __init__(self) -> None:
+            self.status: dict[str, Any] = {}
+
+        def list_jobs(self, *_: Any) -> list[Any]:
+            return []
+
+        def get_job(self, *_: Any) -> None:
+            return None
+
+        def apply_config_map(self, *_: Any) -> str:
+            return "created"
+
+        def ensure(self, *_: Any) -> bool:
+            return True
+
+        def create_job(self, *_: Any) -> bool:
+            error = ApiException(status=422, reason="Unprocessable Entity")
+            error.body = _json.dumps({"message": 'PyTorchJob.kubeflow.org "x" is invalid: spec.foo: Invalid value'})
+            raise error
+
+        def patch_finetune_status(self, _ns: str, _name: str, patch: dict[str, Any]) -> None:
+            self.status.update(patch)
+
+    kube = RefusingKube()
+    memo: Any = {"kube": kube, "settings": OperatorSettings(), "wakers": {}, "phases": {}}
+    events: list[tuple[str, str]] = []
+    step = handlers.Step(memo, "default", "x", logger=None)
+    step.event = lambda obj, type_, reason, message: events.append((reason, message))  # type: ignore[method-assign]
+    obj = {"metadata": {"name": "x", "namespace": "default", "uid": "1234abcd-0000", "generation": 1},
+           "spec": tiny_spec(rendezvous={"backend": "c10d"}), "status": {}}
+    assert step._run(obj) is None, "a rejected attempt is final: no requeue"
+    assert kube.status["phase"] == "Failed" and "spec.foo: Invalid value" in kube.status["message"]
+    assert next(c for c in kube.status["conditions"] if c["type"] == "Failed")["reason"] == "ChildRejected"
+    assert [r for r, _ in events].count("ChildRejected") == 1
 
 
 def test_a_cluster_without_the_training_operator_says_so(tmp_path: Path) -> None:

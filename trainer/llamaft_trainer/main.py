@@ -17,6 +17,7 @@ leaves through shutdown.exit_process, never through interpreter finalization.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import yaml
+from llamaft.api.documents import parse_documents
 from llamaft.api.spec import FsdpImplementation, TrainingJobConfig
 from llamaft.api.validation import SpecInvalid, validate_resource
 from torch import nn
@@ -57,6 +58,14 @@ from llamaft_trainer.train import (
 )
 
 
+def _yaml_document(text: str, source: str) -> Any:
+    docs = parse_documents(text.encode("utf-8"), source)
+    if len(docs) != 1 or docs[0].errors:
+        problems = "; ".join(str(e) for d in docs for e in d.errors) or f"expected one document, found {len(docs)}"
+        raise ValueError(problems)
+    return docs[0].body
+
+
 def load_config(path: str | Path) -> TrainingJobConfig:
     """Read the mounted config: a TrainingJobConfig document, or a whole LlamaFineTune."""
     try:
@@ -64,8 +73,10 @@ def load_config(path: str | Path) -> TrainingJobConfig:
     except OSError as exc:
         raise ConfigError(f"--config: cannot read {path}: {exc}") from exc
     try:
-        body = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
+        # The operator's ConfigMap is JSON (numbers stay numbers: YAML 1.1 would read `2e-05` as a
+        # string); anything else is YAML, read by the same safe parser as `llamaft validate`.
+        body = json.loads(text) if text.lstrip().startswith("{") else _yaml_document(text, str(path))
+    except ValueError as exc:
         raise ConfigError(f"--config: {path} is not JSON or YAML: {exc}") from exc
     try:
         if isinstance(body, dict) and body.get("kind") == "LlamaFineTune":

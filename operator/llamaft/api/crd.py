@@ -24,7 +24,7 @@ Schema = dict[str, Any]
 # Only these keywords survive into the CRD; everything else pydantic emits (title, ...) is dropped.
 _KEPT_KEYWORDS = {
     "type", "description", "default", "enum", "format", "pattern", "minimum", "maximum",
-    "minLength", "maxLength", "minItems", "maxItems", "required", "properties", "items",
+    "minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "required", "properties", "items",
     "additionalProperties", "nullable", "x-kubernetes-validations",
     "x-kubernetes-preserve-unknown-fields", "x-kubernetes-list-type", "x-kubernetes-list-map-keys",
 }

@@ -8,25 +8,61 @@ go into the CRD unchanged and are evaluated by the CLI with the same text.
 
 from __future__ import annotations
 
-from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field
 
-from llamaft.api.base import ApiModel, api_config, cel_rule
+from llamaft.api.base import ApiEnum, ApiModel, api_config, cel_rule
 
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
+POSITIVE_QUANTITY_PATTERN = r"^([0-9]*[1-9][0-9]*(\.[0-9]+)?|[0-9]+\.[0-9]*[1-9][0-9]*)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
+"""A Kubernetes quantity greater than zero (a size or CPU count of 0 makes the pod unschedulable or useless)."""
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+"""A DNS-1123 label (at most 63 characters)."""
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+"""A DNS-1123 subdomain (at most 253 characters): names of claims, Secrets, PriorityClasses."""
+LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+"""A label value (at most 63 characters)."""
+LABEL_KEY_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+"""A label key: an optional DNS-subdomain prefix and '/', then a name of at most 63 characters."""
+NO_WHITESPACE_PATTERN = r"^[^ \t\n\r\f\v]+$"
+PORT_PATTERN = r"([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
+"""1..65535."""
+INT64_MAX = 2**63 - 1
+INT32_MAX = 2**31 - 1
+MAX_WORLD_SIZE = 65536
+"""Most training processes one job may have (workers x GPUs per worker)."""
+LabelValue = Annotated[str, Field(max_length=63, pattern=LABEL_VALUE_PATTERN)]
+
+
+def _cel_string(text: str) -> str:
+    """`text` inside a single-quoted CEL string literal (a regex's backslashes doubled)."""
+    return text.replace("\\", "\\\\").replace("'", "\\'")
+
+
+def pvc_source_rule(field: str, optional: bool = False) -> dict[str, Any]:
+    """`pvc://<claim>/<path>`: the claim must be a PersistentVolumeClaim name (it becomes a volume)."""
+    claim = _cel_string(r"^pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*(/.*)?$")
+    check = (
+        f"!self.{field}.startsWith('pvc://') || (self.{field}.matches('{claim}') && "
+        f"!self.{field}.matches('^pvc://[^/]{{254,}}'))"
+    )
+    return cel_rule(
+        f"!has(self.{field}) || {check}" if optional else check,
+        message="pvc:// sources look like pvc://<claim>/<path>, with <claim> the name of a "
+        "PersistentVolumeClaim in this namespace (lowercase letters, digits, '-' and '.'), e.g. pvc://models/llama-2-7b",
+        field_path=f".{field}",
+    )
 
 
 # --------------------------------------------------------------------------------------- model
-class ModelDtype(StrEnum):
+class ModelDtype(ApiEnum):
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"
     FLOAT32 = "float32"
 
 
-class AttentionImplementation(StrEnum):
+class AttentionImplementation(ApiEnum):
     SDPA = "sdpa"
     EAGER = "eager"
     FLASH_ATTENTION_2 = "flash_attention_2"
@@ -35,9 +71,9 @@ class AttentionImplementation(StrEnum):
 class SecretKeyRef(ApiModel):
     """A key of a Secret in the CR's namespace."""
 
-    name: str = Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
     """Name of the Secret."""
-    key: str = Field(default="token", min_length=1, max_length=253)
+    key: str = Field(default="token", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")
     """Key inside the Secret whose value is used."""
 
 
@@ -58,7 +94,7 @@ IMMUTABLE_CHECKPOINTS = cel_rule(
 class ModelSpec(ApiModel):
     """Which pretrained Llama-shaped model to fine-tune and how to load it."""
 
-    model_config = api_config(IMMUTABLE_SOURCE)
+    model_config = api_config(IMMUTABLE_SOURCE, pvc_source_rule("source"), pvc_source_rule("tokenizer", optional=True))
 
     source: str = Field(min_length=1, max_length=1024)
     """Where the pretrained weights are: a Hugging Face hub id (`meta-llama/Llama-2-7b-hf`),
@@ -77,7 +113,7 @@ class ModelSpec(ApiModel):
 
 
 # ------------------------------------------------------------------------------------- dataset
-class DatasetFormat(StrEnum):
+class DatasetFormat(ApiEnum):
     SAMSUM = "samsum"
     ALPACA = "alpaca"
     JSONL = "jsonl"
@@ -104,6 +140,7 @@ class DatasetSpec(ApiModel):
             field_path=".promptTemplate",
             reason="FieldValueRequired",
         ),
+        pvc_source_rule("source"),
     )
 
     format: DatasetFormat
@@ -127,7 +164,7 @@ class DatasetSpec(ApiModel):
 
 
 # ------------------------------------------------------------------------------------ training
-class SchedulerType(StrEnum):
+class SchedulerType(ApiEnum):
     COSINE = "cosine"
     LINEAR = "linear"
     CONSTANT = "constant"
@@ -153,7 +190,7 @@ class LoraSpec(ApiModel):
     """Scaling numerator (effective scale alpha / r)."""
     dropout: float = Field(default=0.05, ge=0.0, lt=1.0)
     """Dropout on the adapter input."""
-    target_modules: list[str] = Field(
+    target_modules: list[Annotated[str, Field(min_length=1, max_length=128)]] = Field(
         default_factory=lambda: ["q_proj", "v_proj"], max_length=32
     )
     """Module names that get adapters (Llama: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)."""
@@ -167,6 +204,11 @@ class TrainingSpec(ApiModel):
             "has(self.epochs) != has(self.maxSteps)",
             message="set exactly one of epochs or maxSteps (e.g. epochs: 3)",
             reason="FieldValueInvalid",
+        ),
+        cel_rule(
+            "!has(self.maxSteps) || self.warmupSteps <= self.maxSteps",
+            message_expression="'warmupSteps ' + string(self.warmupSteps) + ' exceeds maxSteps ' + string(self.maxSteps) + ': the learning rate would never reach learningRate; lower warmupSteps'",
+            field_path=".warmupSteps",
         ),
     )
 
@@ -202,14 +244,14 @@ class TrainingSpec(ApiModel):
 
 
 # ---------------------------------------------------------------------------------------- fsdp
-class ShardingStrategy(StrEnum):
+class ShardingStrategy(ApiEnum):
     FULL_SHARD = "FULL_SHARD"
     HYBRID_SHARD = "HYBRID_SHARD"
     SHARD_GRAD_OP = "SHARD_GRAD_OP"
     NO_SHARD = "NO_SHARD"
 
 
-class MixedPrecision(StrEnum):
+class MixedPrecision(ApiEnum):
     """Parameter / gradient-reduction / buffer dtypes.
 
     bf16: compute in bf16, reduce gradients in fp32, keep fp32 master weights and buffers.
@@ -224,18 +266,18 @@ class MixedPrecision(StrEnum):
     PURE_BF16 = "pure-bf16"
 
 
-class CheckpointingMode(StrEnum):
+class CheckpointingMode(ApiEnum):
     NONE = "none"
     FULL = "full"
     SELECTIVE = "selective"
 
 
-class FsdpImplementation(StrEnum):
+class FsdpImplementation(ApiEnum):
     FSDP2 = "fsdp2"
     FSDP1 = "fsdp1"
 
 
-class WrapPolicyType(StrEnum):
+class WrapPolicyType(ApiEnum):
     DECODER_LAYER = "decoderLayer"
     SIZE_BASED = "sizeBased"
 
@@ -265,7 +307,7 @@ class WrapPolicySpec(ApiModel):
     type: WrapPolicyType = WrapPolicyType.DECODER_LAYER
     """`decoderLayer`: one unit per LlamaDecoderLayer (plus the root); `sizeBased`: any module with
     at least minNumParams parameters."""
-    min_num_params: int = Field(default=100_000_000, ge=1)
+    min_num_params: int = Field(default=100_000_000, ge=1, le=10**15)
     """Threshold for `sizeBased`."""
 
 
@@ -310,11 +352,33 @@ class FsdpSpec(ApiModel):
 class CheckpointingSpec(ApiModel):
     """Sharded checkpoints, resume and the final export."""
 
-    model_config = api_config(IMMUTABLE_CHECKPOINTS)
+    model_config = api_config(
+        IMMUTABLE_CHECKPOINTS,
+        cel_rule(
+            "!has(self.volumeClaim) || self.directory.startsWith('/')",
+            message="with volumeClaim, directory is where the claim is mounted: make it an absolute path such as "
+            "/checkpoints/my-run (an fsspec URI such as s3://bucket/run needs no volumeClaim)",
+            field_path=".directory",
+        ),
+        cel_rule(
+            "!has(self.volumeClaim) || !self.directory.matches('" + _cel_string(r"(^|/)\.\.?(/|$)") + "')",
+            message="directory must not contain '.' or '..' path segments: write the absolute path, e.g. /checkpoints/my-run",
+            field_path=".directory",
+        ),
+        cel_rule(
+            "!has(self.volumeClaim) || ['/dev/shm', '/etc/llamaft', '/mnt/pvc', '/proc', '/sys'].all(m, "
+            "self.directory != m && !self.directory.startsWith(m + '/') && "
+            "!(m + '/').startsWith(self.directory.endsWith('/') ? self.directory : self.directory + '/'))",
+            message="directory collides with a path the worker pod already mounts or needs (/dev/shm, the config at "
+            "/etc/llamaft, pvc:// inputs under /mnt/pvc, /proc, /sys) or a parent of one: mount the claim "
+            "elsewhere, e.g. /checkpoints/my-run",
+            field_path=".directory",
+        ),
+    )
 
     directory: str = Field(default="/checkpoints", min_length=1, max_length=1024)
     """Where checkpoints go: a path on the checkpoint volume, or an fsspec URI (`s3://...`)."""
-    volume_claim: str | None = Field(default=None, max_length=253, pattern=NAME_PATTERN)
+    volume_claim: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
     """PersistentVolumeClaim mounted at `directory` on every worker (omit for URIs)."""
     every_n_steps: int = Field(default=500, ge=1, le=10_000_000)
     """Save a sharded checkpoint every N optimizer steps (and at the end)."""
@@ -347,20 +411,70 @@ class ElasticSpec(ApiModel):
 class Toleration(ApiModel):
     """A Kubernetes toleration (core/v1 Toleration)."""
 
-    key: str | None = Field(default=None, max_length=316)
-    """Taint key; empty with operator Exists matches every taint."""
+    model_config = api_config(
+        cel_rule(
+            "self.operator == 'Exists' || (has(self.key) && self.key != '')",
+            message="a toleration without key must use operator Exists (it then tolerates every taint): set key or operator: Exists",
+            field_path=".operator",
+        ),
+        cel_rule(
+            "self.operator != 'Exists' || !has(self.value) || self.value == ''",
+            message="operator Exists matches every value of the key: remove value, or use operator: Equal",
+            field_path=".value",
+        ),
+        cel_rule(
+            "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+            message="tolerationSeconds only applies to effect NoExecute: set effect: NoExecute or remove tolerationSeconds",
+            field_path=".tolerationSeconds",
+        ),
+    )
+
+    key: str | None = Field(default=None, max_length=316, pattern=LABEL_KEY_PATTERN.replace("^(", "^$|^(", 1))
+    """Taint key (a label key); empty with operator Exists matches every taint."""
     operator: str = Field(default="Equal", pattern=r"^(Equal|Exists)$")
     """`Equal` or `Exists`."""
-    value: str | None = Field(default=None, max_length=63)
-    """Taint value for `Equal`."""
+    value: str | None = Field(default=None, max_length=63, pattern=LABEL_VALUE_PATTERN)
+    """Taint value for `Equal` (a label value)."""
     effect: str | None = Field(default=None, pattern=r"^(NoSchedule|PreferNoSchedule|NoExecute)$")
     """Taint effect to match; empty matches all."""
-    toleration_seconds: int | None = None
+    toleration_seconds: int | None = Field(default=None, ge=-(2**63), le=INT64_MAX)
     """For NoExecute: how long the pod stays bound after the taint appears."""
+
+
+RESERVED_ENV = (
+    "LLAMAFT_CONFIG", "LLAMAFT_METRICS_PORT", "LLAMAFT_TERMINATION_GRACE_SECONDS", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+    "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK",
+)
+"""Set on the trainer container by the operator (LLAMAFT_*, TORCH_ELASTIC_SHUTDOWN_TIMEOUT) or by the
+training operator (PET_*, MASTER_*, WORLD_SIZE, RANK): a second definition would silently win."""
+SECRET_ENV_NAME = r"(?i)(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIALS?)(_|$)"
 
 
 class EnvVar(ApiModel):
     """A plain environment variable for the trainer container."""
+
+    model_config = api_config(
+        cel_rule(
+            "!(self.name in [" + ", ".join(f"'{n}'" for n in RESERVED_ENV) + "]) && !self.name.startsWith('PET_')",
+            message_expression="self.name + ' is set by the operator (the config path, metrics port, grace period) or by the "
+            "training operator (PET_*, MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK): remove it from cluster.env'",
+            field_path=".name",
+            reason="FieldValueForbidden",
+        ),
+        cel_rule(
+            f"self.value == '' || !self.name.matches('{SECRET_ENV_NAME}')",
+            message_expression="self.name + ' holds a secret: a literal value is readable by anyone who can read this "
+            "LlamaFineTune; put it in a Secret (the Hugging Face token: spec.model.hfTokenSecret) and remove it from cluster.env'",
+            field_path=".value",
+            reason="FieldValueForbidden",
+        ),
+        cel_rule(
+            f"!(self.value.startsWith('hf_') && size(self.value) >= 30) || self.name.matches('{SECRET_ENV_NAME}')",
+            message="the value looks like a Hugging Face token: put the token in a Secret and set spec.model.hfTokenSecret",
+            field_path=".value",
+            reason="FieldValueForbidden",
+        ),
+    )
 
     name: str = Field(min_length=1, max_length=256, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
     """Variable name."""
@@ -371,13 +485,13 @@ class EnvVar(ApiModel):
 class ResourcesSpec(ApiModel):
     """CPU and memory per worker pod (requests = limits, for Guaranteed QoS on GPU nodes)."""
 
-    cpu: str | None = Field(default=None, pattern=QUANTITY_PATTERN)
+    cpu: str | None = Field(default=None, max_length=64, pattern=POSITIVE_QUANTITY_PATTERN)
     """CPU quantity per worker, e.g. `90`."""
-    memory: str | None = Field(default=None, pattern=QUANTITY_PATTERN)
+    memory: str | None = Field(default=None, max_length=64, pattern=POSITIVE_QUANTITY_PATTERN)
     """Memory quantity per worker, e.g. `1000Gi`."""
 
 
-class PullPolicy(StrEnum):
+class PullPolicy(ApiEnum):
     ALWAYS = "Always"
     IF_NOT_PRESENT = "IfNotPresent"
     NEVER = "Never"
@@ -400,6 +514,16 @@ class ClusterSpec(ApiModel):
             message="efaDevicesPerWorker needs GPU workers: set gpusPerWorker",
             field_path=".efaDevicesPerWorker",
         ),
+        cel_rule(
+            f"has(self.elastic) || self.workers * (self.gpusPerWorker > 0 ? self.gpusPerWorker : 1) <= {MAX_WORLD_SIZE}",
+            message_expression=f"'workers x gpusPerWorker = ' + string(self.workers * (self.gpusPerWorker > 0 ? self.gpusPerWorker : 1)) + ' processes; at most {MAX_WORLD_SIZE} are supported: use fewer workers'",
+            field_path=".workers",
+        ),
+        cel_rule(
+            f"!has(self.elastic) || self.elastic.maxWorkers * (self.gpusPerWorker > 0 ? self.gpusPerWorker : 1) <= {MAX_WORLD_SIZE}",
+            message_expression=f"'elastic.maxWorkers x gpusPerWorker = ' + string(self.elastic.maxWorkers * (self.gpusPerWorker > 0 ? self.gpusPerWorker : 1)) + ' processes; at most {MAX_WORLD_SIZE} are supported: lower elastic.maxWorkers'",
+            field_path=".elastic.maxWorkers",
+        ),
     )
 
     workers: int = Field(default=1, ge=1, le=4096)
@@ -412,24 +536,26 @@ class ClusterSpec(ApiModel):
     """AWS EFA devices (vpc.amazonaws.com/efa) per worker; enables the EFA NCCL environment."""
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     """CPU and memory per worker."""
-    instance_type: str | None = Field(default=None, max_length=128)
+    instance_type: str | None = Field(default=None, max_length=63, pattern=LABEL_VALUE_PATTERN)
     """Pin workers to an instance type (node.kubernetes.io/instance-type), e.g. `p4de.24xlarge`."""
     gpu_model: str | None = Field(default=None, max_length=64)
     """GPU model for capacity planning when instanceType does not say it (on-prem or unlisted
     instances), e.g. `A100-80GB`, `H100`, `H200`, `L40S`, `A10G`, `L4` (`llamaft plan` lists them)."""
-    gpu_memory: str | None = Field(default=None, pattern=QUANTITY_PATTERN)
+    gpu_memory: str | None = Field(default=None, max_length=64, pattern=POSITIVE_QUANTITY_PATTERN)
     """Memory of one GPU for capacity planning (e.g. `80Gi`); overrides the catalog's value."""
-    node_selector: dict[str, str] = Field(default_factory=dict)
+    node_selector: dict[str, LabelValue] = Field(default_factory=dict, max_length=64)
     """Extra node labels the workers require."""
+    # Keys are label keys too; they are checked on the rendered pod (llamaft.rendered): a CEL rule
+    # over map keys has no length bound, so the API server's cost estimate would refuse the CRD.
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
     """Tolerations for tainted GPU nodes."""
-    shared_memory_size: str = Field(default="64Gi", pattern=QUANTITY_PATTERN)
+    shared_memory_size: str = Field(default="64Gi", max_length=64, pattern=POSITIVE_QUANTITY_PATTERN)
     """Size of the in-memory /dev/shm volume (dataloader workers and NCCL need more than 64Mi)."""
-    image: str = Field(default=DEFAULT_TRAINER_IMAGE, min_length=1, max_length=512)
+    image: str = Field(default=DEFAULT_TRAINER_IMAGE, min_length=1, max_length=512, pattern=NO_WHITESPACE_PATTERN)
     """Trainer image."""
     image_pull_policy: PullPolicy = PullPolicy.IF_NOT_PRESENT
     """Image pull policy."""
-    priority_class_name: str | None = Field(default=None, max_length=253)
+    priority_class_name: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
     """PriorityClass of the worker pods."""
     env: list[EnvVar] = Field(default_factory=list, max_length=128)
     """Extra environment for the trainer container (e.g. NCCL_DEBUG=INFO)."""
@@ -441,7 +567,7 @@ class ClusterSpec(ApiModel):
 
 
 # ---------------------------------------------------------------------------------- rendezvous
-class RendezvousBackend(StrEnum):
+class RendezvousBackend(ApiEnum):
     ETCD_V2 = "etcd-v2"
     ETCD = "etcd"
     C10D = "c10d"
@@ -461,7 +587,7 @@ class RendezvousSpec(ApiModel):
     backend: RendezvousBackend = RendezvousBackend.ETCD_V2
     """`etcd-v2` (default), `etcd` (legacy, as the reference EKS deployment) or `c10d`."""
     endpoint: str | None = Field(
-        default=None, max_length=512, pattern=r"^[A-Za-z0-9.\-]+:[0-9]{1,5}$"
+        default=None, max_length=512, pattern=r"^[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?:" + PORT_PATTERN + "$"
     )
     """External etcd `host:port`. Omitted: the operator runs a managed etcd for this job."""
     max_restarts: int = Field(default=3, ge=0, le=1000)
@@ -474,7 +600,9 @@ class DcgmSpec(ApiModel):
 
     enabled: bool = True
     """Create the job's dashboard panels and alerts on DCGM metrics."""
-    scrape_selector: dict[str, str] = Field(default_factory=lambda: {"release": "kube-prometheus-stack"})
+    scrape_selector: dict[str, LabelValue] = Field(
+        default_factory=lambda: {"release": "kube-prometheus-stack"}, max_length=32
+    )
     """Labels put on monitoring objects so Prometheus selects them."""
     dashboard: bool = True
     """Create a Grafana dashboard ConfigMap for this job."""
@@ -495,9 +623,9 @@ class RunPolicySpec(ApiModel):
 
     suspend: bool = False
     """Suspend the run (workers are deleted; checkpoints stay); set false to resume."""
-    ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
+    ttl_seconds_after_finished: int | None = Field(default=None, ge=0, le=INT32_MAX)
     """Delete the finished job's pods after this many seconds."""
-    active_deadline_seconds: int | None = Field(default=None, ge=1)
+    active_deadline_seconds: int | None = Field(default=None, ge=1, le=INT32_MAX)
     """Fail the run when it runs longer than this."""
     backoff_limit: int | None = Field(default=None, ge=0, le=1000)
     """Pod failures the training operator tolerates before failing the job."""
@@ -515,7 +643,7 @@ class RunPolicySpec(ApiModel):
 
 
 # -------------------------------------------------------------------------------------- spec
-class PreflightMode(StrEnum):
+class PreflightMode(ApiEnum):
     ENFORCE = "Enforce"
     WARN = "Warn"
     OFF = "Off"
@@ -535,6 +663,17 @@ ELASTIC_HYBRID_RULE = cel_rule(
     "!has(self.cluster.elastic) || self.fsdp.shardingStrategy != 'HYBRID_SHARD' || !has(self.fsdp.hybridShard)",
     message="explicit hybridShard group sizes cannot follow an elastic world size: drop cluster.elastic or fsdp.hybridShard",
     field_path=".fsdp.hybridShard",
+)
+HYBRID_WORLD_RULE = cel_rule(
+    "self.fsdp.shardingStrategy != 'HYBRID_SHARD' || (has(self.cluster.elastic) ? self.cluster.elastic.minWorkers : self.cluster.workers) * (self.cluster.gpusPerWorker > 0 ? self.cluster.gpusPerWorker : 1) >= 2",
+    message="HYBRID_SHARD shards inside groups and replicates across them: it needs at least 2 processes "
+    "(workers x gpusPerWorker); on one process use FULL_SHARD",
+    field_path=".fsdp.shardingStrategy",
+)
+METRICS_PORT_RULE = cel_rule(
+    "self.rendezvous.backend != 'c10d' || self.monitoring.metricsPort != 29400",
+    message="metricsPort 29400 is the c10d rendezvous port on worker 0: choose another metricsPort",
+    field_path=".monitoring.metricsPort",
 )
 LORA_FSDP1_RULE = cel_rule(
     "!has(self.training.lora) || !self.training.lora.enabled || self.fsdp.implementation == 'fsdp2'",
@@ -562,7 +701,8 @@ class LlamaFineTuneSpec(TrainingJobConfig):
     """A Llama fine-tuning run with PyTorch FSDP on a Kubeflow PyTorchJob."""
 
     model_config = api_config(
-        HYBRID_GROUPS_RULE, HYBRID_DIVIDES_RULE, ELASTIC_HYBRID_RULE, LORA_FSDP1_RULE
+        HYBRID_GROUPS_RULE, HYBRID_DIVIDES_RULE, ELASTIC_HYBRID_RULE, LORA_FSDP1_RULE, HYBRID_WORLD_RULE,
+        METRICS_PORT_RULE,
     )
 
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
@@ -581,7 +721,7 @@ class LlamaFineTuneSpec(TrainingJobConfig):
     def training_config(self) -> TrainingJobConfig:
         """The trainer's view of this spec: the same validated values, nothing re-declared."""
         return TrainingJobConfig.model_validate(
-            self.model_dump(include=set(TrainingJobConfig.model_fields), by_alias=False)
+            self.model_dump(include=set(TrainingJobConfig.model_fields), by_alias=True)
         )
 
     @property

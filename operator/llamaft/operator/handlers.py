@@ -44,6 +44,7 @@ from llamaft.operator.metrics import FINETUNES, RECONCILE_SECONDS, RECONCILES, R
 from llamaft.operator.naming import LABEL_FINETUNE, Owner
 from llamaft.operator.settings import OperatorSettings
 from llamaft.planner import Admission, admission
+from llamaft.rendered import PLACEHOLDER_UID, child_errors
 
 RESOURCE = (resource.GROUP, resource.VERSION, resource.PLURAL)
 TERMINAL = {p.value for p in TERMINAL_PHASES}
@@ -151,10 +152,18 @@ def validated(memo: kopf.Memo, obj: Mapping[str, Any], old: Any = None) -> Llama
     cached = memo.get("validated")
     if old is None and cached is not None and cached[0] == generation:
         return cached[1]  # type: ignore[no-any-return]
+    result: LlamaFineTuneSpec | SpecInvalid
     try:
-        result: LlamaFineTuneSpec | SpecInvalid = validate_spec(dict(obj.get("spec") or {}), old=old)
+        parsed = validate_spec(dict(obj.get("spec") or {}), old=old)
     except SpecInvalid as exc:
         result = exc
+    else:
+        # What admission cannot see: every child the spec renders, against the schemas the API
+        # server and the training operator will apply, before anything is created.
+        meta = obj.get("metadata", {})
+        problems = child_errors(parsed, str(meta.get("name")), str(meta.get("namespace")),
+                                uid=str(meta.get("uid") or PLACEHOLDER_UID))
+        result = SpecInvalid(problems) if problems else parsed
     if old is None:
         memo["validated"] = (generation, result)
     return result
