@@ -11,18 +11,7 @@ import pytest
 from llamaft.api.validation import SpecInvalid, validate_resource
 from llamaft.rendered import check_children
 
-
-def base() -> dict[str, Any]:
-    return {
-        "apiVersion": "llamaft.io/v1alpha1",
-        "kind": "LlamaFineTune",
-        "metadata": {"name": "ok"},
-        "spec": {
-            "model": {"source": "meta-llama/Llama-2-7b-hf"},
-            "dataset": {"format": "samsum", "source": "knkarthick/samsum"},
-            "cluster": {"workers": 2, "gpusPerWorker": 8},
-        },
-    }
+from tests.api.test_validation import base
 
 
 def with_(*changes: tuple[str, Any]) -> dict[str, Any]:
