@@ -163,7 +163,7 @@ def run_case(case: dict[str, Any], rt: Any, steps: int = 2, meter: str = "tracke
     from llamaft_trainer import model as model_step
     from llamaft_trainer.parallelize import parallelize
     from llamaft_trainer.runtime import build_mesh
-    from llamaft_trainer.train import _micro_step, build_optimizer, clip_gradients, token_loss_sum
+    from llamaft_trainer.train import _micro_step, build_optimizer, optimizer_step, token_loss_sum
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from transformers import LlamaConfig
 
@@ -220,15 +220,7 @@ def run_case(case: dict[str, Any], rt: Any, steps: int = 2, meter: str = "tracke
                     scaled = loss / 1000.0
                     (scaler.scale(scaled) if scaler is not None else scaled).backward()
                 tracker.reset_mod_stats()  # per-module stats are per forward; the global peak stays
-            if scaler is not None:
-                scaler.unscale_(optimizer)
-            clip_gradients(model, cfg.training.max_grad_norm, cfg)
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer_step(model, optimizer, scaler, cfg)
             if step == steps - 2:
                 _reset_peak(tracker)
         peak = tracker.get_tracker_snapshot("peak")

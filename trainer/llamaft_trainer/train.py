@@ -118,6 +118,21 @@ def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return [float(v) for v in t.tolist()]
 
 
+def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any, cfg: TrainingJobConfig) -> float:
+    """Unscale (fp16), clip to training.maxGradNorm, step, zero the gradients; the global grad norm.
+    (bench/plan_accuracy.py replays the trainer's step with this and `_micro_step`.)"""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    grad_norm = clip_gradients(model, cfg.training.max_grad_norm, cfg)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
 def _micro_step(model: nn.Module, last: bool, cfg: TrainingJobConfig) -> Any:
     """The communication of one micro-step's backward (see the module docstring): a context to run
     it in. `last`: the micro-step whose backward completes the optimizer step's gradients."""
@@ -225,15 +240,7 @@ def train_loop(
                 scaled = loss * scale
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()
             loss_sum += float(loss.detach())
-        if scaler is not None:
-            scaler.unscale_(optimizer)
-        grad_norm = clip_gradients(model, tc.max_grad_norm, cfg)
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm = optimizer_step(model, optimizer, scaler, cfg)
         lr = float(scheduler.get_last_lr()[0])
         scheduler.step()
         state.step += 1
