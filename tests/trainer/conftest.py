@@ -59,3 +59,29 @@ def base_config(model: Path, checkpoint_dir: Path, **overrides: Any) -> dict[str
     for key, value in overrides.items():
         cfg[key] = {**cfg.get(key, {}), **value}
     return cfg
+
+
+def launch_trainer(config: dict[str, Any], tmp: Path, name: str, nproc: int = 2) -> subprocess.Popen[str]:
+    """`torchrun -m llamaft_trainer` on a config written to tmp/<name>.json, output on stdout."""
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(config))
+    return subprocess.Popen(
+        torchrun_cmd(nproc, "-m", "llamaft_trainer", "--config", str(path)), env=trainer_env(), cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+
+
+def kill_tree(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL torchrun and its workers (each in its own session: a process-group kill misses them)."""
+    import psutil
+
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    proc.wait(30)

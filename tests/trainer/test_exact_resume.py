@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
-from tests.conftest import REPO
-from tests.trainer.conftest import DATASET, base_config, run_harness, torchrun_cmd, trainer_env
+from tests.trainer.conftest import (
+    DATASET,
+    base_config,
+    kill_tree,
+    launch_trainer,
+    run_harness,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -36,35 +39,12 @@ def _config(model: Path, directory: Path) -> dict[str, Any]:
     )
 
 
-def _launch(config: dict[str, Any], tmp: Path, name: str) -> subprocess.Popen[str]:
-    path = tmp / f"{name}.json"
-    path.write_text(json.dumps(config))
-    return subprocess.Popen(
-        torchrun_cmd(2, "-m", "llamaft_trainer", "--config", str(path)), env=trainer_env(), cwd=REPO,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
-
-
-def _kill_tree(proc: subprocess.Popen[str]) -> None:
-    """SIGKILL torchrun and its workers (each in its own session: a process-group kill misses them)."""
-    try:
-        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        tree = []
-    for p in tree:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    proc.wait(30)
-
-
 def _run(config: dict[str, Any], tmp: Path, name: str) -> list[dict[str, Any]]:
-    proc = _launch(config, tmp, name)
+    proc = launch_trainer(config, tmp, name)
     try:
         out, _ = proc.communicate(timeout=600)
     finally:
-        _kill_tree(proc)
+        kill_tree(proc)
     assert proc.returncode == 0, out[-5000:]
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
@@ -78,7 +58,7 @@ def lora_runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     tmp = tmp_path_factory.mktemp("exact")
     straight = _run(_config(tiny_model, tmp / "straight"), tmp, "straight")
     killed_dir = tmp / "killed"
-    proc = _launch(_config(tiny_model, killed_dir), tmp, "killed")
+    proc = launch_trainer(_config(tiny_model, killed_dir), tmp, "killed")
     killed: list[dict[str, Any]] = []
     try:
         assert proc.stdout is not None
@@ -88,7 +68,7 @@ def lora_runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
                 if killed[-1]["event"] == "step" and killed[-1]["step"] == KILL_AT:
                     break
     finally:
-        _kill_tree(proc)  # like a node loss: no clean-up of any kind
+        kill_tree(proc)  # like a node loss: no clean-up of any kind
     resumed = _run(_config(tiny_model, killed_dir), tmp, "resumed")
     return {"straight": straight, "killed": killed, "resumed": resumed, "tmp": tmp}
 

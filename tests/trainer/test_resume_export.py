@@ -4,17 +4,13 @@ losses; the final export round-trips through from_pretrained; LoRA exports a pef
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.conftest import REPO
-from tests.trainer.conftest import base_config, torchrun_cmd, trainer_env
+from tests.trainer.conftest import base_config, kill_tree, launch_trainer
 
 pytestmark = pytest.mark.slow
 STEPS = 24
@@ -24,17 +20,8 @@ def _events(stdout: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
-def _launch(config: dict[str, Any], tmp: Path, name: str) -> subprocess.Popen[str]:
-    path = tmp / f"{name}.json"
-    path.write_text(json.dumps(config))
-    return subprocess.Popen(
-        torchrun_cmd(2, "-m", "llamaft_trainer", "--config", str(path)), env=trainer_env(), cwd=REPO,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
-
-
 def _run(config: dict[str, Any], tmp: Path, name: str) -> list[dict[str, Any]]:
-    proc = _launch(config, tmp, name)
+    proc = launch_trainer(config, tmp, name)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-5000:]
     return _events(out)
@@ -54,14 +41,14 @@ def runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     full = _run(_config(tiny_model, tmp / "full"), tmp, "full")
 
     killed_dir = tmp / "killed"
-    proc = _launch(_config(tiny_model, killed_dir), tmp, "killed")
+    proc = launch_trainer(_config(tiny_model, killed_dir), tmp, "killed")
     assert proc.stdout is not None
     killed_events = []
     for line in proc.stdout:
         if line.startswith("{"):
             killed_events.append(json.loads(line))
             if killed_events[-1]["event"] == "checkpoint" and killed_events[-1]["step"] == 4:
-                os.killpg(proc.pid, signal.SIGKILL)  # no clean-up of any kind, like a node loss
+                kill_tree(proc)  # no clean-up of any kind, like a node loss (workers included)
                 break
     proc.wait(60)
     complete_after_kill = sorted(p.parent.name for p in killed_dir.glob("step-*/COMPLETE"))
