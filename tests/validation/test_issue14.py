@@ -70,8 +70,8 @@ ADMISSION: list[tuple[str, dict[str, Any], list[str]]] = [
      [f"spec.fsdp.cpu_offload: unknown field; did you mean 'cpuOffload'? {SNAKE}activationCheckpointing, compile, "
       "cpuOffload, hybridShard, implementation, mixedPrecision, shardingStrategy, wrapPolicy"]),
     ("run_policy", with_(("spec.run_policy", {"suspend": True})),
-     [f"spec.run_policy: unknown field; did you mean 'runPolicy'? {SNAKE}checkpointing, cluster, dataset, fsdp, model, "
-      "monitoring, preflight, rendezvous, runPolicy, training"]),
+     [f"spec.run_policy: unknown field; did you mean 'runPolicy'? {SNAKE}backend, checkpointing, cluster, dataset, fsdp, model, "
+      "monitoring, preflight, rendezvous, runPolicy, scheduling, trainJob, training"]),
     ("dataset.validation_split", with_(("spec.dataset.validation_split", 0.1)),
      [f"spec.dataset.validation_split: unknown field; did you mean 'validationSplit'? {SNAKE}fieldMapping, format, "
       "maxSeqLength, packing, promptTemplate, source, split, validationSplit"]),

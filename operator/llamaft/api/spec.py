@@ -388,6 +388,10 @@ class CheckpointingSpec(ApiModel):
     """Resume from the newest complete checkpoint in `directory` when one exists."""
     export_hugging_face: bool = True
     """At the end, write consolidated safetensors that `from_pretrained` loads (LoRA: the adapter)."""
+    async_save: bool = Field(default=True, alias="async")
+    """Save in the background (DCP async save): training waits only for a staging copy of the
+    state, the write happens while the next steps run. One save is in flight at a time; a
+    checkpoint counts only once its write has finished and it is marked complete."""
 
 
 # ------------------------------------------------------------------------------------- cluster
@@ -642,6 +646,72 @@ class RunPolicySpec(ApiModel):
     ends `Failed` instead of spending the rest of the budget on it."""
 
 
+# -------------------------------------------------------------------------------- scheduling
+class GangSpec(ApiModel):
+    """Gang scheduling without Kueue: the PyTorchJob's `runPolicy.schedulingPolicy`, read by
+    Volcano or the scheduler-plugins coscheduling plugin; every worker is scheduled or none is."""
+
+    scheduler_name: str = Field(default="volcano", min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
+    """The pods' `schedulerName`: `volcano`, or the scheduler-plugins scheduler's name (e.g.
+    `scheduler-plugins-scheduler`)."""
+    queue: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
+    """Volcano queue (schedulingPolicy.queue)."""
+    priority_class: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
+    """PriorityClass of the PodGroup (schedulingPolicy.priorityClass)."""
+    schedule_timeout_seconds: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    """How long the PodGroup may wait for all its pods to be schedulable."""
+
+
+class SchedulingSpec(ApiModel):
+    """Queueing and gang scheduling on a shared cluster."""
+
+    model_config = api_config(
+        cel_rule(
+            "!has(self.queueName) || !has(self.gang)",
+            message="queueName hands the job to Kueue, which admits all its pods at once; gang is for Volcano or "
+            "scheduler-plugins without Kueue: set one of them",
+            field_path=".gang",
+        ),
+        cel_rule(
+            "!has(self.priorityClass) || has(self.queueName)",
+            message="priorityClass is Kueue's WorkloadPriorityClass and needs queueName; without Kueue use "
+            "cluster.priorityClassName (pods) or gang.priorityClass (PodGroup)",
+            field_path=".priorityClass",
+        ),
+    )
+
+    queue_name: str | None = Field(default=None, max_length=63, pattern=NAME_PATTERN)
+    """Kueue LocalQueue in this namespace: the job gets the `kueue.x-k8s.io/queue-name` label, waits
+    (suspended, phase Queued) until Kueue admits it, then runs."""
+    priority_class: str | None = Field(default=None, max_length=63, pattern=LABEL_VALUE_PATTERN)
+    """Kueue WorkloadPriorityClass (`kueue.x-k8s.io/priority-class` label)."""
+    gang: GangSpec | None = None
+    """Gang scheduling through Volcano or scheduler-plugins (no Kueue)."""
+
+
+# ------------------------------------------------------------------------------------ backend
+class Backend(ApiEnum):
+    PYTORCH_JOB = "PyTorchJob"
+    TRAIN_JOB = "TrainJob"
+    AUTO = "auto"
+
+
+class RuntimeRef(ApiModel):
+    """The Kubeflow Trainer runtime a TrainJob uses."""
+
+    name: str = Field(default="torch-distributed", min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
+    """Runtime name."""
+    kind: str = Field(default="ClusterTrainingRuntime", pattern=r"^(ClusterTrainingRuntime|TrainingRuntime)$")
+    """ClusterTrainingRuntime (cluster-wide) or TrainingRuntime (this namespace)."""
+
+
+class TrainJobSpec(ApiModel):
+    """Settings for the Kubeflow Trainer v2 backend (`backend: TrainJob`)."""
+
+    runtime_ref: RuntimeRef = Field(default_factory=RuntimeRef)
+    """The (Cluster)TrainingRuntime the TrainJob references."""
+
+
 # -------------------------------------------------------------------------------------- spec
 class PreflightMode(ApiEnum):
     ENFORCE = "Enforce"
@@ -675,6 +745,12 @@ METRICS_PORT_RULE = cel_rule(
     message="metricsPort 29400 is the c10d rendezvous port on worker 0: choose another metricsPort",
     field_path=".monitoring.metricsPort",
 )
+IMMUTABLE_BACKEND = cel_rule(
+    "self.backend == oldSelf.backend",
+    message="backend is immutable: a running job cannot change kind; create a new LlamaFineTune",
+    field_path=".backend",
+    reason="FieldValueForbidden",
+)
 LORA_FSDP1_RULE = cel_rule(
     "!has(self.training.lora) || !self.training.lora.enabled || self.fsdp.implementation == 'fsdp2'",
     message="LoRA is supported with fsdp.implementation fsdp2",
@@ -702,7 +778,7 @@ class LlamaFineTuneSpec(TrainingJobConfig):
 
     model_config = api_config(
         HYBRID_GROUPS_RULE, HYBRID_DIVIDES_RULE, ELASTIC_HYBRID_RULE, LORA_FSDP1_RULE, HYBRID_WORLD_RULE,
-        METRICS_PORT_RULE,
+        METRICS_PORT_RULE, IMMUTABLE_BACKEND,
     )
 
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
@@ -713,6 +789,13 @@ class LlamaFineTuneSpec(TrainingJobConfig):
     """GPU monitoring and trainer metrics."""
     run_policy: RunPolicySpec = Field(default_factory=RunPolicySpec)
     """Suspend, deadlines, retries."""
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    """Kueue queueing or gang scheduling."""
+    backend: Backend = Backend.PYTORCH_JOB
+    """The Kubeflow job the run becomes: `PyTorchJob` (training operator v1), `TrainJob` (Kubeflow
+    Trainer v2) or `auto` (the one the cluster serves; PyTorchJob when both are). Immutable."""
+    train_job: TrainJobSpec = Field(default_factory=TrainJobSpec)
+    """TrainJob backend settings (runtime)."""
     preflight: PreflightMode = PreflightMode.ENFORCE
     """Capacity check before anything is created (`llamaft plan` shows it): `Enforce` refuses a run
     whose estimated per-GPU memory exceeds the GPU's (phase Failed, reason WillNotFit), `Warn` only

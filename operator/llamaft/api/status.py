@@ -15,6 +15,7 @@ from llamaft.api.base import ApiModel
 
 class Phase(StrEnum):
     PENDING = "Pending"
+    QUEUED = "Queued"
     CREATING = "Creating"
     RUNNING = "Running"
     RESTARTING = "Restarting"
@@ -120,6 +121,10 @@ class LlamaFineTuneStatus(ApiModel):
     """Detailed conditions."""
     observed_generation: int | None = None
     """metadata.generation the operator last reconciled."""
+    backend: str | None = None
+    """The Kubeflow job kind this run uses (PyTorchJob or TrainJob; what `backend: auto` resolved to)."""
+    queue: str | None = None
+    """The Kueue LocalQueue the job waits in or was admitted from."""
     job_name: str | None = None
     """Name of the child PyTorchJob of the current attempt."""
     rendezvous_id: str | None = None
