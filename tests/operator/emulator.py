@@ -29,6 +29,7 @@ their owner for a moment):
   PodGC controller);
 - pods/eviction (policy/v1 Eviction) adds the DisruptionTarget condition and deletes the pod
   (no PodDisruptionBudgets); pods/binding sets spec.nodeName and PodScheduled.
+Server-side apply (PATCH application/apply-patch+yaml) follows tests/operator/apply.py.
 Not emulated: admission webhooks, schema validation, namespace deletion, PodDisruptionBudgets.
 """
 
@@ -46,11 +47,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import attrs
 import aiohttp.web
 import jsonpatch
 import kmock
 import yaml
 from kmock._internal import dicts, enums, k8s
+
+from tests.operator.apply import ApplyConflict
+from tests.operator.apply import apply as server_side_apply
 
 Obj = dict[str, Any]
 
@@ -69,6 +74,10 @@ RESOURCES: dict[str, dict[str, Any]] = {
         "kind": "LlamaFineTune", "singular": "llamafinetune", "namespaced": True, "subresources": ["status"],
         "shortnames": ["finetune", "finetunes", "lft"], "categories": ["all", "llamaft"],
     },
+    # kopf's peering CRDs (crds/kopfpeerings.kopf.dev.yaml and crds/clusterkopfpeerings.kopf.dev.yaml):
+    # no status subresource, so kopf's keep-alives merge-patch .status through the main endpoint.
+    "kopf.dev/v1/kopfpeerings": {"kind": "KopfPeering", "singular": "kopfpeering", "namespaced": True},
+    "kopf.dev/v1/clusterkopfpeerings": {"kind": "ClusterKopfPeering", "singular": "clusterkopfpeering", "namespaced": False},
 }
 VERBS = ["get", "list", "watch", "create", "patch", "update", "delete"]
 FOREGROUND = "foregroundDeletion"
@@ -171,8 +180,21 @@ def _selected(request: Any, obj: Obj) -> bool:
     return not (fields and not field_matches(fields, obj))
 
 
+@attrs.frozen
+class Recorded:
+    """One request as an audit log would show it (what RBAC is checked against)."""
+
+    method: str
+    path: str
+    params: dict[str, str]
+    user_agent: str
+
+
 class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
     """The API server: kmock stores objects and serves reads; this class owns every write."""
+
+    recorded: list[Recorded] | None = None
+    """Every request, when a test asks for it (EmulatorThread(record=True))."""
 
     gc_delay = 0.05
     """Seconds between a change and the garbage collector acting on it (a real GC takes ~10-100 ms)."""
@@ -266,6 +288,11 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         # which makes each request cost O(requests so far). Nothing here asserts on the log, so
         # keep a short tail (the current request is the last entry).
         del self._requests[:-16]
+        if self.recorded is not None:
+            self.recorded.append(Recorded(
+                method=str(request.method.value if hasattr(request.method, "value") else request.method).upper(),
+                path=request.url.path, params=dict(request.params),
+                user_agent=next((v for k, v in request.headers.items() if k.lower() == "user-agent"), "")))
         if (request.resource is not None and request.resource.plural
                 and request.resource not in k8s.KubernetesScaffold._get_resources(self)):
             # As the API server: an undeclared resource (a CRD not installed) is a 404, not stored.
@@ -282,6 +309,9 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
                 return await self._serve_write(request, status_only=True, replace=method == "PUT") if method != "GET" \
                     else await self._serve_get(request)
             if request.subresource is None:
+                content_type = next((v for k, v in request.headers.items() if k.lower() == "content-type"), "")
+                if request.name is not None and method == "PATCH" and content_type.startswith("application/apply-patch"):
+                    return await self._serve_apply(request)
                 if request.action == enums.action.CREATE:
                     return await self._serve_create_request(request)
                 if request.name is not None and method in ("PATCH", "PUT"):
@@ -303,7 +333,17 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
     async def _serve_create_request(self, request: Any) -> Any:
         if not isinstance(request.data, dict):
             raise k8s.KubernetesError(status=400, reason="BadRequest", message="the body must be a JSON object")
-        obj = copy.deepcopy(request.data)
+        key, obj = self._prepared_create(request, copy.deepcopy(request.data))
+        async with self._lock:
+            if self._live(key) is not None:
+                raise k8s.KubernetesError(status=409, reason="AlreadyExists",
+                                          message=f'{request.resource.plural} "{obj["metadata"]["name"]}" already exists')
+            stored = await self._store(key, obj, "ADDED")
+        # The kubernetes client only decodes a create's body on 201.
+        return aiohttp.web.json_response(stored, status=201)
+
+    def _prepared_create(self, request: Any, obj: Obj) -> tuple[tuple[Any, str | None, str], Obj]:
+        """A new object as the API server stores it: server fields, defaults, admission."""
         meta = obj.setdefault("metadata", {})
         if request.namespace and "namespace" not in meta:
             meta["namespace"] = request.namespace
@@ -327,14 +367,43 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
             self._default_pod(obj)
         obj = self._defaulted(request.resource, obj)
         self._admit(request.resource, obj)
-        key = (request.resource, request.namespace or meta.get("namespace"), meta["name"])
+        return (request.resource, request.namespace or meta.get("namespace"), meta["name"]), obj
+
+    # --------------------------------------------------------------------- server-side apply
+    async def _serve_apply(self, request: Any) -> Any:
+        """PATCH with application/apply-patch+yaml (tests/operator/apply.py has the rules)."""
+        manager = request.params.get("fieldManager")
+        if not manager:
+            raise k8s.KubernetesError(status=422, reason="Invalid", message="PatchOptions.meta.k8s.io \"\" is invalid: "
+                                      "fieldManager: Required value: is required for apply patch")
+        if not isinstance(request.data, dict):
+            raise k8s.KubernetesError(status=400, reason="BadRequest", message="the body must be a JSON or YAML object")
+        force = str(request.params.get("force", "")).lower() == "true"
+        key = (request.resource, request.namespace, request.name)
         async with self._lock:
-            if self._live(key) is not None:
-                raise k8s.KubernetesError(status=409, reason="AlreadyExists",
-                                          message=f'{request.resource.plural} "{meta["name"]}" already exists')
-            stored = await self._store(key, obj, "ADDED")
-        # The kubernetes client only decodes a create's body on 201.
-        return aiohttp.web.json_response(stored, status=201)
+            current = self._live(key)
+            try:
+                new = server_side_apply(current, request.data, manager, force)
+            except ApplyConflict as exc:
+                raise k8s.KubernetesError(status=409, reason="Conflict", message=str(exc)) from None
+            if current is None:
+                new["metadata"]["name"] = request.name
+                key, new = self._prepared_create(request, new)
+                return aiohttp.web.json_response(await self._store(key, new, "ADDED"), status=201)
+            if new is current:
+                return aiohttp.web.json_response(current)
+            for field in ("uid", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "resourceVersion"):
+                if field in current["metadata"]:
+                    new["metadata"][field] = current["metadata"][field]
+            if "status" in current:
+                new["status"] = current["status"]
+            new = self._defaulted(request.resource, new)
+            new["metadata"]["generation"] = int(current["metadata"].get("generation", 1)) + (new.get("spec") != current.get("spec"))
+            if new == current:
+                return aiohttp.web.json_response(current)
+            self._admit(request.resource, new)
+            stored = await self._store_or_release(key, new)
+        return aiohttp.web.json_response(stored)
 
     @staticmethod
     def _default_pod(pod: Obj) -> None:
@@ -661,11 +730,12 @@ class EmulatorThread:
     """The emulator on 127.0.0.1:<port>, in its own thread and event loop, for subprocess clients."""
 
     def __init__(self, without: tuple[str, ...] = (), *, gc_delay: float | None = None,
-                 podgc_delay: float | None = None) -> None:
+                 podgc_delay: float | None = None, record: bool = False) -> None:
         """`without`: resources this "cluster" does not serve (e.g. no Prometheus Operator).
         `gc_delay`/`podgc_delay`: see Emulator (how long deletions visibly take)."""
         self.without = without
         self.gc_delay, self.podgc_delay = gc_delay, podgc_delay
+        self.record = record
         self.url = ""
         self.emulator: Emulator | None = None
         self._loop = asyncio.new_event_loop()
@@ -684,6 +754,8 @@ class EmulatorThread:
                 emulator.gc_delay = self.gc_delay
             if self.podgc_delay is not None:
                 emulator.podgc_delay = self.podgc_delay
+            if self.record:
+                emulator.recorded = []
             for key, info in RESOURCES.items():
                 if key not in self.without:
                     emulator.resources[key] = {**info, "verbs": VERBS}
@@ -720,3 +792,8 @@ class EmulatorThread:
             return "{}"
         out = {f"{key[0].plural}/{key[1]}/{key[2]}": obj.raw for key, obj in list(emulator.objects.items()) if not obj.deleted}
         return json.dumps(out, indent=1, default=str)
+
+    def requests(self) -> list[Recorded]:
+        """What the emulator recorded so far (EmulatorThread(record=True))."""
+        emulator = self.emulator
+        return list(emulator.recorded or []) if emulator is not None else []

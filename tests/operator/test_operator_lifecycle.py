@@ -138,11 +138,14 @@ def test_a_child_the_api_server_still_rejects_fails_the_run_with_its_message() -
         def get_job(self, *_: Any) -> None:
             return None
 
-        def apply_config_map(self, *_: Any) -> str:
-            return "created"
+        def check_owner(self, *_: Any) -> None:
+            return None
 
-        def ensure(self, *_: Any) -> bool:
-            return True
+        def apply(self, _ns: str, obj: dict[str, Any]) -> dict[str, Any]:
+            return {**obj, "metadata": {**obj["metadata"], "resourceVersion": "1"}}
+
+        def list_children(self, *_: Any) -> list[Any]:
+            return []
 
         def create_job(self, *_: Any) -> bool:
             error = ApiException(status=422, reason="Unprocessable Entity")
@@ -153,7 +156,7 @@ def test_a_child_the_api_server_still_rejects_fails_the_run_with_its_message() -
             self.status.update(patch)
 
     kube = RefusingKube()
-    memo: Any = {"kube": kube, "settings": OperatorSettings(), "wakers": {}, "phases": {}}
+    memo: Any = {"kube": kube, "settings": OperatorSettings(), "wakers": {}, "phases": {}, "applied": {}, "drifted": set()}
     events: list[tuple[str, str]] = []
     step = handlers.Step(memo, "default", "x", logger=None)
     step.event = lambda obj, type_, reason, message: events.append((reason, message))  # type: ignore[method-assign]

@@ -21,6 +21,7 @@ validation cache in the object's own memo (it goes with the object).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import threading
@@ -38,7 +39,7 @@ from llamaft.api import resource
 from llamaft.api.spec import LlamaFineTuneSpec, PreflightMode, RendezvousBackend
 from llamaft.api.status import TERMINAL_PHASES, Phase
 from llamaft.api.validation import SpecInvalid, validate_spec
-from llamaft.operator import desired, failures, gpu_health, lifecycle, monitoring, observe, rendezvous
+from llamaft.operator import desired, failures, gpu_health, lifecycle, observe, rendezvous
 from llamaft.operator.kube import ForeignObject, Kube, MonitoringUnavailable, owned_by
 from llamaft.operator.metrics import FINETUNES, RECONCILE_SECONDS, RECONCILES, RENDEZVOUS_RESETS, RETRIES
 from llamaft.operator.naming import LABEL_FINETUNE, Owner
@@ -47,6 +48,9 @@ from llamaft.planner import Admission, admission
 from llamaft.rendered import PLACEHOLDER_UID, child_errors
 
 RESOURCE = (resource.GROUP, resource.VERSION, resource.PLURAL)
+PRUNABLE = ("ConfigMap", "Deployment", "Service", "PodMonitor", "PrometheusRule")
+"""Kinds of the children `desired.children` renders (the attempts' PyTorchJobs are not pruned:
+the lifecycle deletes them)."""
 TERMINAL = {p.value for p in TERMINAL_PHASES}
 Obj = dict[str, Any]
 
@@ -95,7 +99,7 @@ def wake(memo: kopf.Memo, namespace: str, name: str) -> None:
 
 
 def record_phase(memo: kopf.Memo, namespace: str, name: str, phase: str | None) -> None:
-    """The per-phase gauge, computed from the phases the operator last wrote (pruned on delete)."""
+    """The per-phase gauge, computed from the phases the objects have (pruned on delete)."""
     phases: dict[tuple[str, str], str] = memo["phases"]
     if phase is None:
         phases.pop((namespace, name), None)
@@ -122,6 +126,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -
     memo["settings"] = operator_settings
     memo["wakers"] = {}
     memo["phases"] = {}
+    memo["applied"] = {}  # (namespace, name) -> {(kind, child name): resourceVersion llamaft applied}
+    memo["drifted"] = set()  # (namespace, name) whose children were edited or deleted by someone else
     from prometheus_client import start_http_server
 
     try:
@@ -198,7 +204,6 @@ class Step:
         generation = meta.get("generation")
         owner = Owner(self.name, self.namespace, meta.get("uid", ""))
         attempt = int(status.get("attempt") or 0)
-        record_phase(self.memo, self.namespace, self.name, status.get("phase"))
         if status.get("phase") in TERMINAL and attempt > 0:
             return None  # finished runs are final and not polled
         parsed = validated(self.memo, obj)
@@ -233,6 +238,8 @@ class Step:
         # Conditions this step set before deciding (Valid, GPUHealthy) live in `status`.
         patch.setdefault("conditions", status.get("conditions", []))
         requeue = decision.requeue_after
+        if decision.start_attempt is None and attempt > 0 and patch.get("phase", status.get("phase")) not in TERMINAL:
+            requeue = min(filter(None, (requeue, self._reconcile_children(obj, owner, parsed, patch))), default=None)
         if decision.start_attempt is not None:
             try:
                 requeue = self._start_attempt(obj, owner, parsed, decision.start_attempt, status, patch) or requeue
@@ -250,7 +257,6 @@ class Step:
         changes = {key: value for key, value in patch.items() if obj.get("status", {}).get(key) != value}
         if changes:  # an unchanged status is not written: no watch event, no write load
             self.kube.patch_finetune_status(self.namespace, self.name, changes)
-        record_phase(self.memo, self.namespace, self.name, patch.get("phase", status.get("phase")))
         for event in decision.events:
             self.event(obj, event.type, event.reason, event.message)
         if patch.get("phase", status.get("phase")) in TERMINAL:
@@ -265,9 +271,12 @@ class Step:
             return None
         cached = self.memo.get("capacity")
         if cached is not None and cached[0] == generation:
-            return cached[1]  # type: ignore[no-any-return]
-        verdict = admission(spec)
-        self.memo["capacity"] = (generation, verdict)
+            verdict: Admission = cached[1]
+        else:
+            verdict = admission(spec)
+            self.memo["capacity"] = (generation, verdict)
+        # The condition goes into every status written (a step that failed before writing must
+        # not lose it); the event only when the verdict is new.
         value = {True: "True", False: "False", None: "Unknown"}[verdict.fits]
         before = next((c for c in status.get("conditions", []) if c.get("type") == "CapacityFits"), None)
         status["conditions"] = observe.set_condition(list(status.get("conditions", [])), "CapacityFits", value, verdict.reason,
@@ -358,63 +367,103 @@ class Step:
         Returns a requeue delay when something it needs is not ready yet."""
         k, ns = self.kube, self.namespace
         job_name = owner.job_name(attempt)
-        conditions = list(patch.get("conditions") or status.get("conditions") or [])
-
-        def condition(type_: str, ok: bool, reason: str, message: str) -> None:
-            nonlocal conditions
-            conditions = observe.set_condition(conditions, type_, "True" if ok else "False", reason, message,
-                                               obj["metadata"].get("generation"), lifecycle.iso(now()))
-            patch["conditions"] = conditions
-
-        try:
-            k.apply_config_map(ns, adopted(desired.config_map(owner, spec), obj))
-            if desired.uses_managed_etcd(spec):
-                for child in desired.etcd_objects(owner, self.settings.etcd_image):
-                    if k.ensure(ns, adopted(child, obj)):
-                        self.event(obj, "Normal", "EtcdCreated", f"created managed etcd {child['kind']} {owner.etcd}")
-                if not k.deployment_ready(ns, owner.etcd):
-                    condition("RendezvousReady", False, "WaitingForEtcd", f"etcd {owner.etcd} is not ready yet")
-                    patch["message"] = "waiting for the managed etcd"
-                    return 2.0
-        except ForeignObject as exc:
-            condition("RendezvousReady", False, "PreviousIncarnation", str(exc))
-            patch["message"] = f"waiting for the previous incarnation's objects to go: {exc}"
-            return 1.0
-        self._ensure_monitoring(obj, owner, spec, status, condition)
+        waiting = self._reconcile_children(obj, owner, spec, patch, force=True)
+        if waiting is not None:
+            return waiting
+        if desired.uses_managed_etcd(spec) and not k.deployment_ready(ns, owner.etcd):
+            self._condition(obj, patch, "RendezvousReady", False, "WaitingForEtcd", f"etcd {owner.etcd} is not ready yet")
+            patch["message"] = "waiting for the managed etcd"
+            return 2.0
         previous = attempt - 1 if attempt > 1 else None
         try:
             self._reset(obj, owner, spec, [a for a in (previous, attempt) if a is not None])
         except rendezvous.RendezvousResetError as exc:
-            condition("RendezvousReady", False, "RendezvousResetFailed", str(exc))
+            self._condition(obj, patch, "RendezvousReady", False, "RendezvousResetFailed", str(exc))
             return 5.0
         excluded = patch.get("excludedNodes", status.get("excludedNodes")) or []
         job = adopted(desired.pytorch_job(owner, spec, attempt, excluded), obj)
         if k.create_job(ns, job):
             self.event(obj, "Normal", "JobCreated", f"created PyTorchJob {job_name} (attempt {attempt}, "
                        f"rendezvous {owner.rendezvous_id(attempt)})" + (f", avoiding {', '.join(excluded)}" if excluded else ""))
-        condition("RendezvousReady", True, "RendezvousReady", f"{spec.rendezvous.backend.value} rendezvous {owner.rendezvous_id(attempt)}")
+        self._condition(obj, patch, "RendezvousReady", True, "RendezvousReady",
+                        f"{spec.rendezvous.backend.value} rendezvous {owner.rendezvous_id(attempt)}")
         patch.update(attempt=attempt, jobName=job_name, rendezvousId=owner.rendezvous_id(attempt),
                      totalGpus=spec.cluster.workers * spec.cluster.gpus_per_worker)
         return None
 
-    def _ensure_monitoring(self, obj: Obj, owner: Owner, spec: LlamaFineTuneSpec, status: Obj, condition: Any) -> None:
-        """PodMonitor, alerts and dashboard; a cluster without the Prometheus Operator gets a warning,
-        never a blocked run."""
-        try:
-            for child in monitoring.monitoring_objects(owner, spec, dict(self.settings.dashboard_labels)):
-                if child["kind"] == "ConfigMap":
-                    self.kube.apply_config_map(self.namespace, adopted(child, obj))
-                else:
-                    self.kube.ensure(self.namespace, adopted(child, obj))
-        except MonitoringUnavailable as exc:
-            if not any(c.get("type") == "MonitoringReady" for c in status.get("conditions", [])):
-                self.event(obj, "Warning", "MonitoringUnavailable", f"{exc}: install the Prometheus Operator for metrics and alerts")
-            condition("MonitoringReady", False, "PrometheusOperatorMissing", str(exc))
-            return
-        except ForeignObject as exc:
-            condition("MonitoringReady", False, "PreviousIncarnation", str(exc))
-            return
-        condition("MonitoringReady", True, "MonitoringCreated", "PodMonitor, alerts and dashboard are in place")
+    def _condition(self, obj: Obj, patch: Obj, type_: str, ok: bool, reason: str, message: str) -> None:
+        patch["conditions"] = observe.set_condition(
+            list(patch.get("conditions") or obj.get("status", {}).get("conditions") or []), type_, "True" if ok else "False",
+            reason, message, obj["metadata"].get("generation"), lifecycle.iso(now()))
+
+    def _reconcile_children(self, obj: Obj, owner: Owner, spec: LlamaFineTuneSpec, patch: Obj,
+                            force: bool = False) -> float | None:
+        """Server-side apply the children the spec describes (config, managed etcd, monitoring) and
+        prune the ones it no longer wants. Skipped when nothing changed since the last apply: the
+        rendered children are the same and no child event reported a hand edit or deletion (see
+        `child_drifted`). Returns a requeue delay while the previous incarnation's objects go."""
+        key = (self.namespace, self.name)
+        wanted = [adopted(child, obj) for child in
+                  desired.children(owner, spec, self.settings.etcd_image, dict(self.settings.dashboard_labels))]
+        digest = hashlib.sha256(json.dumps(wanted, sort_keys=True).encode()).hexdigest()
+        drifted = key in self.memo["drifted"]
+        if not force and not drifted and self.memo.get("children_digest") == digest:
+            return None
+        self.memo["drifted"].discard(key)
+        if self.memo.get("owner_checked") != owner.uid:
+            try:
+                for child in wanted:
+                    self.kube.check_owner(self.namespace, child)
+            except ForeignObject as exc:
+                self._condition(obj, patch, "RendezvousReady", False, "PreviousIncarnation", str(exc))
+                patch["message"] = f"waiting for the previous incarnation's objects to go: {exc}"
+                return 1.0
+            self.memo["owner_checked"] = owner.uid
+        applied: dict[tuple[str, str], str] = {}
+        previous = self.memo["applied"].get(key, {})
+        changed: list[str] = []
+        monitoring_missing: MonitoringUnavailable | None = None
+        for child in wanted:
+            kind, name = child["kind"], child["metadata"]["name"]
+            try:
+                live = self.kube.apply(self.namespace, child)
+            except MonitoringUnavailable as exc:
+                monitoring_missing = exc
+                continue
+            version = str(live.get("metadata", {}).get("resourceVersion", ""))
+            applied[(kind, name)] = version
+            if previous.get((kind, name)) != version:
+                changed.append(f"{kind} {name}")
+        pruned = self._prune(owner, set(applied) | {(c["kind"], c["metadata"]["name"]) for c in wanted})
+        self.memo["applied"][key] = applied
+        self.memo["children_digest"] = digest
+        if changed or pruned:
+            what = (f"applied {', '.join(changed)}" if changed else "") + ("; " if changed and pruned else "") + \
+                   (f"pruned {', '.join(pruned)}" if pruned else "")
+            reason = "DriftRepaired" if drifted and not force else "ChildrenApplied"
+            self.event(obj, "Normal", reason, what)
+        if monitoring_missing is not None:
+            if not any(c.get("type") == "MonitoringReady" for c in obj.get("status", {}).get("conditions", [])):
+                self.event(obj, "Warning", "MonitoringUnavailable",
+                           f"{monitoring_missing}: install the Prometheus Operator for metrics and alerts")
+            self._condition(obj, patch, "MonitoringReady", False, "PrometheusOperatorMissing", str(monitoring_missing))
+        else:
+            self._condition(obj, patch, "MonitoringReady", True, "MonitoringApplied",
+                            "PodMonitor, alerts and dashboard are as the spec asks")
+        return None
+
+    def _prune(self, owner: Owner, keep: set[tuple[str, str]]) -> list[str]:
+        """Delete this incarnation's children (by label and owner uid) that the spec no longer
+        describes: monitoring turned off, the managed etcd after a switch to an external endpoint."""
+        pruned = []
+        for kind in PRUNABLE:
+            for live in self.kube.list_children(self.namespace, kind, f"{LABEL_FINETUNE}={self.name}"):
+                name = live["metadata"]["name"]
+                if (kind, name) in keep or not owned_by(live, owner.uid) or live["metadata"].get("deletionTimestamp"):
+                    continue
+                if self.kube.delete(self.namespace, kind, name):
+                    pruned.append(f"{kind} {name}")
+        return pruned
 
     def _reset(self, obj: Obj, owner: Owner, spec: LlamaFineTuneSpec, attempts: list[int]) -> None:
         reset_rendezvous(self.settings, owner, spec, attempts,
@@ -500,8 +549,47 @@ def child_changed(meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
         wake(memo, str(meta["namespace"]), str(owner))
 
 
+CHILD_LABELS = {LABEL_FINETUNE: kopf.PRESENT}
+
+
+@kopf.on.event("", "v1", "configmaps", labels=CHILD_LABELS)
+@kopf.on.event("", "v1", "services", labels=CHILD_LABELS)
+@kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
+@kopf.on.event("monitoring.coreos.com", "v1", "podmonitors", labels=CHILD_LABELS)
+@kopf.on.event("monitoring.coreos.com", "v1", "prometheusrules", labels=CHILD_LABELS)
+def child_drifted(type: str | None, body: kopf.Body, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+    """A child llamaft applied changed in a way llamaft did not (a hand edit, a deletion): its
+    owner's lifecycle applies the children again now. Our own applies are recognised by the
+    resourceVersion they returned; the Deployment's status updates cost one no-op apply."""
+    owner, namespace = (meta.get("labels") or {}).get(LABEL_FINETUNE), meta.get("namespace")
+    if not owner or not namespace:
+        return
+    applied = memo["applied"].get((namespace, owner))
+    child = (str(body.get("kind")), str(meta.get("name")))
+    if applied is None or child not in applied:
+        return  # not (yet) applied by this operator: the owner's next apply covers it
+    if type == "DELETED" or str(meta.get("resourceVersion")) != applied[child]:
+        memo["drifted"].add((namespace, owner))
+        wake(memo, namespace, owner)
+
+
+@kopf.on.event(*RESOURCE)
+def finetune_seen(type: str | None, name: str | None, namespace: str | None, status: kopf.Status, memo: kopf.Memo,
+                  **_: Any) -> None:
+    """The per-phase gauge, from the phases the API server holds (every object is listed at
+    startup, so the gauge is right after a restart too)."""
+    if name and namespace:
+        record_phase(memo, namespace, name, None if type == "DELETED" else str(status.get("phase") or Phase.PENDING.value))
+
+
 # ------------------------------------------------------------------------------ spec changes
 IN_PLACE_FIELDS = {("runPolicy", "suspend"), ("cluster", "workers")}
+
+
+def in_place(path: tuple[str, ...]) -> bool:
+    """Changes the running attempt does not see: applied in place (suspend, elastic scale) or
+    only to the children (DCGM monitoring: PodMonitor, alerts, dashboard)."""
+    return path in IN_PLACE_FIELDS or path[:2] == ("monitoring", "dcgm")
 
 
 def _leaves(value: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
@@ -559,7 +647,7 @@ def spec_changed(body: kopf.Body, old: Any, new: Any, meta: kopf.Meta, memo: kop
             # e.g. a default written out explicitly: nothing the run sees differs, so nothing restarts.
             k.patch_finetune_status(namespace, name, {"observedGeneration": generation})
             return
-        if changed <= IN_PLACE_FIELDS and (("cluster", "workers") not in changed or parsed.cluster.elastic):
+        if all(in_place(path) for path in changed) and (("cluster", "workers") not in changed or parsed.cluster.elastic):
             if ("runPolicy", "suspend") in changed:
                 if not parsed.run_policy.suspend:
                     # resumed pods must not meet a closed rendezvous
@@ -570,6 +658,8 @@ def spec_changed(body: kopf.Body, old: Any, new: Any, meta: kopf.Meta, memo: kop
             if ("cluster", "workers") in changed:
                 k.patch_job(namespace, job_name, {"spec": {"pytorchReplicaSpecs": {"Worker": {"replicas": parsed.cluster.workers}}}})
                 kopf.info(body, reason="Scaled", message=f"elastic workers -> {parsed.cluster.workers}")
+            if any(path[:2] == ("monitoring", "dcgm") for path in changed):
+                kopf.info(body, reason="MonitoringChanged", message="monitoring applied in place; training continues")
             k.patch_finetune_status(namespace, name, {"observedGeneration": generation})
             wake(memo, namespace, name)
             return
@@ -587,13 +677,16 @@ def spec_changed(body: kopf.Body, old: Any, new: Any, meta: kopf.Meta, memo: kop
 # ---------------------------------------------------------------------------------- delete
 @kopf.on.delete(*RESOURCE)
 def cleanup(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, memo: kopf.Memo, **_: Any) -> None:
+    """Every child (jobs and their pods, config, etcd, monitoring) has this LlamaFineTune as its
+    controller owner, so the garbage collector removes them once it is gone. What garbage
+    collection cannot reach is done here: the rendezvous state in an external etcd
+    (spec.rendezvous.endpoint), and this operator's own bookkeeping. A re-applied CR of the same
+    name meets its predecessor's children only while the collector works; it waits for them
+    (ForeignObject) and never adopts them. Checkpoints stay."""
     namespace, name = str(meta["namespace"]), str(meta["name"])
-    k, settings = kube_of(memo), settings_of(memo)
+    settings = settings_of(memo)
     with measured("delete"), object_lock(memo):
         owner = Owner(name, namespace, meta.get("uid", ""))
-        jobs = [j for j in k.list_jobs(namespace, f"{LABEL_FINETUNE}={name}") if owned_by(j, owner.uid)]
-        for job in jobs:
-            k.delete_job(namespace, job["metadata"]["name"])
         try:
             parsed: LlamaFineTuneSpec | None = LlamaFineTuneSpec.model_validate(dict(spec))
         except ValueError:
@@ -604,11 +697,7 @@ def cleanup(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Stat
                 reset_rendezvous(settings, owner, parsed, [attempt], lambda r, m: None)
             except rendezvous.RendezvousResetError as exc:
                 kopf.warn(body, reason="RendezvousResetFailed", message=f"left rendezvous state behind: {exc}")
-        # Explicit deletes of what this incarnation owns (garbage collection would get there too, but
-        # only after the CR is gone, and a re-applied CR of the same name would meet them meanwhile).
-        for kind, child in (("Deployment", owner.etcd), ("Service", owner.etcd), ("ConfigMap", owner.config_map),
-                            ("ConfigMap", f"{owner.name}-dashboard"), ("PodMonitor", f"{owner.name}-trainer"),
-                            ("PrometheusRule", f"{owner.name}-alerts")):
-            k.delete(namespace, kind, child)
-        record_phase(memo, namespace, name, None)
-        kopf.info(body, reason="Deleted", message=f"removed {len(jobs)} PyTorchJob(s), etcd and config; checkpoints are kept")
+        memo["applied"].pop((namespace, name), None)
+        memo["drifted"].discard((namespace, name))
+        kopf.info(body, reason="Deleted", message="the garbage collector removes the jobs, etcd, config and monitoring "
+                  "(all owned by this LlamaFineTune); checkpoints are kept")

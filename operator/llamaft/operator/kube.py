@@ -1,11 +1,13 @@
 """The Kubernetes calls the operator makes, in one place (the chart's RBAC is derived from them).
 
 Every call is idempotent by name: create treats 409 as "already there", delete treats 404 as
-"already gone", get returns None for 404. Objects are plain dicts (as the pure functions build them).
+"already gone", get returns None for 404; children the spec describes are server-side applied.
+Objects are plain dicts (as the pure functions build them).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, cast
 
 from kubernetes import client
@@ -13,6 +15,9 @@ from kubernetes.client.exceptions import ApiException
 
 Obj = dict[str, Any]
 PYTORCHJOBS = ("kubeflow.org", "v1", "pytorchjobs")
+FIELD_MANAGER = "llamaft"
+USER_AGENT = "llamaft-operator"
+APPLY_PATCH = "application/apply-patch+yaml"
 LLAMAFINETUNES = ("llamaft.io", "v1alpha1", "llamafinetunes")
 
 # (api group, resource, verbs): what this module calls. tests/operator/test_rbac.py checks the
@@ -21,12 +26,15 @@ API_CALLS: list[tuple[str, str, tuple[str, ...]]] = [
     ("llamaft.io", "llamafinetunes", ("get",)),
     ("llamaft.io", "llamafinetunes/status", ("patch",)),
     ("kubeflow.org", "pytorchjobs", ("get", "list", "create", "patch", "delete")),
-    ("", "configmaps", ("get", "create", "patch", "delete")),
-    ("apps", "deployments", ("get", "create", "delete")),
-    ("", "services", ("get", "create", "delete")),
+    # children: server-side apply is `patch`, plus `create` when the apply creates the object
+    # (kubernetes apiserver, endpoints/handlers/patch.go: createAuthorizerAttributes); get checks
+    # the owner before the first apply; list and delete prune.
+    ("", "configmaps", ("get", "create", "patch", "list", "delete")),
+    ("apps", "deployments", ("get", "create", "patch", "list", "delete")),
+    ("", "services", ("get", "create", "patch", "list", "delete")),
     ("", "pods", ("list",)),
-    ("monitoring.coreos.com", "podmonitors", ("create", "delete")),
-    ("monitoring.coreos.com", "prometheusrules", ("create", "delete")),
+    ("monitoring.coreos.com", "podmonitors", ("get", "create", "patch", "list", "delete")),
+    ("monitoring.coreos.com", "prometheusrules", ("get", "create", "patch", "list", "delete")),
 ]
 MONITORING = {"PodMonitor": "podmonitors", "PrometheusRule": "prometheusrules"}
 
@@ -57,6 +65,8 @@ def _plain(api: client.ApiClient, obj: Any) -> Obj:
 class Kube:
     def __init__(self, api: client.ApiClient | None = None) -> None:
         self.api = api or client.ApiClient()
+        if api is None:
+            self.api.user_agent = USER_AGENT  # audit logs tell the operator's calls from kopf's and users'
         self.core = client.CoreV1Api(self.api)
         self.apps = client.AppsV1Api(self.api)
         self.custom = client.CustomObjectsApi(self.api)
@@ -115,67 +125,84 @@ class Kube:
                 return False
             raise
 
-    # ------------------------------------------------------------------- built-in objects
-    def apply_config_map(self, namespace: str, cm: Obj) -> str:
-        """created | updated | unchanged; ForeignObject when another owner's ConfigMap has the name."""
-        name = cm["metadata"]["name"]
+    # ------------------------------------------------------------- children: apply, list, prune
+    def apply(self, namespace: str, obj: Obj) -> Obj:
+        """Server-side apply as the `llamaft` field manager (force: the operator owns what it
+        renders, so a hand edit of those fields is drift to repair, not a conflict to report).
+        Creates the object when it is missing; fields llamaft set before and no longer renders are
+        removed; an unchanged object is not written. Returns the live object."""
+        name, kind = obj["metadata"]["name"], obj["kind"]
+        # The raw response: an apply that creates answers 201, which the generated client does not
+        # decode for patch calls.
+        options: dict[str, Any] = {"field_manager": FIELD_MANAGER, "force": True, "_content_type": APPLY_PATCH,
+                                   "_preload_content": False}
         try:
-            current = _plain(self.api, self.core.read_namespaced_config_map(name, namespace))
+            if kind == "ConfigMap":
+                live: Any = self.core.patch_namespaced_config_map(name, namespace, obj, **options)
+            elif kind == "Service":
+                live = self.core.patch_namespaced_service(name, namespace, obj, **options)
+            elif kind == "Deployment":
+                live = self.apps.patch_namespaced_deployment(name, namespace, obj, **options)
+            elif kind in MONITORING:
+                live = self.custom.patch_namespaced_custom_object(
+                    "monitoring.coreos.com", "v1", namespace, MONITORING[kind], name, obj, **options)
+            else:
+                raise ValueError(f"unsupported kind {kind}")
         except ApiException as exc:
-            if exc.status != 404:
-                raise
-            self.core.create_namespaced_config_map(namespace, cast(Any, cm))  # the client takes plain dicts
-            return "created"
-        self._check_owner(current, cm)
-        if current.get("data") == cm["data"]:
-            return "unchanged"
-        self.core.patch_namespaced_config_map(name, namespace, {"data": cm["data"]})
-        return "updated"
+            if exc.status == 404 and kind in MONITORING:
+                raise MonitoringUnavailable(f"{kind} (monitoring.coreos.com/v1) is not served by this cluster") from exc
+            raise
+        return cast(Obj, json.loads(live.data))
 
-    @staticmethod
-    def _check_owner(current: Obj, wanted: Obj) -> None:
-        uid = _owner_uid(wanted)
-        if uid and not owned_by(current, uid) and current.get("metadata", {}).get("ownerReferences"):
-            raise ForeignObject(f"{wanted['kind']} {wanted['metadata']['name']} still belongs to "
-                                f"{current['metadata']['ownerReferences'][0].get('uid')} (being deleted)")
-        if uid and current.get("metadata", {}).get("deletionTimestamp"):
-            raise ForeignObject(f"{wanted['kind']} {wanted['metadata']['name']} is being deleted")
-
-    def _read(self, namespace: str, obj: Obj) -> Obj | None:
-        name = obj["metadata"]["name"]
+    def list_children(self, namespace: str, kind: str, selector: str) -> list[Obj]:
+        """Objects of one child kind with the label selector; [] when the kind is not served."""
         try:
-            if obj["kind"] == "Deployment":
-                return _plain(self.api, self.apps.read_namespaced_deployment(name, namespace))
-            if obj["kind"] == "Service":
-                return _plain(self.api, self.core.read_namespaced_service(name, namespace))
+            items: list[Any]
+            if kind == "ConfigMap":
+                items = self.core.list_namespaced_config_map(namespace, label_selector=selector).items
+            elif kind == "Service":
+                items = self.core.list_namespaced_service(namespace, label_selector=selector).items
+            elif kind == "Deployment":
+                items = self.apps.list_namespaced_deployment(namespace, label_selector=selector).items
+            elif kind in MONITORING:
+                body = self.custom.list_namespaced_custom_object(
+                    "monitoring.coreos.com", "v1", namespace, MONITORING[kind], label_selector=selector)
+                return [dict(item, kind=kind) for item in cast(Obj, body).get("items", [])]
+            else:
+                raise ValueError(f"unsupported kind {kind}")
+        except ApiException as exc:
+            if exc.status == 404 and kind in MONITORING:
+                return []
+            raise
+        return [dict(_plain(self.api, item), kind=kind) for item in items]
+
+    def check_owner(self, namespace: str, obj: Obj) -> None:
+        """ForeignObject when an object of the child's name exists and belongs to another owner or
+        is being deleted (the previous incarnation's, after a delete and re-apply): applying to it
+        would adopt an object the garbage collector is about to remove."""
+        name, kind = obj["metadata"]["name"], obj["kind"]
+        try:
+            if kind == "ConfigMap":
+                current: Any = self.core.read_namespaced_config_map(name, namespace)
+            elif kind == "Service":
+                current = self.core.read_namespaced_service(name, namespace)
+            elif kind == "Deployment":
+                current = self.apps.read_namespaced_deployment(name, namespace)
+            elif kind in MONITORING:
+                current = self.custom.get_namespaced_custom_object("monitoring.coreos.com", "v1", namespace, MONITORING[kind], name)
+            else:
+                raise ValueError(f"unsupported kind {kind}")
         except ApiException as exc:
             if exc.status == 404:
-                return None
+                return
             raise
-        return None
-
-    def ensure(self, namespace: str, obj: Obj) -> bool:
-        """Create a Deployment, Service or monitoring object unless it exists; True when created.
-        ForeignObject when a Deployment or Service of that name belongs to another owner."""
-        try:
-            if obj["kind"] == "Deployment":
-                self.apps.create_namespaced_deployment(namespace, cast(Any, obj))
-            elif obj["kind"] == "Service":
-                self.core.create_namespaced_service(namespace, cast(Any, obj))
-            elif obj["kind"] in MONITORING:
-                self.custom.create_namespaced_custom_object("monitoring.coreos.com", "v1", namespace, MONITORING[obj["kind"]], obj)
-            else:
-                raise ValueError(f"unsupported kind {obj['kind']}")
-            return True
-        except ApiException as exc:
-            if exc.status == 409:
-                current = self._read(namespace, obj)
-                if current is not None:
-                    self._check_owner(current, obj)
-                return False
-            if exc.status == 404 and obj["kind"] in MONITORING:
-                raise MonitoringUnavailable(f"{obj['kind']} (monitoring.coreos.com/v1) is not served by this cluster") from exc
-            raise
+        live = current if isinstance(current, dict) else _plain(self.api, current)
+        uid = _owner_uid(obj)
+        if uid and not owned_by(live, uid) and live.get("metadata", {}).get("ownerReferences"):
+            raise ForeignObject(f"{kind} {name} still belongs to {live['metadata']['ownerReferences'][0].get('uid')} "
+                                "(being deleted)")
+        if uid and live.get("metadata", {}).get("deletionTimestamp"):
+            raise ForeignObject(f"{kind} {name} is being deleted")
 
     def deployment_ready(self, namespace: str, name: str) -> bool:
         try:
