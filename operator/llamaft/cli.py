@@ -204,7 +204,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        from llamaft_trainer.local import run_local
+        from llamaft.local import run_local
     except ImportError as exc:
         print(f"llamaft run --local needs the trainer extra (pip install 'llamaft[trainer]'): {exc}", file=sys.stderr)
         return 2

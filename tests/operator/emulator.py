@@ -47,8 +47,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import attrs
 import aiohttp.web
+import attrs
 import jsonpatch
 import kmock
 import yaml

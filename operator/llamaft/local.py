@@ -1,5 +1,11 @@
 """`llamaft run --local FILE`: the same LlamaFineTune, run by torchrun on this machine.
 
+What each agent runs is the cluster's launch by construction: the operator's PyTorchJob for the
+file is rendered (llamaft.operator.desired) and turned into torchrun's command and env
+(llamaft.launch.torchrun_launch), then only the machine-bound values are changed (localize:
+rendezvous address, config path, metrics port, termination log, CPU when there are no GPUs). The
+config JSON is the ConfigMap's own text.
+
 One torchrun agent per `spec.cluster.workers` (each a "node" with its processes), rendezvousing
 exactly as on the cluster: through a local etcd for the etcd backends (started here unless
 `spec.rendezvous.endpoint` is set), or c10d on loopback. GPUs are used when the machine has as
@@ -37,18 +43,19 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
-from llamaft.api.sources import SourceKind, parse_source
-from llamaft.api.spec import LlamaFineTuneSpec, RendezvousBackend
-from llamaft.manifests import load_finetune
-
 from llamaft_trainer import termination
 from llamaft_trainer.errors import EXIT_CONFIG_ERROR, ConfigError
 from llamaft_trainer.local_etcd import LocalEtcd, free_port, parent_death_signal
 
-SHUTDOWN_TIMEOUT_S = 30
-"""torchrun's default time between its SIGTERM to the workers and its SIGKILL (TORCH_ELASTIC_SHUTDOWN_TIMEOUT)."""
+from llamaft.api.sources import SourceKind, parse_source
+from llamaft.api.spec import LlamaFineTuneSpec, RendezvousBackend
+from llamaft.launch import Launch, Localized, localize, torchrun_launch
+from llamaft.manifests import load_finetune
+from llamaft.operator import desired
+from llamaft.operator.naming import CONFIG_FILE, Owner
+
 STOP_MARGIN_S = 15.0
-"""Beyond the shutdown timeout, how long an interrupted run may take to end before it is SIGKILLed."""
+"""Beyond torchrun's shutdown timeout, how long an interrupted run may take to end before it is SIGKILLed."""
 
 
 @dataclass(frozen=True)
@@ -60,14 +67,19 @@ class LocalPlan:
     backend: RendezvousBackend
     run_dir: Path
     config_path: Path
-    rdzv_id: str
-    timeout_s: int
-    """training.collectiveTimeoutSeconds: also the bound of every rendezvous."""
+    launch: Launch
+    """What every worker pod of the cluster's PyTorchJob runs (llamaft.launch)."""
     checkpoints: str
     resume: bool
 
+    @property
+    def rdzv_id(self) -> str:
+        return str(self.launch.flag("rdzv_id"))
+
 
 def plan(path: str | Path, *, nproc_per_worker: int | None, run_dir: str | Path | None) -> tuple[LocalPlan, LlamaFineTuneSpec]:
+    """The cluster's launch for this file, rendered exactly as the operator renders it (a fresh uid
+    per run, so the rendezvous id is new and a rerun never meets a closed rendezvous)."""
     body, spec = load_finetune(path)
     name = str(body["metadata"]["name"])
     model = parse_source(spec.model.source)
@@ -88,30 +100,24 @@ def plan(path: str | Path, *, nproc_per_worker: int | None, run_dir: str | Path 
         device, nproc = "cpu", 1
     if nproc_per_worker is not None:
         nproc = nproc_per_worker
+    owner = Owner(name, str(body["metadata"].get("namespace") or "local"), str(uuid.uuid4()))
     directory = Path(run_dir or Path("runs") / name)
     directory.mkdir(parents=True, exist_ok=True)
-    config_path = directory / "config.json"
-    config_path.write_text(json.dumps(spec.training_config().to_k8s(), indent=2))
-    rdzv_id = f"{name}-{uuid.uuid4().hex[:8]}"  # unique per run: a rerun never meets a closed rendezvous
+    config_path = directory / CONFIG_FILE
+    # The ConfigMap's own bytes: the trainer reads the same JSON here as in a pod.
+    config_path.write_text(desired.config_map(owner, spec)["data"][CONFIG_FILE])
+    launch = torchrun_launch(desired.pytorch_job(owner, spec, 1))
     return LocalPlan(
-        name, spec.cluster.workers, nproc, device, spec.rendezvous.backend, directory, config_path, rdzv_id,
-        spec.training.collective_timeout_seconds, spec.checkpointing.directory, spec.checkpointing.resume,
+        name, spec.cluster.workers, nproc, device, spec.rendezvous.backend, directory, config_path, launch,
+        spec.checkpointing.directory, spec.checkpointing.resume,
     ), spec
 
 
-def agent_command(p: LocalPlan, spec: LlamaFineTuneSpec, endpoint: str) -> list[str]:
-    nnodes = str(p.workers)
-    if spec.cluster.elastic is not None:
-        nnodes = f"{spec.cluster.elastic.min_workers}:{spec.cluster.elastic.max_workers}"
-    return [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", nnodes, "--nproc_per_node", str(p.nproc_per_worker),
-        "--rdzv_backend", p.backend.value, "--rdzv_endpoint", endpoint, "--rdzv_id", p.rdzv_id,
-        # Bounded like every collective: the dynamic backends' join_timeout, legacy etcd's timeout.
-        "--rdzv_conf", f"join_timeout={p.timeout_s},timeout={p.timeout_s}",
-        "--max_restarts", str(spec.rendezvous.max_restarts),
-        "-m", "llamaft_trainer", "--config", str(p.config_path),
-    ]
+def agent(p: LocalPlan, endpoint: str, index: int) -> Localized:
+    """Agent (\"node\") `index` of the local run: the cluster's launch, localized."""
+    return localize(p.launch, rdzv_endpoint=endpoint, config_path=str(p.config_path), nproc_per_node=p.nproc_per_worker,
+                    metrics_port=free_port(), termination_log=str(p.run_dir / f"termination-{index}.json"),
+                    cpu_only=p.device == "cpu")
 
 
 @contextlib.contextmanager
@@ -313,21 +319,13 @@ def _run(p: LocalPlan, spec: LlamaFineTuneSpec, interrupt: Interrupt) -> int:
         print(f"llamaft: {signal.Signals(interrupt.first).name} before the run started: nothing was started",
               file=sys.stderr, flush=True)
         return 128 + interrupt.first
-    total = p.workers * p.nproc_per_worker
     print(
         f"llamaft: running {p.name} locally: {p.workers} worker(s) x {p.nproc_per_worker} process(es) on {p.device}, "
         f"rendezvous {p.backend.value} (id {p.rdzv_id}); logs in {p.run_dir}",
         flush=True,
     )
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // total)))
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env["PYTHONUNBUFFERED"] = "1"
-    # The trainers read the same variable for their save-on-SIGTERM budget (preemption.py).
-    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
-    grace_s = float(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) + STOP_MARGIN_S
-    if p.device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
+    # torchrun's SIGTERM-to-SIGKILL time for its workers, as in the pod (the grace period).
+    grace_s = float(p.launch.env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30)) + STOP_MARGIN_S
     for index in range(p.workers):  # an earlier run's messages are not this run's
         (p.run_dir / f"termination-{index}.json").unlink(missing_ok=True)
     events: list[dict[str, Any]] = []
@@ -339,10 +337,9 @@ def _run(p: LocalPlan, spec: LlamaFineTuneSpec, interrupt: Interrupt) -> int:
             for index in range(p.workers):
                 if interrupt.first is not None:
                     break
-                worker_env = dict(env)
-                worker_env["LLAMAFT_METRICS_PORT"] = str(free_port())
-                worker_env["LLAMAFT_TERMINATION_LOG"] = str(p.run_dir / f"termination-{index}.json")
-                procs.append(_spawn(agent_command(p, spec, endpoint), worker_env, parent_death_signal(signal.SIGTERM)))
+                local = agent(p, endpoint, index)
+                # This machine's environment (PATH, HF_TOKEN for a Secret-backed variable, ...), then the pod's.
+                procs.append(_spawn(local.launch.argv, {**os.environ, **local.launch.env}, parent_death_signal(signal.SIGTERM)))
             # Readers start after every fork (preexec_fn and threads do not mix).
             for index, proc in enumerate(procs):
                 log = (p.run_dir / f"worker-{index}.log").open("w")
