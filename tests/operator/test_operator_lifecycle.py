@@ -156,7 +156,8 @@ def test_a_child_the_api_server_still_rejects_fails_the_run_with_its_message() -
             self.status.update(patch)
 
     kube = RefusingKube()
-    memo: Any = {"kube": kube, "settings": OperatorSettings(), "wakers": {}, "phases": {}, "applied": {}, "drifted": set()}
+    memo: Any = {"kube": kube, "settings": OperatorSettings(), "wakers": {}, "phases": {}, "applied": {}, "drifted": set(),
+            "http": None}
     events: list[tuple[str, str]] = []
     step = handlers.Step(memo, "default", "x", logger=None)
     step.event = lambda obj, type_, reason, message: events.append((reason, message))  # type: ignore[method-assign]

@@ -5,12 +5,10 @@
 
 from __future__ import annotations
 
-import json
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
+from llamaft.operator.http import HttpClient
 from llamaft.operator.monitoring import HARDWARE_XIDS, LOW_UTILISATION_PERCENT, pod_selector
 from llamaft.operator.naming import Owner
 
@@ -46,10 +44,9 @@ class Health:
     """Hosts of the GPUs with a hardware XID (dcgm-exporter's `Hostname` label)."""
 
 
-def query(url: str, expr: str, timeout_s: float = 5.0) -> list[Sample]:
-    full = f"{url.rstrip('/')}/api/v1/query?{urllib.parse.urlencode({'query': expr})}"
-    with urllib.request.urlopen(full, timeout=timeout_s) as resp:
-        body: dict[str, Any] = json.loads(resp.read())
+def query(url: str, expr: str, http: HttpClient | None = None) -> list[Sample]:
+    """An instant query (HttpError when Prometheus cannot be reached or refuses it)."""
+    body: dict[str, Any] = (http or HttpClient()).get_json(f"{url.rstrip('/')}/api/v1/query", fields={"query": expr})
     if body.get("status") != "success":
         raise RuntimeError(f"Prometheus query failed: {body.get('error')}")
     return [Sample(dict(r["metric"]), float(r["value"][1])) for r in body["data"]["result"]]

@@ -26,7 +26,6 @@ import json
 import logging
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -40,6 +39,7 @@ from llamaft.api.spec import LlamaFineTuneSpec, PreflightMode, RendezvousBackend
 from llamaft.api.status import TERMINAL_PHASES, Phase
 from llamaft.api.validation import SpecInvalid, validate_spec
 from llamaft.operator import desired, failures, gpu_health, lifecycle, observe, rendezvous
+from llamaft.operator.http import HttpClient, HttpError
 from llamaft.operator.kube import ForeignObject, Kube, MonitoringUnavailable, owned_by
 from llamaft.operator.metrics import FINETUNES, RECONCILE_SECONDS, RECONCILES, RENDEZVOUS_RESETS, RETRIES
 from llamaft.operator.naming import LABEL_FINETUNE, Owner
@@ -124,6 +124,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -
     settings.execution.max_workers = 16
     operator_settings = OperatorSettings.from_env()
     memo["settings"] = operator_settings
+    memo["http"] = HttpClient()  # etcd, Prometheus and /progress: one pool, timeouts and retries
     memo["wakers"] = {}
     memo["phases"] = {}
     memo["applied"] = {}  # (namespace, name) -> {(kind, child name): resourceVersion llamaft applied}
@@ -187,6 +188,7 @@ class Step:
         self.memo, self.namespace, self.name, self.logger = memo, namespace, name, logger
         self.kube = kube_of(memo)
         self.settings = settings_of(memo)
+        self.http: HttpClient = memo["http"]
 
     def event(self, obj: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
         kopf.event(cast(kopf.Body, dict(obj)), type=type_, reason=reason, message=message)
@@ -330,9 +332,9 @@ class Step:
         for pod in running:
             url = f"http://{pod['status']['podIP']}:{spec.monitoring.metrics_port}/progress"
             try:
-                with urllib.request.urlopen(url, timeout=self.settings.progress_timeout_s) as resp:
-                    doc = json.loads(resp.read())
-            except (OSError, ValueError):
+                # No retries: a pod that does not answer now is asked again at the next sync.
+                doc = self.http.get_json(url, timeout_s=self.settings.progress_timeout_s, retries=0)
+            except HttpError:
                 continue
             if isinstance(doc, dict) and doc.get("rank") == 0:
                 return doc
@@ -347,8 +349,9 @@ class Step:
             return None
         xid_query, util_query = gpu_health.queries(owner, job_name)
         try:
-            health = gpu_health.assess(gpu_health.query(url, xid_query), gpu_health.query(url, util_query), running)
-        except (OSError, RuntimeError, ValueError) as exc:
+            health = gpu_health.assess(gpu_health.query(url, xid_query, self.http), gpu_health.query(url, util_query, self.http),
+                                       running)
+        except RuntimeError as exc:  # HttpError, or Prometheus refused the query
             health = gpu_health.Health(True, "MetricsUnavailable", f"cannot query {url}: {exc}")
         before = next((c for c in status.get("conditions", []) if c.get("type") == "GPUHealthy"), None)
         status["conditions"] = observe.set_condition(
@@ -466,11 +469,11 @@ class Step:
         return pruned
 
     def _reset(self, obj: Obj, owner: Owner, spec: LlamaFineTuneSpec, attempts: list[int]) -> None:
-        reset_rendezvous(self.settings, owner, spec, attempts,
+        reset_rendezvous(self.settings, self.http, owner, spec, attempts,
                          lambda reason, message: self.event(obj, "Normal", reason, message))
 
 
-def reset_rendezvous(settings: OperatorSettings, owner: Owner, spec: LlamaFineTuneSpec, attempts: list[int],
+def reset_rendezvous(settings: OperatorSettings, http: HttpClient, owner: Owner, spec: LlamaFineTuneSpec, attempts: list[int],
                      announce: Any) -> None:
     """Remove the rendezvous state of the given attempts' ids (never by restarting etcd)."""
     if spec.rendezvous.backend is RendezvousBackend.C10D or not attempts:
@@ -480,7 +483,7 @@ def reset_rendezvous(settings: OperatorSettings, owner: Owner, spec: LlamaFineTu
     for attempt in attempts:
         rdzv_id = owner.rendezvous_id(attempt)
         try:
-            deleted = rendezvous.reset(address, spec.rendezvous.backend, rdzv_id)
+            deleted = rendezvous.reset(address, spec.rendezvous.backend, rdzv_id, http)
         except rendezvous.RendezvousResetError:
             RENDEZVOUS_RESETS.labels("error").inc()
             raise
@@ -651,7 +654,8 @@ def spec_changed(body: kopf.Body, old: Any, new: Any, meta: kopf.Meta, memo: kop
             if ("runPolicy", "suspend") in changed:
                 if not parsed.run_policy.suspend:
                     # resumed pods must not meet a closed rendezvous
-                    reset_rendezvous(settings, owner, parsed, [attempt], lambda r, m: kopf.info(body, reason=r, message=m))
+                    reset_rendezvous(settings, memo["http"], owner, parsed, [attempt],
+                                     lambda r, m: kopf.info(body, reason=r, message=m))
                 k.patch_job(namespace, job_name, {"spec": {"runPolicy": {"suspend": parsed.run_policy.suspend}}})
                 kopf.info(body, reason="Suspended" if parsed.run_policy.suspend else "Resumed",
                           message=f"PyTorchJob {job_name} {'suspended' if parsed.run_policy.suspend else 'resumed'}")
@@ -694,7 +698,7 @@ def cleanup(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Stat
         attempt = int(status.get("attempt") or 0)
         if parsed is not None and parsed.rendezvous.endpoint is not None and attempt:
             try:
-                reset_rendezvous(settings, owner, parsed, [attempt], lambda r, m: None)
+                reset_rendezvous(settings, memo["http"], owner, parsed, [attempt], lambda r, m: None)
             except rendezvous.RendezvousResetError as exc:
                 kopf.warn(body, reason="RendezvousResetFailed", message=f"left rendezvous state behind: {exc}")
         memo["applied"].pop((namespace, name), None)

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
-import urllib.error
 import urllib.parse
-import urllib.request
 from typing import Any
 
 from llamaft.api.spec import RendezvousBackend
+from llamaft.operator.http import HttpClient, HttpError
 
 ETCD_PREFIX = "/torchelastic/p2p"
 ETCD_V2_STATE = "/torch/elastic/rendezvous"
@@ -30,25 +28,22 @@ class RendezvousResetError(RuntimeError):
 
 
 class EtcdV2:
-    """The few v2-API calls a reset needs (plain HTTP; no client library needed)."""
+    """The few v2-API calls a reset needs, through the operator's HTTP client (llamaft.operator.http)."""
 
-    def __init__(self, endpoint: str, timeout_s: float = 5.0) -> None:
+    def __init__(self, endpoint: str, http: HttpClient | None = None) -> None:
         self.base = f"http://{endpoint}/v2/keys"
-        self.timeout_s = timeout_s
+        self.http = http or HttpClient()
 
     def _request(self, method: str, key: str, query: str = "") -> dict[str, Any] | None:
         url = f"{self.base}{urllib.parse.quote(key)}{query}"
-        request = urllib.request.Request(url, method=method)
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
-                body: dict[str, Any] = json.loads(resp.read() or b"{}")
-                return body
-        except urllib.error.HTTPError as exc:
-            if exc.code == 404:
-                return None
-            raise RendezvousResetError(f"etcd {method} {key}: HTTP {exc.code} {exc.read()[:200]!r}") from exc
-        except OSError as exc:
-            raise RendezvousResetError(f"etcd at {self.base} unreachable: {exc}") from exc
+            body = self.http.request(method, url, missing_ok=True)
+        except HttpError as exc:
+            if exc.status is None:
+                raise RendezvousResetError(f"etcd at {self.base} unreachable: {exc}") from exc
+            raise RendezvousResetError(f"etcd {method} {key}: {exc}") from exc
+        # etcd answers every found key with a JSON document; 404 (None here) is "not there".
+        return None if body is None else dict(body)
 
     def delete(self, key: str, recursive: bool = False) -> bool:
         """True when something was deleted."""
@@ -74,11 +69,11 @@ def store_key_belongs_to(key: str, rdzv_id: str) -> bool:
     return decoded.startswith(f"torch.rendezvous.{rdzv_id}.")
 
 
-def reset(endpoint: str, backend: RendezvousBackend, rdzv_id: str) -> list[str]:
+def reset(endpoint: str, backend: RendezvousBackend, rdzv_id: str, http: HttpClient | None = None) -> list[str]:
     """Delete every key of run `rdzv_id`; returns what was deleted (empty: nothing was there)."""
     if backend is RendezvousBackend.C10D:
         return []
-    etcd = EtcdV2(endpoint)
+    etcd = EtcdV2(endpoint, http)
     deleted: list[str] = []
     if backend is RendezvousBackend.ETCD:
         key = f"{ETCD_PREFIX}/run_{rdzv_id}"
