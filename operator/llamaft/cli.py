@@ -226,6 +226,8 @@ def _cmd_render(args: argparse.Namespace) -> int:
 
     from llamaft.api.documents import read_documents
     from llamaft.api.resource import MAX_ATTEMPTS
+    from llamaft.api.spec import Backend
+    from llamaft.operator import trainjob
     from llamaft.operator.desired import desired_objects
     from llamaft.operator.naming import Owner
     from llamaft.rendered import PLACEHOLDER_UID, child_errors
@@ -244,11 +246,17 @@ def _cmd_render(args: argparse.Namespace) -> int:
     body = docs[0].body
     namespace = args.namespace or body["metadata"].get("namespace") or "default"
     uid = str(body["metadata"].get("uid") or "")
-    problems = child_errors(spec, body["metadata"]["name"], namespace, uid=uid or PLACEHOLDER_UID, attempt=args.attempt)
+    # --backend, else the spec's; `auto` prints the PyTorchJob (what it picks when the cluster serves both).
+    backend = Backend(args.backend) if args.backend else spec.backend
+    problems = child_errors(spec, body["metadata"]["name"], namespace, uid=uid or PLACEHOLDER_UID, attempt=args.attempt,
+                            backend=backend)
     if problems:
         _print_errors("error", problems, sys.stderr)
         return 1
-    objects = desired_objects(Owner(body["metadata"]["name"], namespace, uid), spec, args.attempt)
+    owner = Owner(body["metadata"]["name"], namespace, uid)
+    objects = desired_objects(owner, spec, args.attempt)
+    if backend is Backend.TRAIN_JOB:
+        objects = [trainjob.train_job(owner, spec, args.attempt) if o["kind"] == "PyTorchJob" else o for o in objects]
     sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False, width=120))
     return 0
 
@@ -309,6 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("file", help="YAML file with one LlamaFineTune")
     render.add_argument("--namespace", help="namespace to render into (default: the file's, else default)")
     render.add_argument("--attempt", type=int, default=1, help="run attempt to render (names and rendezvous id)")
+    render.add_argument("--backend", choices=["PyTorchJob", "TrainJob"],
+                        help="the Kubeflow job to print: PyTorchJob (training operator v1) or TrainJob (Kubeflow "
+                             "Trainer v2); default: the spec's backend (auto: PyTorchJob)")
     render.set_defaults(func=_cmd_render)
 
     op = sub.add_parser("operator", help="run the kopf operator (in-cluster or with KUBECONFIG)")

@@ -2,12 +2,15 @@
 it as the cluster will, before anything is created.
 
 `check_children(spec, name, namespace)` renders the objects of an attempt (`desired_objects`:
-ConfigMap, managed etcd, PodMonitor, PrometheusRule, dashboard, PyTorchJob) and checks
+ConfigMap, managed etcd, PodMonitor, PrometheusRule, dashboard, PyTorchJob; with `backend:
+TrainJob` the TrainJob of llamaft.operator.trainjob instead of the PyTorchJob) and checks
 - every built-in object against the Kubernetes OpenAPI schemas (kubernetes-validate's strict
   JSON schemas: unknown fields are errors), the worker pod template included;
 - the PyTorchJob against the vendored Kubeflow CRD (training-operator v1.9) and its webhook's
-  rules, the PodMonitor and PrometheusRule against the vendored Prometheus Operator CRDs (package
-  data in llamaft/assets, copies of tests/fixtures/upstream);
+  rules; the TrainJob against the vendored Kubeflow Trainer v2.3 CRD (runtimePatches included) and
+  the Trainer webhooks' rules, refusing what Trainer cannot express (trainjob.unsupported); the
+  PodMonitor and PrometheusRule against the vendored Prometheus Operator CRDs (package data in
+  llamaft/assets, copies of tests/fixtures/upstream);
 - what the API server checks in a pod beyond its schema (unique container, volume and port names,
   mounts of existing volumes at distinct absolute paths, label syntax, toleration rules, ...);
 - every derived name and label value against Kubernetes' limits, for the longest attempt name
@@ -29,7 +32,7 @@ from typing import Any
 
 from llamaft.api.resource import MAX_ATTEMPTS
 from llamaft.api.sources import SourceKind, parse_source
-from llamaft.api.spec import LlamaFineTuneSpec
+from llamaft.api.spec import Backend, LlamaFineTuneSpec
 from llamaft.api.validation import (
     DNS1123_LABEL,
     DNS1123_SUBDOMAIN,
@@ -38,6 +41,7 @@ from llamaft.api.validation import (
     label_value_problem,
     short,
 )
+from llamaft.operator import trainjob
 
 K8S_SCHEMA_VERSION = "1.30"
 """Oldest Kubernetes the operator supports: its schemas are the ones rendered objects must pass."""
@@ -65,12 +69,16 @@ def check_children(spec: LlamaFineTuneSpec, name: str, namespace: str) -> list[s
 
 
 def child_errors(
-    spec: LlamaFineTuneSpec, name: str, namespace: str, *, uid: str = PLACEHOLDER_UID, attempt: int = 1
+    spec: LlamaFineTuneSpec, name: str, namespace: str, *, uid: str = PLACEHOLDER_UID, attempt: int = 1,
+    backend: Backend | None = None,
 ) -> list[FieldError]:
-    """check_children with the errors as FieldError (path, message)."""
+    """check_children with the errors as FieldError (path, message). `backend`: the job kind to
+    check (default spec.backend; `auto` checks the PyTorchJob, what auto picks when both are served)."""
+    backend = backend or spec.backend
+    train_job = backend is Backend.TRAIN_JOB
     errors: list[FieldError] = []
     errors += _runtime_errors(spec)
-    errors += _name_errors(spec, name, namespace, uid)
+    errors += _name_errors(spec, name, namespace, uid, train_job=train_job)
     too_deep = _deeper_than(spec.cluster.pod_template_overrides, POD_MAX_DEPTH)
     if too_deep is not None:
         shown = _format(too_deep[:12], leading_dot=True) + ("…" if len(too_deep) > 12 else "")
@@ -85,10 +93,18 @@ def child_errors(
         objects = desired_objects(owner, spec, attempt)
         base = pod_template(owner, spec.model_copy(update={"cluster": spec.cluster.model_copy(
             update={"pod_template_overrides": None})}), attempt)
+        merged = None
+        if train_job:
+            merged = pod_template(owner, spec, attempt)
+            objects = [o for o in objects if o.get("kind") != "PyTorchJob"]
+            try:
+                objects.append(trainjob.train_job(owner, spec, attempt))
+            except trainjob.TrainJobSpecError as exc:  # what Kubeflow Trainer cannot do, on its spec fields
+                errors += [FieldError(path, message) for path, message in exc.problems]
     except Exception as exc:  # a spec the renderer cannot handle: that is the problem to report
         errors.append(FieldError("spec", f"cannot be rendered into Kubernetes objects: {short(str(exc), 300)}"))
         return _unique(errors)
-    checker = _Checker(spec, base)
+    checker = _Checker(spec, base, merged)
     for obj in objects:
         errors += checker.check(obj)
     return _unique(errors)
@@ -162,7 +178,7 @@ def _runtime_errors(spec: LlamaFineTuneSpec) -> list[FieldError]:
 
 
 # -------------------------------------------------------------------------------- names
-def _name_errors(spec: LlamaFineTuneSpec, name: str, namespace: str, uid: str) -> list[FieldError]:
+def _name_errors(spec: LlamaFineTuneSpec, name: str, namespace: str, uid: str, *, train_job: bool = False) -> list[FieldError]:
     from llamaft.operator.naming import Owner
 
     errors: list[FieldError] = []
@@ -171,12 +187,17 @@ def _name_errors(spec: LlamaFineTuneSpec, name: str, namespace: str, uid: str) -
                                  "at most 63 characters)"))
     owner = Owner(name, namespace, uid)
     workers = spec.cluster.elastic.max_workers if spec.cluster.elastic else spec.cluster.workers
-    longest = f"{owner.job_name(MAX_ATTEMPTS)}-worker-{workers - 1}"
+    if train_job:  # JobSet: pod hostname <jobset>-<replicated job>-<job index>-<pod index>
+        longest = f"{owner.job_name(MAX_ATTEMPTS)}-{trainjob.NODE}-0-{workers - 1}"
+        who = "Kubeflow Trainer (JobSet) names a trainer pod's hostname"
+    else:
+        longest = f"{owner.job_name(MAX_ATTEMPTS)}-worker-{workers - 1}"
+        who = "the training operator names a worker's Service"
     if len(longest) > 63 or not DNS1035_LABEL.fullmatch(longest):
         room = 63 - (len(longest) - len(name))
-        errors.append(FieldError("metadata.name", f"the training operator names a worker's Service {longest!r} "
-                                 f"({len(longest)} characters; a Service name is a DNS-1035 label of at most 63): use "
-                                 f"a name of at most {room} characters"))
+        what = "a hostname" if train_job else "a Service name"
+        errors.append(FieldError("metadata.name", f"{who} {longest!r} ({len(longest)} characters; {what} is a "
+                                 f"DNS-1035 label of at most 63): use a name of at most {room} characters"))
     return errors
 
 
@@ -238,6 +259,7 @@ def _crd_to_jsonschema(node: Any) -> Any:
 
 CRD_ASSETS = {
     ("kubeflow.org/v1", "PyTorchJob"): "kubeflow.org_pytorchjobs.yaml",
+    (trainjob.API_VERSION, trainjob.KIND): "trainer.kubeflow.org_trainjobs.yaml",
     ("monitoring.coreos.com/v1", "PodMonitor"): "monitoring.coreos.com_podmonitors.yaml",
     ("monitoring.coreos.com/v1", "PrometheusRule"): "monitoring.coreos.com_prometheusrules.yaml",
 }
@@ -477,9 +499,10 @@ def _label_rules(at: tuple[str | int, ...], labels: Any) -> list[tuple[tuple[str
 class _Checker:
     """Checks rendered objects and says which spec field each problem comes from."""
 
-    def __init__(self, spec: LlamaFineTuneSpec, base_template: Obj) -> None:
+    def __init__(self, spec: LlamaFineTuneSpec, base_template: Obj, merged_template: Obj | None = None) -> None:
         self.spec = spec
         self.base = base_template
+        self.merged = merged_template if merged_template is not None else base_template
         self.overrides = spec.cluster.pod_template_overrides or {}
 
     def check(self, obj: Obj) -> list[FieldError]:
@@ -490,6 +513,12 @@ class _Checker:
             problems += self._job_rules(obj)
             template = _get(obj, TEMPLATE)
             problems += [((*TEMPLATE, *p), m) for p, m in pod_template_errors(template)]
+        elif kind == trainjob.KIND:
+            problems += schema_errors(obj)  # the CRD's runtimePatches schema is the pod patch's schema
+            problems += self._train_job_rules(obj)
+            patch = _get(obj, trainjob.POD_PATCH_PATH)
+            if isinstance(patch, Mapping):
+                problems += [((*trainjob.POD_PATCH_PATH, *p), m) for p, m in _pod_rules(patch)]
         else:
             problems += schema_errors(obj)
             if kind == "Deployment":
@@ -505,7 +534,7 @@ class _Checker:
         name = metadata.get("name")
         kind = obj.get("kind")
         if isinstance(name, str):
-            if kind in ("Service", "PyTorchJob"):
+            if kind in ("Service", "PyTorchJob", trainjob.KIND):
                 if len(name) > 63 or not DNS1035_LABEL.fullmatch(name):
                     out.append((("metadata", "name"), f"{name!r} is not a DNS-1035 label of at most 63 characters"))
             elif len(name) > 253 or not DNS1123_SUBDOMAIN.fullmatch(name):
@@ -541,6 +570,44 @@ class _Checker:
                 out.append((("spec", "elasticPolicy", "rdzvPort"), f"{port} is not a port number (1-65535)"))
         return out
 
+    def _train_job_rules(self, job: Obj) -> list[tuple[tuple[str | int, ...], str]]:
+        """Kubeflow Trainer v2.3's webhook rules a TrainJob rendered here could break (the torch
+        plugin's reserved env names, the JobSet plugin's runtimePatches rules) and the list-map
+        keys the API server enforces in runtimePatches."""
+        out: list[tuple[tuple[str | int, ...], str]] = []
+        env = _get(job, ("spec", "trainer", "env"))
+        for index, item in enumerate(env if isinstance(env, list) else []):
+            name = item.get("name") if isinstance(item, Mapping) else None
+            if isinstance(name, str) and (name in trainjob.TORCHRUN_RESERVED_ENV or name.startswith("PET_")):
+                out.append((("spec", "trainer", "env", index, "name"),
+                            f"{name} is set by Kubeflow Trainer's torch plugin (its webhook rejects "
+                            f"{', '.join(sorted(trainjob.TORCHRUN_RESERVED_ENV))}; torchrun reads every PET_* as a flag)"))
+        pod = _get(job, (*trainjob.POD_PATCH_PATH, "spec"))
+        if not isinstance(pod, Mapping):
+            return out
+        ref = self.spec.train_job.runtime_ref
+        default_runtime = (ref.kind, ref.name) == ("ClusterTrainingRuntime", "torch-distributed")
+        for field in ("containers", "initContainers"):
+            items = pod.get(field)
+            for index, container in enumerate(items if isinstance(items, list) else []):
+                if not isinstance(container, Mapping):
+                    continue
+                if default_runtime and container.get("name") != trainjob.NODE:
+                    out.append(((*trainjob.POD_PATCH_PATH, "spec", field, index, "name"),
+                                f"runtimePatches can only patch containers the runtime defines (torch-distributed "
+                                f"has one, {trainjob.NODE!r}), not add {short(container.get('name'))}"))
+                mounts = container.get("volumeMounts")
+                seen: set[str] = set()
+                for m_index, mount in enumerate(mounts if isinstance(mounts, list) else []):
+                    mname = mount.get("name") if isinstance(mount, Mapping) else None
+                    if isinstance(mname, str) and mname in seen:
+                        out.append(((*trainjob.POD_PATCH_PATH, "spec", field, index, "volumeMounts", m_index, "name"),
+                                    f"mounts volume {mname!r} a second time: runtimePatches key volumeMounts by "
+                                    "volume name, so each volume can be mounted once"))
+                    if isinstance(mname, str):
+                        seen.add(mname)
+        return out
+
     # -------------------------------------------------------------------- where it comes from
     def _locate(self, obj: Obj, path: tuple[str | int, ...], message: str) -> FieldError:
         kind = str(obj.get("kind"))
@@ -565,6 +632,8 @@ class _Checker:
             return "metadata.namespace", "use a valid namespace"
         if kind == "PyTorchJob" and path[:4] == TEMPLATE:
             return self._template_origin(path[4:])
+        if kind == trainjob.KIND:
+            return self._train_job_origin(obj, path)
         if kind == "PyTorchJob" and path[:2] == ("spec", "runPolicy") and len(path) > 2:
             return f"spec.runPolicy.{path[2]}", "use a value the training operator accepts"
         if kind == "PyTorchJob" and path[:2] == ("spec", "elasticPolicy"):
@@ -576,6 +645,42 @@ class _Checker:
             return "spec.cluster.workers", ""
         if kind == "Deployment" and path[:2] == ("spec", "template"):
             return "metadata.name", ""
+        return "spec", "this is an llamaft bug: please report it"
+
+    def _train_job_origin(self, job: Obj, path: tuple[str | int, ...]) -> tuple[str, str]:
+        """The spec field a TrainJob path comes from: the pod patch and spec.trainer's container
+        fields are the worker pod template's (desired.pod_template, overrides merged), re-expressed."""
+        patch = trainjob.POD_PATCH_PATH
+        if path[:len(patch)] == patch:
+            return self._template_origin(path[len(patch):])
+        containers = _get(self.merged, ("spec", "containers")) or []
+        index = next((i for i, c in enumerate(containers) if isinstance(c, Mapping)
+                      and c.get("name") == trainjob.TEMPLATE_CONTAINER), 0)
+        if path[:2] == ("spec", "trainer") and len(path) > 2:
+            field, rest = path[2], path[3:]
+            if field == "env" and rest and isinstance(rest[0], int):
+                item = _get(job, ("spec", "trainer", "env", rest[0]))
+                name = item.get("name") if isinstance(item, Mapping) else None
+                env = _get(self.merged, ("spec", "containers", index, "env")) or []
+                last = max((i for i, e in enumerate(env) if isinstance(e, Mapping) and e.get("name") == name), default=None)
+                if last is not None:
+                    return self._template_origin(("spec", "containers", index, "env", last, *rest[1:]))
+                return "spec.cluster.env", ""
+            container_field = {v: k for k, v in trainjob.TRAINER_FIELDS.items()}.get(str(field))
+            if container_field is not None:
+                return self._template_origin(("spec", "containers", index, container_field, *rest))
+            if field == "numNodes":
+                return "spec.cluster.workers", ""
+            if field == "numProcPerNode":
+                return "spec.cluster.gpusPerWorker", ""
+        if path[:2] == ("spec", "runtimeRef"):
+            leaf = path[2] if len(path) > 2 else None
+            return (f"spec.trainJob.runtimeRef.{leaf}" if leaf in ("name", "kind") else "spec.trainJob.runtimeRef",
+                    "name a (Cluster)TrainingRuntime of Kubeflow Trainer, e.g. torch-distributed")
+        if path[:2] == ("spec", "suspend"):
+            return "spec.runPolicy.suspend", ""
+        if path[:2] == ("spec", "activeDeadlineSeconds"):
+            return "spec.runPolicy.activeDeadlineSeconds", ""
         return "spec", "this is an llamaft bug: please report it"
 
     def _template_origin(self, rest: tuple[str | int, ...]) -> tuple[str, str]:

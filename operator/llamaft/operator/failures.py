@@ -181,7 +181,7 @@ def job_failure(job: Obj | None, last_step: int | None) -> Failure | None:
             return Failure(RENDEZVOUS_CLOSED, message[-1500:], True, step=last_step)
         if c.get("reason") == DEADLINE_EXCEEDED or "DeadlineExceeded" in message:
             return Failure(DEADLINE_EXCEEDED, f"runPolicy.activeDeadlineSeconds exceeded: {message}"[:1500], False, step=last_step)
-        return Failure(JOB_FAILED, f"PyTorchJob {_name(job or {})} failed: {message}"[:1500], True, step=last_step)
+        return Failure(JOB_FAILED, f"{(job or {}).get('kind', 'PyTorchJob')} {_name(job or {})} failed: {message}"[:1500], True, step=last_step)
     return None
 
 

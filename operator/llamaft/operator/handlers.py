@@ -3,19 +3,22 @@
     kopf run --standalone -m llamaft.operator.handlers --all-namespaces   (or: llamaft operator)
 
 - A daemon per LlamaFineTune runs its lifecycle: read what is true (the CR, the current attempt's
-  PyTorchJob and pods, the leader's /progress, GPU health), ask `lifecycle.decide`, carry the
-  decision out (delete jobs, reset the rendezvous and create the next attempt's job, write status,
-  post events). It wakes on events of its children (the PyTorchJob and the trainer pods, mapped to
-  their owner by the `llamaft.io/finetune` label), on a spec change and, while a run is active,
-  every sync interval to refresh progress. A finished run is not polled.
-- update of .spec: suspend/resume and elastic worker changes are applied in place; any other change
-  restarts the run from its latest checkpoint as a new attempt; immutable fields are refused.
-- delete (finalizer): PyTorchJobs, etcd, ConfigMaps, monitoring and rendezvous state go;
-  checkpoints stay.
+  job (a PyTorchJob or a TrainJob, status.backend) and pods, the leader's /progress, GPU health),
+  ask `lifecycle.decide`, carry the decision out (delete jobs, server-side apply the children,
+  reset the rendezvous and create the next attempt's job, write status, post events). It wakes on
+  events of its children (the job, the trainer pods and the applied children, mapped to their
+  owner by the `llamaft.io/finetune` label), on a spec change and, while a run is active, every
+  sync interval to refresh progress. A finished run is not polled.
+- update of .spec: suspend/resume, elastic worker changes and DCGM monitoring are applied in place;
+  any other change restarts the run from its latest checkpoint as a new attempt; immutable fields
+  are refused.
+- delete (finalizer): the garbage collector removes the children (all owned by the CR); the handler
+  resets what it cannot reach (an external etcd's rendezvous state); checkpoints stay.
 
-State lives where kopf keeps it: settings, the API client and the registry of lifecycle wake-ups in
-the operator's memo (set at startup, shared by every object's memo), the per-object lock and the
-validation cache in the object's own memo (it goes with the object).
+State lives where kopf keeps it: settings, the API and HTTP clients and the registries (lifecycle
+wake-ups, applied children, drift) in the operator's memo (set at startup, shared by every
+object's memo), the per-object lock, validation and apply caches in the object's own memo (it goes
+with the object).
 """
 
 from __future__ import annotations
@@ -35,12 +38,12 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from llamaft.api import resource
-from llamaft.api.spec import LlamaFineTuneSpec, PreflightMode, RendezvousBackend
+from llamaft.api.spec import Backend, LlamaFineTuneSpec, PreflightMode, RendezvousBackend
 from llamaft.api.status import TERMINAL_PHASES, Phase
 from llamaft.api.validation import SpecInvalid, validate_spec
-from llamaft.operator import desired, failures, gpu_health, lifecycle, observe, rendezvous
+from llamaft.operator import desired, failures, gpu_health, lifecycle, observe, rendezvous, trainjob
 from llamaft.operator.http import HttpClient, HttpError
-from llamaft.operator.kube import ForeignObject, Kube, MonitoringUnavailable, owned_by
+from llamaft.operator.kube import JOBS, ForeignObject, Kube, MonitoringUnavailable, owned_by
 from llamaft.operator.metrics import FINETUNES, RECONCILE_SECONDS, RECONCILES, RENDEZVOUS_RESETS, RETRIES
 from llamaft.operator.naming import LABEL_FINETUNE, Owner
 from llamaft.operator.settings import OperatorSettings
@@ -48,6 +51,9 @@ from llamaft.planner import Admission, admission
 from llamaft.rendered import PLACEHOLDER_UID, child_errors
 
 RESOURCE = (resource.GROUP, resource.VERSION, resource.PLURAL)
+MISSING = {"PyTorchJob": "kubeflow.org/v1 PyTorchJobs (install the Kubeflow training operator v1.9)",
+           "TrainJob": "trainer.kubeflow.org/v1alpha1 TrainJobs (install Kubeflow Trainer v2.3 and its "
+                       "torch-distributed runtime)"}
 PRUNABLE = ("ConfigMap", "Deployment", "Service", "PodMonitor", "PrometheusRule")
 """Kinds of the children `desired.children` renders (the attempts' PyTorchJobs are not pruned:
 the lifecycle deletes them)."""
@@ -153,8 +159,10 @@ def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
 
 
 # ---------------------------------------------------------------------------- validation
-def validated(memo: kopf.Memo, obj: Mapping[str, Any], old: Any = None) -> LlamaFineTuneSpec | SpecInvalid:
-    """The parsed spec, or why it is invalid; cached per generation (CEL evaluation is not free)."""
+def validated(memo: kopf.Memo, obj: Mapping[str, Any], old: Any = None,
+              backend: str = "PyTorchJob") -> LlamaFineTuneSpec | SpecInvalid:
+    """The parsed spec, or why it is invalid; cached per generation (CEL evaluation is not free).
+    `backend`: the job kind the children are checked as (status.backend once resolved)."""
     generation = obj.get("metadata", {}).get("generation")
     cached = memo.get("validated")
     if old is None and cached is not None and cached[0] == generation:
@@ -169,7 +177,7 @@ def validated(memo: kopf.Memo, obj: Mapping[str, Any], old: Any = None) -> Llama
         # server and the training operator will apply, before anything is created.
         meta = obj.get("metadata", {})
         problems = child_errors(parsed, str(meta.get("name")), str(meta.get("namespace")),
-                                uid=str(meta.get("uid") or PLACEHOLDER_UID))
+                                uid=str(meta.get("uid") or PLACEHOLDER_UID), backend=Backend(backend))
         result = SpecInvalid(problems) if problems else parsed
     if old is None:
         memo["validated"] = (generation, result)
@@ -189,6 +197,7 @@ class Step:
         self.kube = kube_of(memo)
         self.settings = settings_of(memo)
         self.http: HttpClient = memo["http"]
+        self.job_kind = "PyTorchJob"
 
     def event(self, obj: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
         kopf.event(cast(kopf.Body, dict(obj)), type=type_, reason=reason, message=message)
@@ -208,7 +217,11 @@ class Step:
         attempt = int(status.get("attempt") or 0)
         if status.get("phase") in TERMINAL and attempt > 0:
             return None  # finished runs are final and not polled
-        parsed = validated(self.memo, obj)
+        backend = status.get("backend") or self._resolve_backend(obj, status, generation)
+        if backend is None:
+            return 30.0
+        self.job_kind = status["backend"] = str(backend)
+        parsed = validated(self.memo, obj, backend=self.job_kind)
         if isinstance(parsed, SpecInvalid):
             self._invalid(obj, status, parsed, generation)
             return None
@@ -223,22 +236,20 @@ class Step:
         except ApiException as exc:
             if exc.status != 404:
                 raise
-            # No PyTorchJob API: the Kubeflow training operator is not installed (yet).
-            message = ("the cluster does not serve kubeflow.org/v1 PyTorchJobs: install the Kubeflow training "
-                       "operator (v1.9); the run starts once it is there")
-            if status.get("message") != message:
-                self.kube.patch_finetune_status(self.namespace, self.name, {"message": message, "observedGeneration": generation})
-                self.event(obj, "Warning", "TrainingOperatorMissing", message)
+            # No job API: the Kubeflow training operator (or Trainer) is not installed (yet).
+            self._missing(obj, status, generation, f"the cluster does not serve {MISSING[self.job_kind]}; the run starts "
+                          "once it is there")
             return 30.0
         decision = lifecycle.decide(obs)
         if decision.start_attempt is not None and capacity is not None and capacity.refuse:
             decision = lifecycle.will_not_fit(obs, capacity.message)
         for job_name in decision.delete_jobs:
-            if self.kube.delete_job(self.namespace, job_name):
-                self.logger.info(f"deleted PyTorchJob {job_name}")
+            if self.kube.delete_job(self.namespace, job_name, self.job_kind):
+                self.logger.info(f"deleted {self.job_kind} {job_name}")
         patch.update(decision.status)
         # Conditions this step set before deciding (Valid, GPUHealthy) live in `status`.
         patch.setdefault("conditions", status.get("conditions", []))
+        patch["backend"] = self.job_kind
         requeue = decision.requeue_after
         if decision.start_attempt is None and attempt > 0 and patch.get("phase", status.get("phase")) not in TERMINAL:
             requeue = min(filter(None, (requeue, self._reconcile_children(obj, owner, parsed, patch))), default=None)
@@ -265,6 +276,26 @@ class Step:
             return None
         interval = self.settings.sync_interval_s
         return min(requeue, interval) if requeue is not None else interval
+
+    def _resolve_backend(self, obj: Obj, status: Obj, generation: int | None) -> str | None:
+        """spec.backend, with `auto` resolved to the job kind the cluster serves (PyTorchJob when
+        both are); recorded in status.backend and fixed for the object's life (backend is
+        immutable). None when the cluster serves neither yet."""
+        wanted = str((obj.get("spec") or {}).get("backend") or Backend.PYTORCH_JOB.value)
+        if wanted != Backend.AUTO.value:
+            return wanted if wanted in JOBS else Backend.PYTORCH_JOB.value  # an invalid value fails validation
+        for kind in ("PyTorchJob", "TrainJob"):
+            if self.kube.serves(self.namespace, kind):
+                self.event(obj, "Normal", "BackendSelected", f"backend auto: this cluster serves {MISSING[kind]}: using {kind}")
+                return kind
+        self._missing(obj, status, generation, f"backend auto: the cluster serves neither {MISSING['PyTorchJob']} nor "
+                      f"{MISSING['TrainJob']}; the run starts once one of them is there")
+        return None
+
+    def _missing(self, obj: Obj, status: Obj, generation: int | None, message: str) -> None:
+        if status.get("message") != message:
+            self.kube.patch_finetune_status(self.namespace, self.name, {"message": message, "observedGeneration": generation})
+            self.event(obj, "Warning", "TrainingOperatorMissing", message)
 
     def _capacity(self, obj: Obj, spec: LlamaFineTuneSpec, status: Obj, generation: int | None) -> Admission | None:
         """The capacity planner's verdict (once per generation): the CapacityFits condition, a
@@ -304,21 +335,25 @@ class Step:
     def _observe(self, obj: Obj, owner: Owner, spec: LlamaFineTuneSpec, status: Obj, attempt: int,
                  generation: int | None) -> lifecycle.Observed:
         job_name = owner.job_name(attempt)
-        jobs = self.kube.list_jobs(self.namespace, f"{LABEL_FINETUNE}={self.name}")
+        kind = self.job_kind
+        jobs = self.kube.list_jobs(self.namespace, f"{LABEL_FINETUNE}={self.name}", kind)
         current = next((j for j in jobs if j["metadata"]["name"] == job_name), None)
         if current is None:
-            current = self.kube.get_job(self.namespace, job_name)  # a predecessor's job carries our label too
+            current = self.kube.get_job(self.namespace, job_name, kind)  # a predecessor's job carries our label too
         deleting = current is not None and (
             bool(current["metadata"].get("deletionTimestamp")) or not owned_by(current, owner.uid))
         stale = [j["metadata"]["name"] for j in jobs
                  if j["metadata"]["name"] != job_name and owned_by(j, owner.uid) and not j["metadata"].get("deletionTimestamp")]
         job = None if deleting else current
-        pods = self.kube.list_pods(self.namespace, f"training.kubeflow.org/job-name={job_name}") if job else []
+        selector = trainjob.pod_selector(job_name) if kind == trainjob.KIND else f"training.kubeflow.org/job-name={job_name}"
+        pods = self.kube.list_pods(self.namespace, selector) if job else []
+        if job is not None and kind == trainjob.KIND:
+            job = trainjob.job_view(job, pods)
         job_phase, _, _ = observe.job_phase(job)
         progress = self._leader_progress(pods, spec, status) if job_phase in (Phase.RUNNING, Phase.RESTARTING) else None
         gpu = self._gpu(obj, owner, job_name, status, job_phase is Phase.RUNNING, progress)
         return lifecycle.Observed(
-            spec=spec, status=status, now=now(), job_name=job_name, job=job, job_deleting=deleting,
+            spec=spec, status=status, now=now(), job_name=job_name, job=job, job_kind=kind, job_deleting=deleting,
             stale_jobs=stale, pods=pods, progress=progress, gpu=gpu, retry_backoff_s=self.settings.retry_backoff_s,
             generation=generation,
         )
@@ -384,9 +419,11 @@ class Step:
             self._condition(obj, patch, "RendezvousReady", False, "RendezvousResetFailed", str(exc))
             return 5.0
         excluded = patch.get("excludedNodes", status.get("excludedNodes")) or []
-        job = adopted(desired.pytorch_job(owner, spec, attempt, excluded), obj)
+        rendered = (trainjob.train_job(owner, spec, attempt, excluded) if self.job_kind == trainjob.KIND
+                    else desired.pytorch_job(owner, spec, attempt, excluded))
+        job = adopted(rendered, obj)
         if k.create_job(ns, job):
-            self.event(obj, "Normal", "JobCreated", f"created PyTorchJob {job_name} (attempt {attempt}, "
+            self.event(obj, "Normal", "JobCreated", f"created {self.job_kind} {job_name} (attempt {attempt}, "
                        f"rendezvous {owner.rendezvous_id(attempt)})" + (f", avoiding {', '.join(excluded)}" if excluded else ""))
         self._condition(obj, patch, "RendezvousReady", True, "RendezvousReady",
                         f"{spec.rendezvous.backend.value} rendezvous {owner.rendezvous_id(attempt)}")
@@ -544,6 +581,7 @@ async def run_lifecycle(name: str | None, namespace: str | None, memo: kopf.Memo
 
 # ----------------------------------------------------------------------- children -> owner
 @kopf.on.event("kubeflow.org", "v1", "pytorchjobs", labels={LABEL_FINETUNE: kopf.PRESENT})
+@kopf.on.event("trainer.kubeflow.org", "v1alpha1", "trainjobs", labels={LABEL_FINETUNE: kopf.PRESENT})
 @kopf.on.event("", "v1", "pods", labels={LABEL_FINETUNE: kopf.PRESENT, "app.kubernetes.io/component": "trainer"})
 def child_changed(meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
     """A PyTorchJob or trainer pod changed: its owner's lifecycle looks now, not at the next sync."""
@@ -626,7 +664,8 @@ def spec_changed(body: kopf.Body, old: Any, new: Any, meta: kopf.Meta, memo: kop
         status = dict(obj.get("status") or {})
         generation = obj["metadata"].get("generation")
         attempt = int(status.get("attempt") or 0)
-        parsed = validated(memo, obj, old=old)
+        kind = str(status.get("backend") or "PyTorchJob")
+        parsed = validated(memo, obj, old=old, backend=kind)
         memo.pop("validated", None)
         if isinstance(parsed, SpecInvalid):
             for error in parsed.errors:
@@ -650,15 +689,19 @@ def spec_changed(body: kopf.Body, old: Any, new: Any, meta: kopf.Meta, memo: kop
             # e.g. a default written out explicitly: nothing the run sees differs, so nothing restarts.
             k.patch_finetune_status(namespace, name, {"observedGeneration": generation})
             return
-        if all(in_place(path) for path in changed) and (("cluster", "workers") not in changed or parsed.cluster.elastic):
+        # A TrainJob's node count is immutable (Trainer v2 has no elastic mode): a new attempt.
+        scalable = parsed.cluster.elastic is not None and kind == "PyTorchJob"
+        if all(in_place(path) for path in changed) and (("cluster", "workers") not in changed or scalable):
             if ("runPolicy", "suspend") in changed:
                 if not parsed.run_policy.suspend:
                     # resumed pods must not meet a closed rendezvous
                     reset_rendezvous(settings, memo["http"], owner, parsed, [attempt],
                                      lambda r, m: kopf.info(body, reason=r, message=m))
-                k.patch_job(namespace, job_name, {"spec": {"runPolicy": {"suspend": parsed.run_policy.suspend}}})
+                suspend = parsed.run_policy.suspend
+                k.patch_job(namespace, job_name, {"spec": {"suspend": suspend}} if kind == trainjob.KIND
+                            else {"spec": {"runPolicy": {"suspend": suspend}}}, kind)
                 kopf.info(body, reason="Suspended" if parsed.run_policy.suspend else "Resumed",
-                          message=f"PyTorchJob {job_name} {'suspended' if parsed.run_policy.suspend else 'resumed'}")
+                          message=f"{kind} {job_name} {'suspended' if parsed.run_policy.suspend else 'resumed'}")
             if ("cluster", "workers") in changed:
                 k.patch_job(namespace, job_name, {"spec": {"pytorchReplicaSpecs": {"Worker": {"replicas": parsed.cluster.workers}}}})
                 kopf.info(body, reason="Scaled", message=f"elastic workers -> {parsed.cluster.workers}")
@@ -673,7 +716,7 @@ def spec_changed(body: kopf.Body, old: Any, new: Any, meta: kopf.Meta, memo: kop
             "message": f"{fields} changed: restarting from the latest checkpoint as attempt {attempt + 1}",
             "observedGeneration": generation,
         })
-        k.delete_job(namespace, job_name)
+        k.delete_job(namespace, job_name, kind)
         kopf.info(body, reason="SpecChanged", message=f"{fields} changed: restarting from the latest checkpoint as attempt {attempt + 1}")
     wake(memo, namespace, name)
 

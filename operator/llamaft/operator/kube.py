@@ -15,6 +15,9 @@ from kubernetes.client.exceptions import ApiException
 
 Obj = dict[str, Any]
 PYTORCHJOBS = ("kubeflow.org", "v1", "pytorchjobs")
+TRAINJOBS = ("trainer.kubeflow.org", "v1alpha1", "trainjobs")
+JOBS = {"PyTorchJob": PYTORCHJOBS, "TrainJob": TRAINJOBS}
+"""An attempt's job, by backend (spec.backend / status.backend)."""
 FIELD_MANAGER = "llamaft"
 USER_AGENT = "llamaft-operator"
 APPLY_PATCH = "application/apply-patch+yaml"
@@ -26,6 +29,7 @@ API_CALLS: list[tuple[str, str, tuple[str, ...]]] = [
     ("llamaft.io", "llamafinetunes", ("get",)),
     ("llamaft.io", "llamafinetunes/status", ("patch",)),
     ("kubeflow.org", "pytorchjobs", ("get", "list", "create", "patch", "delete")),
+    ("trainer.kubeflow.org", "trainjobs", ("get", "list", "create", "patch", "delete")),
     # children: server-side apply is `patch`, plus `create` when the apply creates the object
     # (kubernetes apiserver, endpoints/handlers/patch.go: createAuthorizerAttributes); get checks
     # the owner before the first apply; list and delete prune.
@@ -87,37 +91,50 @@ class Kube:
             *LLAMAFINETUNES[:2], namespace, LLAMAFINETUNES[2], name, {"status": status}
         )
 
-    # ------------------------------------------------------------------------- PyTorchJobs
-    def get_job(self, namespace: str, name: str) -> Obj | None:
+    # ------------------------------------------------------ the attempts' jobs (either backend)
+    def get_job(self, namespace: str, name: str, kind: str = "PyTorchJob") -> Obj | None:
         try:
-            job = self.custom.get_namespaced_custom_object(*PYTORCHJOBS[:2], namespace, PYTORCHJOBS[2], name)
+            job = self.custom.get_namespaced_custom_object(*JOBS[kind][:2], namespace, JOBS[kind][2], name)
             return cast(Obj, job)
         except ApiException as exc:
             if exc.status == 404:
                 return None
             raise
 
-    def list_jobs(self, namespace: str, selector: str) -> list[Obj]:
-        body = cast(Obj, self.custom.list_namespaced_custom_object(*PYTORCHJOBS[:2], namespace, PYTORCHJOBS[2], label_selector=selector))
+    def list_jobs(self, namespace: str, selector: str, kind: str = "PyTorchJob") -> list[Obj]:
+        """ApiException 404 when the cluster does not serve the kind (its operator is not installed)."""
+        body = cast(Obj, self.custom.list_namespaced_custom_object(*JOBS[kind][:2], namespace, JOBS[kind][2],
+                                                                     label_selector=selector))
         return list(body.get("items", []))
+
+    def serves(self, namespace: str, kind: str) -> bool:
+        """Whether the cluster serves the job kind (a list of at most one item; 404 when not)."""
+        try:
+            self.custom.list_namespaced_custom_object(*JOBS[kind][:2], namespace, JOBS[kind][2], limit=1)
+            return True
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
 
     def create_job(self, namespace: str, job: Obj) -> bool:
         """True when created, False when it already existed."""
+        kind = job["kind"]
         try:
-            self.custom.create_namespaced_custom_object(*PYTORCHJOBS[:2], namespace, PYTORCHJOBS[2], job)
+            self.custom.create_namespaced_custom_object(*JOBS[kind][:2], namespace, JOBS[kind][2], job)
             return True
         except ApiException as exc:
             if exc.status == 409:
                 return False
             raise
 
-    def patch_job(self, namespace: str, name: str, patch: Obj) -> None:
-        self.custom.patch_namespaced_custom_object(*PYTORCHJOBS[:2], namespace, PYTORCHJOBS[2], name, patch)
+    def patch_job(self, namespace: str, name: str, patch: Obj, kind: str = "PyTorchJob") -> None:
+        self.custom.patch_namespaced_custom_object(*JOBS[kind][:2], namespace, JOBS[kind][2], name, patch)
 
-    def delete_job(self, namespace: str, name: str) -> bool:
+    def delete_job(self, namespace: str, name: str, kind: str = "PyTorchJob") -> bool:
         try:
             self.custom.delete_namespaced_custom_object(
-                *PYTORCHJOBS[:2], namespace, PYTORCHJOBS[2], name, propagation_policy="Foreground"
+                *JOBS[kind][:2], namespace, JOBS[kind][2], name, propagation_policy="Foreground"
             )
             return True
         except ApiException as exc:

@@ -54,7 +54,10 @@ class Observed:
     job_name: str
     """The current attempt's job name."""
     job: Obj | None = None
-    """The current attempt's PyTorchJob, when it exists and is this incarnation's."""
+    """The current attempt's job, when it exists and is this incarnation's (a TrainJob as
+    trainjob.job_view shows it)."""
+    job_kind: str = "PyTorchJob"
+    """PyTorchJob or TrainJob (status.backend)."""
     job_deleting: bool = False
     """A job of the current attempt's name is being deleted (or belongs to another incarnation)."""
     stale_jobs: Sequence[str] = ()
@@ -186,7 +189,7 @@ def _no_job(obs: Observed, attempt: int, d: Decision) -> Decision:
     st, now = obs.status, iso(obs.now)
     if obs.job_deleting:
         d.status.update(phase=st.get("phase") or Phase.CREATING.value,
-                        message=f"waiting for the earlier PyTorchJob {obs.job_name} to be deleted")
+                        message=f"waiting for the earlier {obs.job_kind} {obs.job_name} to be deleted")
         d.requeue_after = 1.0
         return d
     retry_at = parse_time(st.get("retryAfter"))
@@ -200,10 +203,10 @@ def _no_job(obs: Observed, attempt: int, d: Decision) -> Decision:
         retriesUsed=int(st.get("retriesUsed") or 0),  # written, so `kubectl get` shows Restarts 0
     )
     if first or st.get("phase") in (None, Phase.PENDING.value, Phase.CREATING.value):
-        d.status.update(phase=Phase.CREATING.value, message=f"creating PyTorchJob {obs.job_name}")
+        d.status.update(phase=Phase.CREATING.value, message=f"creating {obs.job_kind} {obs.job_name}")
     else:
         d.status.update(phase=Phase.RESTARTING.value,
-                        message=f"resubmitted as attempt {attempt}: PyTorchJob {obs.job_name} resumes from the newest checkpoint")
+                        message=f"resubmitted as attempt {attempt}: {obs.job_kind} {obs.job_name} resumes from the newest checkpoint")
     return d
 
 
@@ -234,7 +237,7 @@ def _with_job(obs: Observed, attempt: int, d: Decision) -> Decision:
     if _job_succeeded(obs.job):
         if obs.now - (_succeeded_since(obs.job) or obs.now) < timedelta(seconds=SUCCESS_REPORT_WAIT_SECONDS):
             d.requeue_after = 1.0
-            d.status["message"] = f"PyTorchJob {obs.job_name} succeeded: waiting for the leader's final report"
+            d.status["message"] = f"{obs.job_kind} {obs.job_name} succeeded: waiting for the leader's final report"
             return d
         return _succeeded(obs, d, None)
     suspended = obs.spec.run_policy.suspend
@@ -272,7 +275,7 @@ def _succeeded(obs: Observed, d: Decision, report: Mapping[str, Any] | None) -> 
     st, now = obs.status, iso(obs.now)
     o = observe.observe(obs.job, obs.pods, [obs.progress] if obs.progress else [], st, generation=st_generation(obs), now=now)
     progress = _progress_with_report(o.status.get("progress", {}), report, now)
-    message = f"PyTorchJob {obs.job_name} succeeded" + (f" at step {progress['step']}" if progress.get("step") is not None else "")
+    message = f"{obs.job_kind} {obs.job_name} succeeded" + (f" at step {progress['step']}" if progress.get("step") is not None else "")
     d.status.update({k: v for k, v in o.status.items() if k not in ("observedGeneration", "conditions", "phase", "message")})
     d.status.update(
         phase=Phase.SUCCEEDED.value, message=message, progress=progress,

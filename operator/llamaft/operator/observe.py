@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llamaft.api.status import Phase
+from llamaft.operator import trainjob
 
 JOB_PHASE_PRIORITY = [
     ("Failed", Phase.FAILED),
@@ -55,9 +56,11 @@ def set_condition(
 
 
 def job_phase(job: Obj | None) -> tuple[Phase, str, str]:
-    """(phase, reason, message) from a PyTorchJob's true conditions."""
+    """(phase, reason, message) from a PyTorchJob's true conditions, or a TrainJob's (trainjob.job_phase)."""
     if job is None:
         return Phase.CREATING, "JobPending", "the PyTorchJob is being created"
+    if job.get("kind") == trainjob.KIND:
+        return trainjob.job_phase(job)
     conditions = [c for c in job.get("status", {}).get("conditions", []) if c.get("status") == "True"]
     by_type = {c.get("type"): c for c in conditions}
     for type_, phase in JOB_PHASE_PRIORITY:
@@ -156,5 +159,5 @@ def observe(
     events = []
     if previous.get("phase") != phase.value and phase in EVENT_FOR_PHASE:
         kind, event_reason = EVENT_FOR_PHASE[phase]
-        events.append(Event(kind, event_reason, f"PyTorchJob {(job or {}).get('metadata', {}).get('name')}: {message or reason}"))
+        events.append(Event(kind, event_reason, f"{(job or {}).get('kind', 'PyTorchJob')} {(job or {}).get('metadata', {}).get('name')}: {message or reason}"))
     return Observation(status, events)
