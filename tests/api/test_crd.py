@@ -120,9 +120,9 @@ def test_cel_rules_are_in_the_crd() -> None:
 def test_printer_columns() -> None:
     columns = {c["name"]: c for c in crdgen.crd()["spec"]["versions"][0]["additionalPrinterColumns"]}
     assert [n for n, c in columns.items() if "priority" not in c] == [
-        "Phase", "Workers", "GPUs", "Step", "Loss", "Tokens/s", "Restarts", "Age"
+        "Phase", "Workers", "GPUs", "Step", "Loss", "Tokens/s", "Restarts", "Queue", "Age"
     ]
-    assert [n for n, c in columns.items() if c.get("priority") == 1] == ["Model", "Strategy", "Precision"]
+    assert [n for n, c in columns.items() if c.get("priority") == 1] == ["Backend", "Model", "Strategy", "Precision"]
     status = _schema()["properties"]["status"]["properties"]
     for column in columns.values():
         parts = column["jsonPath"].strip(".").split(".")

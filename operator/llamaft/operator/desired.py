@@ -237,11 +237,29 @@ def pod_template(owner: Owner, spec: LlamaFineTuneSpec, attempt: int, excluded_n
         pod_spec["tolerations"] = [t.to_k8s() for t in spec.cluster.tolerations]
     if spec.cluster.priority_class_name:
         pod_spec["priorityClassName"] = spec.cluster.priority_class_name
+    if spec.scheduling.gang is not None:
+        pod_spec["schedulerName"] = spec.scheduling.gang.scheduler_name
     labels = {**owner.labels("trainer"), LABEL_ATTEMPT: str(attempt)}
     template: Obj = {"metadata": {"labels": labels}, "spec": pod_spec}
     if spec.cluster.pod_template_overrides:
         template = strategic_merge(template, spec.cluster.pod_template_overrides)
     return template
+
+
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
+
+
+def kueue_labels(spec: LlamaFineTuneSpec) -> dict[str, str]:
+    """Kueue's labels for the job (kueue.sigs.k8s.io docs, "Run a PyTorchJob" / "Run a TrainJob":
+    the LocalQueue in metadata.labels; Kueue's webhook suspends the job at creation and Kueue
+    unsuspends it on admission, so the job is rendered with the user's own suspend value)."""
+    labels = {}
+    if spec.scheduling.queue_name:
+        labels[KUEUE_QUEUE_LABEL] = spec.scheduling.queue_name
+        if spec.scheduling.priority_class:
+            labels[KUEUE_PRIORITY_LABEL] = spec.scheduling.priority_class
+    return labels
 
 
 def pytorch_job(owner: Owner, spec: LlamaFineTuneSpec, attempt: int, excluded_nodes: Sequence[str] = ()) -> Obj:
@@ -260,7 +278,18 @@ def pytorch_job(owner: Owner, spec: LlamaFineTuneSpec, attempt: int, excluded_no
     rdzv_conf = []
     if spec.rendezvous.backend is not RendezvousBackend.C10D:
         rdzv_conf.append({"key": "protocol", "value": "http"})
-    labels = {**owner.labels("trainer"), LABEL_ATTEMPT: str(attempt)}
+    gang = spec.scheduling.gang
+    if gang is not None:
+        # Volcano / scheduler-plugins PodGroup: every worker or none (kubeflow.org/v1 SchedulingPolicy).
+        policy: Obj = {"minAvailable": low}
+        if gang.queue:
+            policy["queue"] = gang.queue
+        if gang.priority_class:
+            policy["priorityClass"] = gang.priority_class
+        if gang.schedule_timeout_seconds is not None:
+            policy["scheduleTimeoutSeconds"] = gang.schedule_timeout_seconds
+        run_policy["schedulingPolicy"] = policy
+    labels = {**owner.labels("trainer"), LABEL_ATTEMPT: str(attempt), **kueue_labels(spec)}
     return {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",

@@ -247,6 +247,13 @@ class Step:
             if self.kube.delete_job(self.namespace, job_name, self.job_kind):
                 self.logger.info(f"deleted {self.job_kind} {job_name}")
         patch.update(decision.status)
+        if decision.status.get("phase") == Phase.QUEUED.value and status.get("phase") != Phase.QUEUED.value and attempt:
+            # Kueue suspended the job (at creation, or to preempt it): when it admits it again the
+            # training operator recreates the pods, which must not meet a closed rendezvous.
+            try:
+                self._reset(obj, owner, parsed, [attempt])
+            except rendezvous.RendezvousResetError as exc:
+                self.logger.warning(f"rendezvous reset while queued failed: {exc}")
         # Conditions this step set before deciding (Valid, GPUHealthy) live in `status`.
         patch.setdefault("conditions", status.get("conditions", []))
         patch["backend"] = self.job_kind

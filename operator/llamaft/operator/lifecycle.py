@@ -240,7 +240,10 @@ def _with_job(obs: Observed, attempt: int, d: Decision) -> Decision:
             d.status["message"] = f"{obs.job_kind} {obs.job_name} succeeded: waiting for the leader's final report"
             return d
         return _succeeded(obs, d, None)
-    suspended = obs.spec.run_policy.suspend
+    queued = _queued(obs)
+    # A suspended job is not failing: the user suspended it, or Kueue holds it (not admitted yet,
+    # or preempted: Kueue suspends the job and its pods go).
+    suspended = obs.spec.run_policy.suspend or queued
     failure = None
     last_step = _last_step(obs)
     progress_doc = obs.progress
@@ -264,7 +267,37 @@ def _with_job(obs: Observed, attempt: int, d: Decision) -> Decision:
         d.status["phase"] = Phase.RESTARTING.value  # the new attempt's job exists; its pods are not running yet
         d.status["message"] = st.get("message")
     d.events += o.events
+    queue = obs.spec.scheduling.queue_name
+    if queue:
+        d.status["queue"] = queue
+        d.status["conditions"] = _queued_condition(obs, queued, queue, d.status.get("conditions", st.get("conditions", [])), now)
+    if queued:
+        assert queue is not None
+        d.status.update(phase=Phase.QUEUED.value, message=f"waiting for Kueue to admit {obs.job_kind} {obs.job_name} "
+                        f"(LocalQueue {queue}); it stays suspended until then",
+                        attemptStartTime=now)  # the startup grace counts from admission, not from queueing
+        d.events = [e for e in d.events if e.reason != "Suspended"]
+        if st.get("phase") != Phase.QUEUED.value:
+            d.events.append(Event("Normal", "Queued", f"{obs.job_kind} {obs.job_name} waits in Kueue LocalQueue {queue}"))
     return d
+
+
+def _queued(obs: Observed) -> bool:
+    """Kueue holds the job: it has a queue, it is suspended, and not by the user."""
+    if not obs.spec.scheduling.queue_name or obs.spec.run_policy.suspend:
+        return False
+    return observe.job_phase(obs.job)[0] is Phase.SUSPENDED
+
+
+def _queued_condition(obs: Observed, queued: bool, queue: str, conditions: Sequence[Mapping[str, Any]],
+                      now: str) -> list[dict[str, Any]]:
+    if queued:
+        return observe.set_condition([dict(c) for c in conditions], "Queued", "True", "WaitingForAdmission",
+                                     f"suspended by Kueue until LocalQueue {queue} admits it", obs.generation, now)
+    if any(c.get("type") == "Queued" for c in conditions):
+        return observe.set_condition([dict(c) for c in conditions], "Queued", "False", "Admitted",
+                                     f"admitted by Kueue from LocalQueue {queue}", obs.generation, now)
+    return [dict(c) for c in conditions]
 
 
 def st_generation(obs: Observed) -> int | None:

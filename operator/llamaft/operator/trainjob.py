@@ -37,7 +37,7 @@ from typing import Any
 
 from llamaft.api.spec import LlamaFineTuneSpec, PullPolicy, RendezvousBackend
 from llamaft.api.status import Phase
-from llamaft.operator.desired import pod_template, rendezvous_endpoint
+from llamaft.operator.desired import kueue_labels, pod_template, rendezvous_endpoint
 from llamaft.operator.naming import LABEL_ATTEMPT, Owner
 
 API_GROUP = "trainer.kubeflow.org"
@@ -111,6 +111,11 @@ def unsupported(spec: LlamaFineTuneSpec) -> list[tuple[str, str]]:
         out.append(("spec.runPolicy.backoffLimit",
                     "a TrainJob has no backoffLimit (runtimePatches cannot set the Job's): remove it (runPolicy."
                     "retryBudget is the operator's own retry policy), or use backend: PyTorchJob"))
+    if spec.scheduling.gang is not None:
+        out.append(("spec.scheduling.gang",
+                    "Kubeflow Trainer takes gang scheduling from the runtime's podGroupPolicy (coscheduling or "
+                    "volcano), not from the TrainJob: use a (Cluster)TrainingRuntime with podGroupPolicy and remove "
+                    "scheduling.gang, or queue with scheduling.queueName (Kueue), or use backend: PyTorchJob"))
     if spec.rendezvous.backend is RendezvousBackend.C10D and cluster.elastic is not None:
         out.append(("spec.cluster.elastic",
                     "with rendezvous.backend c10d a TrainJob runs torchrun's static rendezvous on the master address "
@@ -226,7 +231,7 @@ def train_job(owner: Owner, spec: LlamaFineTuneSpec, attempt: int, excluded_node
             {"name": NODE, "template": {"spec": {"template": template_patch}}},
         ]}}},
     }]
-    labels = {**owner.labels("trainer"), LABEL_ATTEMPT: str(attempt)}
+    labels = {**owner.labels("trainer"), LABEL_ATTEMPT: str(attempt), **kueue_labels(spec)}
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,
