@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import copy
 import datetime
+import functools
 import itertools
 import json
 import threading
@@ -53,14 +54,32 @@ import jsonpatch
 import kmock
 import yaml
 from kmock._internal import dicts, enums, k8s
+from kmock._internal import parsing as kmock_parsing
 
 from tests.operator.apply import ApplyConflict
 from tests.operator.apply import apply as server_side_apply
 
 Obj = dict[str, Any]
+_kmock_parse_path = kmock_parsing.parse_path
+
+
+def _parse_path(path: str) -> Any:
+    """kmock reads `/api/v1/namespaces[/<name>]` as the start of a namespaced path and fails (a
+    500): the API server serves it as the cluster-scoped Namespace list / object, which kopf lists
+    and watches when it serves given namespaces."""
+    parts = path.strip("/").split("/")
+    if parts[:3] == ["api", "v1", "namespaces"] and len(parts) in (3, 4):
+        return kmock_parsing.ParsedPath("", "v1", "namespaces", None, parts[3] if len(parts) == 4 else None, None)
+    return _kmock_parse_path(path)
+
+
+kmock_parsing.parse_path = _parse_path
 
 RESOURCES: dict[str, dict[str, Any]] = {
     "v1/namespaces": {"kind": "Namespace", "singular": "namespace", "namespaced": False},
+    # Served as on every cluster: kopf watches CRDs to follow resources as they come and go.
+    "apiextensions.k8s.io/v1/customresourcedefinitions": {
+        "kind": "CustomResourceDefinition", "singular": "customresourcedefinition", "namespaced": False},
     "v1/nodes": {"kind": "Node", "singular": "node", "namespaced": False, "subresources": ["status"]},
     "v1/events": {"kind": "Event", "singular": "event", "namespaced": True},
     "v1/configmaps": {"kind": "ConfigMap", "singular": "configmap", "namespaced": True},
@@ -68,6 +87,11 @@ RESOURCES: dict[str, dict[str, Any]] = {
     "v1/pods": {"kind": "Pod", "singular": "pod", "namespaced": True, "subresources": ["status", "eviction", "binding"]},
     "apps/v1/deployments": {"kind": "Deployment", "singular": "deployment", "namespaced": True, "subresources": ["status"]},
     "kubeflow.org/v1/pytorchjobs": {"kind": "PyTorchJob", "singular": "pytorchjob", "namespaced": True, "subresources": ["status"]},
+    # Kubeflow Trainer v2.3 (tests/fixtures/upstream/kubeflow-trainer-v2.3; tests/operator/sim_trainjob.py plays its controller).
+    "trainer.kubeflow.org/v1alpha1/trainjobs": {"kind": "TrainJob", "singular": "trainjob", "namespaced": True, "subresources": ["status"]},
+    "trainer.kubeflow.org/v1alpha1/trainingruntimes": {"kind": "TrainingRuntime", "singular": "trainingruntime", "namespaced": True},
+    "trainer.kubeflow.org/v1alpha1/clustertrainingruntimes": {
+        "kind": "ClusterTrainingRuntime", "singular": "clustertrainingruntime", "namespaced": False},
     "monitoring.coreos.com/v1/podmonitors": {"kind": "PodMonitor", "singular": "podmonitor", "namespaced": True},
     "monitoring.coreos.com/v1/prometheusrules": {"kind": "PrometheusRule", "singular": "prometheusrule", "namespaced": True},
     "llamaft.io/v1alpha1/llamafinetunes": {
@@ -83,12 +107,31 @@ VERBS = ["get", "list", "watch", "create", "patch", "update", "delete"]
 FOREGROUND = "foregroundDeletion"
 ORPHAN = "orphan"
 TERMINAL_PHASES = ("Succeeded", "Failed")
+STATS_PATH = "/_emulator/stats"
+"""The emulator's own timings and recorded requests (EmulatorThread(timed=True)); not a Kubernetes path."""
 
 
 def now_rfc3339(offset_s: float = 0.0) -> str:
     """Kubernetes' timestamp format (second precision, UTC, `Z`)."""
     moment = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=offset_s)
     return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+UPSTREAM_CRDS = (Path(__file__).resolve().parents[1] / "fixtures" / "upstream" / "kubeflow-trainer-v2.3"
+                 / "trainer.kubeflow.org_trainjobs.yaml",)
+"""Vendored upstream CRDs whose schema defaults the emulator applies too, as the API server would."""
+
+
+@functools.lru_cache(maxsize=1)
+def upstream_crd_schemas() -> dict[str, Obj]:
+    """openAPIV3Schema per resource key of UPSTREAM_CRDS (parsed once: the TrainJob CRD is 550 kB)."""
+    out: dict[str, Obj] = {}
+    for path in UPSTREAM_CRDS:
+        crd = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # noqa: S506 (a safe loader)
+        group, plural = crd["spec"]["group"], crd["spec"]["names"]["plural"]
+        for version in crd["spec"]["versions"]:
+            out[f"{group}/{version['name']}/{plural}"] = version["schema"]["openAPIV3Schema"]
+    return out
 
 
 def _crd_schemas() -> dict[str, Obj]:
@@ -188,6 +231,10 @@ class Recorded:
     path: str
     params: dict[str, str]
     user_agent: str
+    content_type: str = ""
+    blocking_owners: tuple[str, ...] = ()
+    """Kinds of the body's ownerReferences with blockOwnerDeletion (OwnerReferencesPermissionEnforcement
+    requires `update` on those owners' finalizers subresource)."""
 
 
 class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
@@ -195,6 +242,10 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
 
     recorded: list[Recorded] | None = None
     """Every request, when a test asks for it (EmulatorThread(record=True))."""
+    timings: list[tuple[str, float]] | None = None
+    """(method, seconds) of every request but watches, from arrival to response, when asked for
+    (EmulatorThread(timed=True)): the emulator's own latency. GET STATS_PATH reads (and with
+    ?reset=1 clears) them together with the recorded requests."""
 
     gc_delay = 0.05
     """Seconds between a change and the garbage collector acting on it (a real GC takes ~10-100 ms)."""
@@ -209,18 +260,28 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         self._last_version = 0
         self._gc_wake = asyncio.Event()
         self._orphaned_since: dict[str, float] = {}
-        self._schemas = _crd_schemas()
+        self._schemas = {**upstream_crd_schemas(), **_crd_schemas()}
 
     def _defaulted(self, resource: Any, obj: Obj) -> Obj:
-        """Objects of this repo's CRDs get their schema's defaults, on create and on every write."""
+        """Objects of this repo's CRDs (and of UPSTREAM_CRDS) get their schema's defaults, on create and on every write."""
         key = f"{resource.group}/{resource.version}/{resource.plural}" if resource.group else f"{resource.version}/{resource.plural}"
         schema = self._schemas.get(key)
         return apply_defaults(obj, schema) if schema is not None else obj
 
     @staticmethod
     def _admit(resource: Any, obj: Obj) -> None:
-        """Admission as the cluster does it for PyTorchJobs: the Kubeflow CRD's schema and the
-        training operator's webhook rules; a rejected object is a 422 naming the fields."""
+        """Admission as the cluster does it for PyTorchJobs (the Kubeflow CRD's schema and the
+        training operator's webhook rules) and TrainJobs (the Trainer v2.3 CRD's schema and its
+        webhook's rules, tests/operator/sim_trainjob.py); a rejected object is a 422 naming the fields."""
+        if (resource.group, resource.plural) == ("trainer.kubeflow.org", "trainjobs"):
+            from tests.operator.sim_trainjob import admission_errors
+
+            problems = admission_errors(obj)
+            if problems:
+                name = obj.get("metadata", {}).get("name")
+                raise k8s.KubernetesError(status=422, reason="Invalid",
+                                          message=f'TrainJob.trainer.kubeflow.org "{name}" is invalid: {"; ".join(problems)[:1500]}')
+            return
         if (resource.group, resource.plural) != ("kubeflow.org", "pytorchjobs"):
             return
         from tests.operator.kubeflow_rules import validate_pytorchjob
@@ -283,6 +344,27 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         return stored
 
     # ---------------------------------------------------------------------------- dispatching
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        if self.timings is None or raw_request.query.get("watch") in ("true", "1"):
+            return await super().__call__(raw_request)  # a watch lasts as long as its client wants
+        if raw_request.path == STATS_PATH:
+            return self._serve_stats(raw_request)
+        started = time.perf_counter()
+        try:
+            return await super().__call__(raw_request)
+        finally:
+            self.timings.append((raw_request.method, time.perf_counter() - started))
+
+    def _serve_stats(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        """The timings and recorded requests so far; ?reset=1 starts both afresh."""
+        timings, recorded = list(self.timings or []), list(self.recorded or [])
+        if raw_request.query.get("reset") in ("true", "1"):
+            if self.timings is not None:
+                self.timings.clear()
+            if self.recorded is not None:
+                self.recorded.clear()
+        return aiohttp.web.json_response({"timings": timings, "requests": [attrs.asdict(r) for r in recorded]})
+
     async def _handle(self, request: Any) -> Any:
         # kmock records every request for assertions and matches reactions by scanning that log,
         # which makes each request cost O(requests so far). Nothing here asserts on the log, so
@@ -292,7 +374,11 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
             self.recorded.append(Recorded(
                 method=str(request.method.value if hasattr(request.method, "value") else request.method).upper(),
                 path=request.url.path, params=dict(request.params),
-                user_agent=next((v for k, v in request.headers.items() if k.lower() == "user-agent"), "")))
+                user_agent=next((v for k, v in request.headers.items() if k.lower() == "user-agent"), ""),
+                content_type=next((v for k, v in request.headers.items() if k.lower() == "content-type"), ""),
+                blocking_owners=tuple(sorted({str(ref.get("kind")) for ref in (
+                    ((request.data or {}).get("metadata") or {}).get("ownerReferences") or [] if isinstance(request.data, dict) else [])
+                    if ref.get("blockOwnerDeletion")}))))
         if (request.resource is not None and request.resource.plural
                 and request.resource not in k8s.KubernetesScaffold._get_resources(self)):
             # As the API server: an undeclared resource (a CRD not installed) is a 404, not stored.
@@ -730,12 +816,13 @@ class EmulatorThread:
     """The emulator on 127.0.0.1:<port>, in its own thread and event loop, for subprocess clients."""
 
     def __init__(self, without: tuple[str, ...] = (), *, gc_delay: float | None = None,
-                 podgc_delay: float | None = None, record: bool = False) -> None:
+                 podgc_delay: float | None = None, record: bool = False, timed: bool = False) -> None:
         """`without`: resources this "cluster" does not serve (e.g. no Prometheus Operator).
-        `gc_delay`/`podgc_delay`: see Emulator (how long deletions visibly take)."""
+        `gc_delay`/`podgc_delay`: see Emulator (how long deletions visibly take).
+        `record`: keep every request; `timed`: time every request (Emulator.timings, STATS_PATH)."""
         self.without = without
         self.gc_delay, self.podgc_delay = gc_delay, podgc_delay
-        self.record = record
+        self.record, self.timed = record, timed
         self.url = ""
         self.emulator: Emulator | None = None
         self._loop = asyncio.new_event_loop()
@@ -756,6 +843,8 @@ class EmulatorThread:
                 emulator.podgc_delay = self.podgc_delay
             if self.record:
                 emulator.recorded = []
+            if self.timed:
+                emulator.timings = []
             for key, info in RESOURCES.items():
                 if key not in self.without:
                     emulator.resources[key] = {**info, "verbs": VERBS}

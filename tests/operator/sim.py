@@ -1,5 +1,6 @@
 """A simulated cluster around the API emulator, for end-to-end tests of the operator with the real
-trainer: the Kubeflow training operator (v1.9, PyTorchJob), just enough of the Deployment controller
+trainer: the Kubeflow training operator (v1.9, PyTorchJob), Kubeflow Trainer v2.3 with JobSet and the
+Job controller (TrainJob, tests/operator/sim_trainjob.py), just enough of the Deployment controller
 for the managed etcd, the scheduler and a kubelet per node that runs each pod's container as a real
 process tree on this machine. Plus faults on demand (kill, OOM, hang, eviction, node loss).
 
@@ -9,9 +10,10 @@ that all "nodes" share this machine's network and filesystem:
 - each pod gets its own loopback address 127.0.0.<k> (status.podIP), the trainer is told to bind its
   metrics server there (LLAMAFT_METRICS_HOST), and a port that a Service of a training pod names is
   mapped to a free local port (pods share one port space here);
-- "DNS": an endpoint host that names a Service of a pod resolves to that pod's address; any other
-  `*.svc` host (the managed etcd, an external `etcd.infra.svc`) is the one real local etcd the test
-  passes in;
+- "DNS": an endpoint host that names a Service of a pod, or a pod's `hostname.subdomain` (Indexed
+  Jobs' pods, Trainer's PET_MASTER_ADDR), resolves to that pod's address; any other `*.svc` host
+  (the managed etcd, an external `etcd.infra.svc`) is the one real local etcd the test passes in
+  (env PET_RDZV_ENDPOINT and PET_MASTER_ADDR/PORT and torchrun's --rdzv-endpoint are resolved);
 - "mounts": configMap volumes are written under the pod's directory, and every command argument
   and env value that starts with such a volume's mountPath is rewritten to point there; emptyDir
   and PVC mounts are ignored (tests use absolute local paths).
@@ -344,6 +346,10 @@ class SimCluster:
         self._procs: list[subprocess.Popen[bytes]] = []
         self.errors: list[str] = []
         self._log_file: Any = None
+        from tests.operator.sim_trainjob import TrainerController
+
+        self.trainer = TrainerController(self)
+        """Kubeflow Trainer v2.3 + JobSet + the Job controller, for TrainJobs (tests/operator/sim_trainjob.py)."""
 
     # ------------------------------------------------------------------------------ lifecycle
     def start(self) -> SimCluster:
@@ -409,7 +415,8 @@ class SimCluster:
             self._stopping.wait(max(0.0, self.tick - (time.monotonic() - began)))
 
     def _tick(self) -> None:
-        jobs = self.api.list("/apis/kubeflow.org/v1/pytorchjobs")
+        jobs = self._list_served("/apis/kubeflow.org/v1/pytorchjobs")
+        trainjobs = self.trainer.trainjobs()
         pods = self.api.list("/api/v1/pods")
         nodes = self.api.list("/api/v1/nodes")
         with self._lock:
@@ -417,11 +424,21 @@ class SimCluster:
                 return
             self._deployment_controller()
             live_jobs = [j for j in jobs if not j["metadata"].get("deletionTimestamp")]
-            services = self.api.list("/api/v1/services") if live_jobs else []
+            services = self.api.list("/api/v1/services") if live_jobs or trainjobs else []
             for job in live_jobs:
                 self._training_operator(job, pods, services)
+            self.trainer.reconcile_all(trainjobs, pods, services)
             self._scheduler(pods, nodes)
             self._kubelets(pods, nodes)
+
+    def _list_served(self, path: str) -> list[Obj]:
+        """`path`'s objects, or none when this cluster does not serve the resource (404)."""
+        try:
+            return self.api.list(path)
+        except ApiError as exc:
+            if exc.status == 404:
+                return []
+            raise
 
     # ---------------------------------------------------------------------------- public reads
     def pods(self, job: str | None = None, namespace: str = "default") -> list[Obj]:
@@ -1433,10 +1450,12 @@ class SimCluster:
             source = var.get("valueFrom") or {}
             if "fieldRef" in source:
                 path = source["fieldRef"].get("fieldPath", "")
-                env[var["name"]] = {"metadata.name": meta["name"], "metadata.namespace": meta["namespace"],
-                                    "metadata.uid": meta["uid"], "status.podIP": run.ip, "status.hostIP": "127.0.0.1",
-                                    "spec.nodeName": run.node, "spec.serviceAccountName": spec.get("serviceAccountName", "default"),
-                                    }.get(path, "")
+                keyed = re.fullmatch(r"metadata\.(labels|annotations)\['([^']*)'\]", path)
+                env[var["name"]] = str((meta.get(keyed.group(1)) or {}).get(keyed.group(2), "")) if keyed else {
+                    "metadata.name": meta["name"], "metadata.namespace": meta["namespace"],
+                    "metadata.uid": meta["uid"], "status.podIP": run.ip, "status.hostIP": "127.0.0.1",
+                    "spec.nodeName": run.node, "spec.serviceAccountName": spec.get("serviceAccountName", "default"),
+                }.get(path, "")
             elif "configMapKeyRef" in source:
                 ref = source["configMapKeyRef"]
                 cm = self.api.get(f"/api/v1/namespaces/{meta['namespace']}/configmaps/{ref.get('name')}")
@@ -1449,7 +1468,7 @@ class SimCluster:
                 ref = source["secretKeyRef"]
                 if not ref.get("optional"):
                     return Waiting("CreateContainerConfigError", f'secret "{ref.get("name")}" not found')
-        env.update({"HOSTNAME": meta["name"], "LLAMAFT_TERMINATION_LOG": str(run.dir / "termination-log"),
+        env.update({"HOSTNAME": spec.get("hostname") or meta["name"], "LLAMAFT_TERMINATION_LOG": str(run.dir / "termination-log"),
                     "LLAMAFT_METRICS_HOST": run.ip})
         env = {k: rewrite(v) for k, v in env.items()}
         if "PET_RDZV_ENDPOINT" in env:
@@ -1457,10 +1476,26 @@ class SimCluster:
             if resolved is None:
                 return Waiting("ContainerCreating", f"cannot resolve the rendezvous endpoint {env['PET_RDZV_ENDPOINT']} yet")
             env["PET_RDZV_ENDPOINT"] = resolved
+        if "PET_MASTER_ADDR" in env:  # Kubeflow Trainer's torch plugin: `<job>-node-0-0.<job>`, port 29500
+            resolved = self._resolve(meta["namespace"], f"{env['PET_MASTER_ADDR']}:{env.get('PET_MASTER_PORT', '29500')}")
+            if resolved is None:
+                return Waiting("ContainerCreating", f"cannot resolve the master address {env['PET_MASTER_ADDR']} yet")
+            env["PET_MASTER_ADDR"], _, env["PET_MASTER_PORT"] = resolved.rpartition(":")
         command = [_expand(str(a), env) for a in (container.get("command") or []) + (container.get("args") or [])]
         if not command:
             return Waiting("CreateContainerError", "the sim cannot run an image's entrypoint: set command")
         argv = [rewrite(a) for a in command]
+        for i, arg in enumerate(argv):  # torchrun's explicit --rdzv-endpoint (the TrainJob's command carries it)
+            flag, eq, value = arg.partition("=")
+            if flag not in ("--rdzv-endpoint", "--rdzv_endpoint") or (not eq and i + 1 >= len(argv)):
+                continue
+            resolved = self._resolve(meta["namespace"], value if eq else argv[i + 1])
+            if resolved is None:
+                return Waiting("ContainerCreating", f"cannot resolve the rendezvous endpoint {value or argv[i + 1]} yet")
+            if eq:
+                argv[i] = f"{flag}={resolved}"
+            else:
+                argv[i + 1] = resolved
         if argv[0] == "torchrun":
             argv = [self.python, "-m", "torch.distributed.run", *argv[1:]]
         elif argv[0] in ("python", "python3"):
@@ -1476,12 +1511,28 @@ class SimCluster:
           pod -> that pod's address, with a local port of its own for (Service, port);
         - other `name.ns[.svc...]` names (the managed etcd, whose pods the sim does not run; an etcd
           in another namespace) -> the one local etcd;
+        - `hostname.subdomain[.ns[.svc[.cluster.local]]]` where `subdomain` is a Service of the
+          namespace: the pod with that spec.hostname and spec.subdomain (an Indexed Job's pod, e.g.
+          Trainer's `<job>-node-0-0.<job>`) -> its address and a local port of its own; None until
+          that pod is scheduled;
         - a bare `name` without such a Service -> None (the container waits, as DNS would fail);
         - IP addresses and outside names -> unchanged."""
         host, sep, port = endpoint.rpartition(":")
         if not sep:
             host, port = endpoint, ""
         parts = host.split(".")
+        if not all(p.isdigit() for p in parts) and (len(parts) == 2 or (len(parts) == 3 and parts[2] != "svc")
+                                                    or (len(parts) >= 4 and parts[3] == "svc")):
+            pod_ns = parts[2] if len(parts) >= 3 else namespace
+            if self.api.get(service_path(pod_ns, parts[1])) is not None:
+                for pod in self.api.list(pod_path(pod_ns)):
+                    pod_spec = pod.get("spec", {})
+                    if (pod_spec.get("hostname"), pod_spec.get("subdomain")) == (parts[0], parts[1]) \
+                            and pod_spec.get("nodeName") and not pod["metadata"].get("deletionTimestamp"):
+                        local = self._ports.setdefault((pod_ns, f"{parts[0]}.{parts[1]}", port), _free_port())
+                        return f"{self._ip_for(pod['metadata']['uid'])}:{local}"
+                if len(parts) == 2 or len(parts) >= 4:
+                    return None
         if all(p.isdigit() for p in parts) or (len(parts) >= 3 and parts[2] != "svc"):
             return endpoint
         svc_ns = parts[1] if len(parts) >= 2 else namespace

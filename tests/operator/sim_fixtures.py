@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from llamaft_trainer.local_etcd import LocalEtcd
 
 from tests.conftest import REPO, need_etcd
@@ -21,6 +22,8 @@ from tests.operator.emulator import EmulatorThread
 from tests.operator.sim import SimCluster
 
 DATASET = REPO / "examples" / "data" / "samsum-tiny.jsonl"
+TORCH_DISTRIBUTED = REPO / "tests" / "fixtures" / "upstream" / "kubeflow-trainer-v2.3" / "torch_distributed_runtime.yaml"
+"""Kubeflow Trainer v2.3's `torch-distributed` ClusterTrainingRuntime (manifests/base/runtimes), vendored."""
 SIM_GC_DELAY = 0.3
 """The emulator's garbage-collector latency in sim tests: long enough that a test sees dependents
 outlive their owner, short against everything else a deletion takes."""
@@ -95,3 +98,25 @@ def make_sim_fixture(sim_emulator: EmulatorThread, sim_etcd: LocalEtcd, tmp_path
 def sim_fixture(make_sim: Callable[..., SimCluster]) -> SimCluster:
     """A 3-node simulated cluster."""
     return make_sim(nodes=3)
+
+
+def torch_distributed_runtime(name: str = "torch-distributed", **job_spec: Any) -> dict[str, Any]:
+    """The vendored `torch-distributed` ClusterTrainingRuntime, renamed, with `job_spec` set on its
+    `node` replicated job's Job spec (e.g. backoffLimit=0: what no runtimePatch can set)."""
+    runtime: dict[str, Any] = yaml.safe_load(TORCH_DISTRIBUTED.read_text())
+    runtime["metadata"]["name"] = name
+    for rjob in runtime["spec"]["template"]["spec"]["replicatedJobs"]:
+        if rjob["name"] == "node":
+            rjob["template"]["spec"].update(job_spec)
+    return runtime
+
+
+@pytest.fixture(name="torch_runtime")
+def torch_runtime_fixture(sim_emulator: EmulatorThread) -> dict[str, Any]:
+    """The stock `torch-distributed` ClusterTrainingRuntime, created in this test's emulator (as the
+    Trainer's Helm chart installs it); TrainJobs rendered by llamaft reference it by default."""
+    from tests.operator.sim import Api
+
+    created = Api(sim_emulator.url).create("/apis/trainer.kubeflow.org/v1alpha1/clustertrainingruntimes", torch_distributed_runtime())
+    assert created is not None
+    return created

@@ -476,3 +476,47 @@ def test_operator_killed_at_random_points(cluster: Cluster, sim: SimCluster, ope
         for op in ops:
             op.kill()
         operator.start()
+
+
+# ------------------------------------------------------------------------ the TrainJob backend
+def trainjob_pods(cluster: Cluster, job: str) -> list[str]:
+    from llamaft.operator import trainjob
+
+    return sorted(p.metadata.name for p in cluster.core.list_namespaced_pod("default", label_selector=trainjob.pod_selector(job)).items)
+
+
+def test_trainjob_run_recovers_a_killed_container_as_a_whole_gang(cluster: Cluster, sim: SimCluster, operator: Operator,
+                                                                   tiny_model: Path, tmp_path: Path) -> None:
+    """backend TrainJob on the simulated Kubeflow Trainer (torch-distributed runtime, whose Job
+    restarts a failed container in place): the operator reads the restarted container's last state
+    as the attempt's failure and retries the whole gang from the newest checkpoint, as with
+    PyTorchJobs; the run ends with the trainer's own report."""
+    from tests.operator.sim import Api
+    from tests.operator.sim_fixtures import torch_distributed_runtime
+
+    api = Api(sim.api_url)
+    if api.get("/apis/trainer.kubeflow.org/v1alpha1/clustertrainingruntimes/torch-distributed") is None:
+        api.create("/apis/trainer.kubeflow.org/v1alpha1/clustertrainingruntimes", torch_distributed_runtime())
+    spec = run_spec(tiny_model, tmp_path / "ckpt", backend="etcd-v2")
+    spec["backend"] = "TrainJob"
+    cluster.create("tjrun", spec)
+
+    def logs(job: str, previous: bool = False, pods: list[str] | None = None) -> list[dict[str, Any]]:
+        """Global rank 0's lines of the job's containers (previous: of the runs before a restart in place)."""
+        return [line for pod in pods or trainjob_pods(cluster, job) for line in steps_of(sim.logs(pod, previous=previous))]
+
+    first = cluster.job_name("tjrun", 1)
+    wait_for("step past the first checkpoint", lambda: any(line.get("event") == "step" and line["step"] > EVERY
+                                                           for line in logs(first)), timeout=180, interval=0.2)
+    first_pods = trainjob_pods(cluster, first)  # their logs outlive them
+    inject(sim, "kill_container", first_pods[1])
+    status = phase(cluster, "tjrun", "Succeeded", "Failed", timeout=240)
+    assert status["phase"] == "Succeeded" and status["backend"] == "TrainJob", json.dumps(status, indent=1)[:3000]
+    assert status["attempt"] == 2 and status["failures"][0]["reason"] in ("Killed", "PeerLost", "TrainerError")
+    # Attempt 1's first container runs, then whatever its restarted containers did before the
+    # operator replaced the gang, then attempt 2.
+    per_attempt = [logs(first, previous=True, pods=first_pods), logs(first, pods=first_pods),
+                   logs(cluster.job_name("tjrun", 2))]
+    assert_final_report(status, per_attempt)
+    assert_continuous(per_attempt)
+    delete_and_assert_no_orphans(cluster, sim, "tjrun")

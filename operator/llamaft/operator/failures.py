@@ -102,10 +102,15 @@ def trainer_report(message: str | None) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) and doc.get("phase") in ("Succeeded", "Failed") else None
 
 
+TRAINER_CONTAINERS = (None, "pytorch", "node")
+"""The trainer container: `pytorch` in a PyTorchJob's pods, `node` in a TrainJob's (the
+torch-distributed runtime's container, which llamaft's runtimePatches patch)."""
+
+
 def terminated(pod: Obj) -> dict[str, Any] | None:
     """The trainer container's terminated state (current or last), if it has ended."""
     for cs in pod.get("status", {}).get("containerStatuses", []) or []:
-        if cs.get("name") not in (None, "pytorch"):
+        if cs.get("name") not in TRAINER_CONTAINERS:
             continue
         for key in ("state", "lastState"):
             state = (cs.get(key) or {}).get("terminated")

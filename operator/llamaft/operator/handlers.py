@@ -24,6 +24,9 @@ with the object).
 from __future__ import annotations
 
 import asyncio
+import collections
+import concurrent.futures
+import contextvars
 import hashlib
 import json
 import logging
@@ -54,11 +57,25 @@ RESOURCE = (resource.GROUP, resource.VERSION, resource.PLURAL)
 MISSING = {"PyTorchJob": "kubeflow.org/v1 PyTorchJobs (install the Kubeflow training operator v1.9)",
            "TrainJob": "trainer.kubeflow.org/v1alpha1 TrainJobs (install Kubeflow Trainer v2.3 and its "
                        "torch-distributed runtime)"}
-PRUNABLE = ("ConfigMap", "Deployment", "Service", "PodMonitor", "PrometheusRule")
-"""Kinds of the children `desired.children` renders (the attempts' PyTorchJobs are not pruned:
-the lifecycle deletes them)."""
+PRUNABLE = ("ConfigMap", "Deployment", "Service", "PrometheusRule")
+"""Kinds of the children the spec can stop wanting: the dashboard ConfigMap and the alerts
+(monitoring.dcgm off), the managed etcd (rendezvous changed). The trainer's PodMonitor is always
+wanted; the attempts' jobs are the lifecycle's to delete."""
 TERMINAL = {p.value for p in TERMINAL_PHASES}
 Obj = dict[str, Any]
+CHILD_SELECTORS = {
+    ("kubeflow.org", "v1", "pytorchjobs"): LABEL_FINETUNE,
+    ("trainer.kubeflow.org", "v1alpha1", "trainjobs"): LABEL_FINETUNE,
+    ("", "v1", "pods"): f"{LABEL_FINETUNE},app.kubernetes.io/component=trainer",
+    ("", "v1", "configmaps"): LABEL_FINETUNE,
+    ("", "v1", "services"): LABEL_FINETUNE,
+    ("apps", "v1", "deployments"): LABEL_FINETUNE,
+    ("monitoring.coreos.com", "v1", "podmonitors"): LABEL_FINETUNE,
+    ("monitoring.coreos.com", "v1", "prometheusrules"): LABEL_FINETUNE,
+}
+"""Server-side label selectors of the children's watches (the handlers' `labels=` filters below
+say the same, but kopf applies those in this process)."""
+WARM_UP_SPEC = {"model": {"source": "meta-llama/Llama-2-7b-hf"}, "dataset": {"format": "samsum", "source": "knkarthick/samsum"}}
 
 
 def now() -> datetime:
@@ -104,15 +121,22 @@ def wake(memo: kopf.Memo, namespace: str, name: str) -> None:
         loop.call_soon_threadsafe(event.set)
 
 
+PHASES = {p.value for p in Phase}
+
+
 def record_phase(memo: kopf.Memo, namespace: str, name: str, phase: str | None) -> None:
-    """The per-phase gauge, computed from the phases the objects have (pruned on delete)."""
+    """The per-phase gauge, from the phases the objects have (pruned on delete): moved by one
+    object's change, not recounted over every object on every event."""
     phases: dict[tuple[str, str], str] = memo["phases"]
-    if phase is None:
-        phases.pop((namespace, name), None)
-    else:
+    before = phases.pop((namespace, name), None) if phase is None else phases.get((namespace, name))
+    if phase is not None:
         phases[(namespace, name)] = phase
-    for p in Phase:
-        FINETUNES.labels(p.value).set(sum(1 for v in list(phases.values()) if v == p.value))
+    if before == phase:
+        return
+    if before in PHASES:
+        FINETUNES.labels(before).dec()
+    if phase in PHASES:
+        FINETUNES.labels(phase).inc()
 
 
 # ------------------------------------------------------------------------------- startup
@@ -133,8 +157,19 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -
     memo["http"] = HttpClient()  # etcd, Prometheus and /progress: one pool, timeouts and retries
     memo["wakers"] = {}
     memo["phases"] = {}
+    for phase in Phase:
+        FINETUNES.labels(phase.value).set(0)
     memo["applied"] = {}  # (namespace, name) -> {(kind, child name): resourceVersion llamaft applied}
     memo["drifted"] = set()  # (namespace, name) whose children were edited or deleted by someone else
+    # Lifecycle steps block on API round trips: a pool of their own, sized by the settings (the
+    # loop's default executor has min(32, cores + 4) threads: 6 on 2 cores, which queued bursts).
+    memo["executor"] = concurrent.futures.ThreadPoolExecutor(operator_settings.workers, thread_name_prefix="lifecycle")
+    # The handlers' `labels=` filters are client-side: without these, kopf would stream every pod
+    # (cluster-wide) and every ConfigMap, Service and Deployment to this process only to drop them.
+    # settings.watching.label_selectors is passed to the API as the watch's labelSelector.
+    for child, selector in CHILD_SELECTORS.items():
+        settings.watching.label_selectors[child] = selector
+    warm_up(logger)
     from prometheus_client import start_http_server
 
     try:
@@ -142,6 +177,28 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -
         logger.info(f"operator metrics on :{operator_settings.metrics_port}/metrics")
     except OSError as exc:
         logger.warning(f"metrics port {operator_settings.metrics_port} unavailable: {exc}")
+
+
+def warm_up(logger: Any) -> None:
+    """Load now what the first validation would load (the CRD schema and its CEL programs, the
+    Kubernetes and Kubeflow schemas the children are checked against, about 2 s of CPU), so that
+    the first LlamaFineTunes after a start do not all wait for it."""
+    started = time.perf_counter()
+    try:
+        spec = cached_spec(WARM_UP_SPEC)
+        if isinstance(spec, LlamaFineTuneSpec):
+            child_errors(spec, "warm-up", "default")
+            admission(spec)
+    except Exception as exc:  # only a cost moved earlier: never a reason not to start
+        logger.warning(f"warm-up failed (the first validation pays for it): {exc}")
+    logger.info(f"validation warmed up in {time.perf_counter() - started:.1f} s")
+
+
+@kopf.on.cleanup()
+def shutdown(memo: kopf.Memo, **_: Any) -> None:
+    executor = memo.get("executor")
+    if executor is not None:
+        executor.shutdown(wait=False, cancel_futures=True)
 
 
 @kopf.on.login()
@@ -159,19 +216,59 @@ def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
 
 
 # ---------------------------------------------------------------------------- validation
+SPEC_CACHE_SIZE = 256
+_specs: collections.OrderedDict[str, concurrent.futures.Future[LlamaFineTuneSpec | SpecInvalid]] = collections.OrderedDict()
+_specs_lock = threading.Lock()
+
+
+def cached_spec(spec: Mapping[str, Any]) -> LlamaFineTuneSpec | SpecInvalid:
+    """validate_spec (pydantic strict, then the CRD's CEL rules: ~20 ms of CPU) once per distinct
+    spec content, shared by every object and step: LlamaFineTunes made from one template cost one
+    evaluation, not one each, and concurrent steps with the same spec wait for the one running.
+    Keyed by a hash of the canonical JSON; the last SPEC_CACHE_SIZE distinct specs are kept."""
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":"), default=repr).encode()).hexdigest()
+    with _specs_lock:
+        future = _specs.get(key)
+        mine = future is None
+        if future is None:
+            future = _specs[key] = concurrent.futures.Future()
+            while len(_specs) > SPEC_CACHE_SIZE:
+                _specs.popitem(last=False)
+        else:
+            _specs.move_to_end(key)
+    if mine:
+        try:
+            future.set_result(validate_spec(dict(spec)))
+        except SpecInvalid as exc:
+            future.set_result(exc)
+        except BaseException as exc:
+            with _specs_lock:
+                if _specs.get(key) is future:
+                    del _specs[key]
+            future.set_exception(exc)
+    return future.result()
+
+
 def validated(memo: kopf.Memo, obj: Mapping[str, Any], old: Any = None,
               backend: str = "PyTorchJob") -> LlamaFineTuneSpec | SpecInvalid:
-    """The parsed spec, or why it is invalid; cached per generation (CEL evaluation is not free).
+    """The parsed spec, or why it is invalid; cached per generation (the children's checks) and
+    per spec content (`cached_spec`). With `old` (an update: transition rules) nothing is cached.
     `backend`: the job kind the children are checked as (status.backend once resolved)."""
     generation = obj.get("metadata", {}).get("generation")
     cached = memo.get("validated")
     if old is None and cached is not None and cached[0] == generation:
         return cached[1]  # type: ignore[no-any-return]
     result: LlamaFineTuneSpec | SpecInvalid
-    try:
-        parsed = validate_spec(dict(obj.get("spec") or {}), old=old)
-    except SpecInvalid as exc:
-        result = exc
+    parsed: LlamaFineTuneSpec | SpecInvalid
+    if old is None:
+        parsed = cached_spec(dict(obj.get("spec") or {}))
+    else:
+        try:
+            parsed = validate_spec(dict(obj.get("spec") or {}), old=old)
+        except SpecInvalid as exc:
+            parsed = exc
+    if isinstance(parsed, SpecInvalid):
+        result = parsed
     else:
         # What admission cannot see: every child the spec renders, against the schemas the API
         # server and the training operator will apply, before anything is created.
@@ -345,8 +442,11 @@ class Step:
         kind = self.job_kind
         jobs = self.kube.list_jobs(self.namespace, f"{LABEL_FINETUNE}={self.name}", kind)
         current = next((j for j in jobs if j["metadata"]["name"] == job_name), None)
-        if current is None:
-            current = self.kube.get_job(self.namespace, job_name, kind)  # a predecessor's job carries our label too
+        if current is None and status.get("jobName") == job_name:
+            # Recorded as created but not among the labelled ones (its labels edited away): by
+            # name. A job not recorded yet is found by the list (a predecessor's carries our label
+            # too, under its own name), so creating an attempt costs no extra GET.
+            current = self.kube.get_job(self.namespace, job_name, kind)
         deleting = current is not None and (
             bool(current["metadata"].get("deletionTimestamp")) or not owned_by(current, owner.uid))
         stale = [j["metadata"]["name"] for j in jobs
@@ -366,21 +466,33 @@ class Step:
         )
 
     def _leader_progress(self, pods: list[Obj], spec: LlamaFineTuneSpec, status: Obj) -> dict[str, Any] | None:
-        """The leader's /progress: ask the pod known to run global rank 0 first, others only until
-        one says it is rank 0 (one request per sync in the steady state)."""
+        """The leader's /progress in at most PROGRESS_REQUESTS_PER_SYNC requests, whatever the
+        number of pods: the pod known to run global rank 0 (status.leaderPod) is asked; while it is
+        not known (or no longer says rank 0) the other running pods are asked in turn, replica 0
+        first, each sync going on from where the last one stopped. One request per sync in the
+        steady state; the leader of an N-pod job is found within N/2 syncs at worst."""
         leader = status.get("leaderPod")
         running = [p for p in pods if p.get("status", {}).get("phase") == "Running" and p.get("status", {}).get("podIP")]
-        running.sort(key=lambda p: p["metadata"]["name"] != leader)
-        for pod in running:
-            url = f"http://{pod['status']['podIP']}:{spec.monitoring.metrics_port}/progress"
-            try:
-                # No retries: a pod that does not answer now is asked again at the next sync.
-                doc = self.http.get_json(url, timeout_s=self.settings.progress_timeout_s, retries=0)
-            except HttpError:
-                continue
-            if isinstance(doc, dict) and doc.get("rank") == 0:
-                return doc
-        return None
+        known = [p for p in running if p["metadata"]["name"] == leader]
+        others = sorted((p for p in running if p["metadata"]["name"] != leader), key=_replica_order)
+        cursor = int(self.memo.get("progress_cursor", 0))
+        if others:
+            turn = cursor % len(others)
+            others = others[turn:] + others[:turn]
+        try:
+            for pod in (known + others)[:PROGRESS_REQUESTS_PER_SYNC]:
+                cursor += pod not in known
+                url = f"http://{pod['status']['podIP']}:{spec.monitoring.metrics_port}/progress"
+                try:
+                    # No retries: a pod that does not answer now is asked again at a later sync.
+                    doc = self.http.get_json(url, timeout_s=self.settings.progress_timeout_s, retries=0)
+                except HttpError:
+                    continue
+                if isinstance(doc, dict) and doc.get("rank") == 0:
+                    return doc
+            return None
+        finally:
+            self.memo["progress_cursor"] = cursor
 
     def _gpu(self, obj: Obj, owner: Owner, job_name: str, status: Obj, running: bool,
              progress: Mapping[str, Any] | None) -> failures.Failure | None:
@@ -457,10 +569,14 @@ class Step:
         if not force and not drifted and self.memo.get("children_digest") == digest:
             return None
         self.memo["drifted"].discard(key)
+        # The first apply for this incarnation (in this process) looks at what carries its label:
+        # the previous incarnation's objects to wait for, and what an earlier process applied for
+        # it that the spec no longer wants. Later applies know what they applied (memo["applied"]).
+        listed: dict[str, list[Obj]] | None = None
         if self.memo.get("owner_checked") != owner.uid:
+            listed = {kind: self.kube.list_children(self.namespace, kind, f"{LABEL_FINETUNE}={self.name}") for kind in PRUNABLE}
             try:
-                for child in wanted:
-                    self.kube.check_owner(self.namespace, child)
+                self._check_owners(wanted, listed, owner)
             except ForeignObject as exc:
                 self._condition(obj, patch, "RendezvousReady", False, "PreviousIncarnation", str(exc))
                 patch["message"] = f"waiting for the previous incarnation's objects to go: {exc}"
@@ -481,7 +597,7 @@ class Step:
             applied[(kind, name)] = version
             if previous.get((kind, name)) != version:
                 changed.append(f"{kind} {name}")
-        pruned = self._prune(owner, set(applied) | {(c["kind"], c["metadata"]["name"]) for c in wanted})
+        pruned = self._prune(owner, set(applied) | {(c["kind"], c["metadata"]["name"]) for c in wanted}, listed, previous)
         self.memo["applied"][key] = applied
         self.memo["children_digest"] = digest
         if changed or pruned:
@@ -499,17 +615,37 @@ class Step:
                             "PodMonitor, alerts and dashboard are as the spec asks")
         return None
 
-    def _prune(self, owner: Owner, keep: set[tuple[str, str]]) -> list[str]:
-        """Delete this incarnation's children (by label and owner uid) that the spec no longer
-        describes: monitoring turned off, the managed etcd after a switch to an external endpoint."""
+    def _check_owners(self, wanted: list[Obj], listed: Mapping[str, list[Obj]], owner: Owner) -> None:
+        """ForeignObject when a child's name is taken by an object of another owner or one being
+        deleted: the previous incarnation's, after a delete and re-apply (its objects carry the
+        same label, so the kinds listed for pruning are checked from those lists; others by name)."""
+        live = {(kind, o["metadata"]["name"]): o for kind, objs in listed.items() for o in objs}
+        for child in wanted:
+            kind, name = child["kind"], child["metadata"]["name"]
+            if kind not in listed:
+                self.kube.check_owner(self.namespace, child)
+                continue
+            current = live.get((kind, name))
+            meta = (current or {}).get("metadata", {})
+            if meta.get("ownerReferences") and not owned_by(current or {}, owner.uid):
+                raise ForeignObject(f"{kind} {name} still belongs to {meta['ownerReferences'][0].get('uid')} (being deleted)")
+            if meta.get("deletionTimestamp"):
+                raise ForeignObject(f"{kind} {name} is being deleted")
+
+    def _prune(self, owner: Owner, keep: set[tuple[str, str]], listed: Mapping[str, list[Obj]] | None,
+               previous: Mapping[tuple[str, str], str]) -> list[str]:
+        """Delete this incarnation's children that the spec no longer describes: monitoring turned
+        off, the managed etcd after a switch to an external endpoint. Candidates: the listed objects
+        with its label and owner uid, or (without a listing) what this process applied before."""
+        if listed is not None:
+            candidates = [(kind, live["metadata"]["name"]) for kind, objs in listed.items() for live in objs
+                          if owned_by(live, owner.uid) and not live["metadata"].get("deletionTimestamp")]
+        else:
+            candidates = [(kind, name) for kind, name in previous if kind in PRUNABLE]
         pruned = []
-        for kind in PRUNABLE:
-            for live in self.kube.list_children(self.namespace, kind, f"{LABEL_FINETUNE}={self.name}"):
-                name = live["metadata"]["name"]
-                if (kind, name) in keep or not owned_by(live, owner.uid) or live["metadata"].get("deletionTimestamp"):
-                    continue
-                if self.kube.delete(self.namespace, kind, name):
-                    pruned.append(f"{kind} {name}")
+        for kind, name in candidates:
+            if (kind, name) not in keep and self.kube.delete(self.namespace, kind, name):
+                pruned.append(f"{kind} {name}")
         return pruned
 
     def _reset(self, obj: Obj, owner: Owner, spec: LlamaFineTuneSpec, attempts: list[int]) -> None:
@@ -551,6 +687,16 @@ def adopted(child: Obj, owner: Mapping[str, Any]) -> Obj:
     return child
 
 
+PROGRESS_REQUESTS_PER_SYNC = 2
+"""Most /progress requests one sync of a running job makes (Step._leader_progress)."""
+
+
+def _replica_order(pod: Mapping[str, Any]) -> tuple[int, str]:
+    """Replica index 0 first (with a static rendezvous, where rank 0 runs), then by index and name."""
+    index = str((pod.get("metadata", {}).get("labels") or {}).get("training.kubeflow.org/replica-index", ""))
+    return (int(index) if index.isdigit() else 1 << 30, str(pod.get("metadata", {}).get("name")))
+
+
 def _condition_is(status: Mapping[str, Any], type_: str, value: str, generation: int | None) -> bool:
     return any(c.get("type") == type_ and c.get("status") == value and c.get("observedGeneration") == generation
                for c in status.get("conditions", []) or [])
@@ -565,11 +711,13 @@ async def run_lifecycle(name: str | None, namespace: str | None, memo: kopf.Memo
     woken = asyncio.Event()
     memo["wakers"][(namespace, name)] = (loop, woken)
     step = Step(memo, namespace, name, logger)
+    executor = memo.get("executor")  # None: the loop's default executor
     try:
         while not stopped:
             woken.clear()
             try:
-                delay = await asyncio.to_thread(step.run)
+                # As asyncio.to_thread, in the operator's own pool: the context goes along (kopf.event needs it).
+                delay = await loop.run_in_executor(executor, contextvars.copy_context().run, step.run)
             except kopf.TemporaryError as exc:
                 delay = exc.delay or 5.0
             except Exception as exc:  # an API hiccup must not end the object's lifecycle
@@ -590,8 +738,10 @@ async def run_lifecycle(name: str | None, namespace: str | None, memo: kopf.Memo
 @kopf.on.event("kubeflow.org", "v1", "pytorchjobs", labels={LABEL_FINETUNE: kopf.PRESENT})
 @kopf.on.event("trainer.kubeflow.org", "v1alpha1", "trainjobs", labels={LABEL_FINETUNE: kopf.PRESENT})
 @kopf.on.event("", "v1", "pods", labels={LABEL_FINETUNE: kopf.PRESENT, "app.kubernetes.io/component": "trainer"})
-def child_changed(meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
-    """A PyTorchJob or trainer pod changed: its owner's lifecycle looks now, not at the next sync."""
+async def child_changed(meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+    """A PyTorchJob or trainer pod changed: its owner's lifecycle looks now, not at the next sync.
+    (This and the other event handlers are async: they only look at dicts, so they run on the
+    loop instead of taking a trip through kopf's thread pool for every watch event.)"""
     owner = (meta.get("labels") or {}).get(LABEL_FINETUNE)
     if owner and meta.get("namespace"):
         wake(memo, str(meta["namespace"]), str(owner))
@@ -605,7 +755,7 @@ CHILD_LABELS = {LABEL_FINETUNE: kopf.PRESENT}
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
 @kopf.on.event("monitoring.coreos.com", "v1", "podmonitors", labels=CHILD_LABELS)
 @kopf.on.event("monitoring.coreos.com", "v1", "prometheusrules", labels=CHILD_LABELS)
-def child_drifted(type: str | None, body: kopf.Body, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+async def child_drifted(type: str | None, body: kopf.Body, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
     """A child llamaft applied changed in a way llamaft did not (a hand edit, a deletion): its
     owner's lifecycle applies the children again now. Our own applies are recognised by the
     resourceVersion they returned; the Deployment's status updates cost one no-op apply."""
@@ -622,8 +772,8 @@ def child_drifted(type: str | None, body: kopf.Body, meta: kopf.Meta, memo: kopf
 
 
 @kopf.on.event(*RESOURCE)
-def finetune_seen(type: str | None, name: str | None, namespace: str | None, status: kopf.Status, memo: kopf.Memo,
-                  **_: Any) -> None:
+async def finetune_seen(type: str | None, name: str | None, namespace: str | None, status: kopf.Status, memo: kopf.Memo,
+                        **_: Any) -> None:
     """The per-phase gauge, from the phases the API server holds (every object is listed at
     startup, so the gauge is right after a restart too)."""
     if name and namespace:

@@ -88,7 +88,7 @@ def alert_rules(owner: Owner) -> list[Obj]:
         },
         {
             "alert": "LlamaFineTuneRestarting",
-            "expr": f'increase(kube_pod_container_status_restarts_total{{{sel}, container="pytorch"}}[15m]) > 0',
+            "expr": f'increase(kube_pod_container_status_restarts_total{{{sel}, container=~"pytorch|node"}}[15m]) > 0',
             "for": "0m",
             "labels": {**labels, "severity": "warning"},
             "annotations": {

@@ -1,0 +1,133 @@
+"""The TrainJob backend through the operator (issue 11), with the real kopf runtime against the
+emulator: backend selection (`auto` picks what the cluster serves), status from the TrainJob's
+conditions and jobsStatus, suspend/resume through spec.suspend, recovery and the retry budget by
+the same lifecycle as PyTorchJobs. The test plays Kubeflow Trainer's status writes (the simulated
+Trainer that runs the real trainer is tests/operator/test_sim_trainjob.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from tests.operator.conftest import Cluster, Operator, tiny_spec, wait_for
+from tests.operator.emulator import EmulatorThread, write_kubeconfig
+
+GROUP, VERSION, PLURAL = "trainer.kubeflow.org", "v1alpha1", "trainjobs"
+
+
+def trainjob(cluster: Cluster, name: str) -> dict[str, Any] | None:
+    try:
+        obj: dict[str, Any] = cluster.custom.get_namespaced_custom_object(GROUP, VERSION, cluster.ns, PLURAL, name)
+        return obj
+    except client.ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+def set_status(cluster: Cluster, name: str, conditions: list[tuple[str, str, str]] = (), active: int = 0,  # type: ignore[assignment]
+               failed: int = 0) -> None:
+    """What Kubeflow Trainer writes: conditions (Complete/Failed/Suspended) and the node Job's counts."""
+    status = {"conditions": [{"type": t, "status": "True", "reason": r, "message": m, "lastTransitionTime": "2026-11-30T12:00:00Z"}
+                             for t, r, m in conditions],
+              "jobsStatus": [{"name": "node", "active": active, "ready": active, "succeeded": 0, "failed": failed, "suspended": 0}]}
+    cluster.custom.patch_namespaced_custom_object_status(GROUP, VERSION, cluster.ns, PLURAL, name, {"status": status})
+
+
+@pytest.fixture(scope="module")
+def operator(kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
+    op = Operator(kubeconfig, tmp_path_factory.mktemp("op") / "operator.log").start()
+    yield op
+    op.stop()
+
+
+def test_a_trainjob_run_from_creation_to_success(cluster: Cluster, operator: Operator) -> None:
+    cluster.create("tj", tiny_spec(backend="TrainJob"))
+    name = cluster.job_name("tj", 1)
+    job = wait_for("TrainJob", lambda: trainjob(cluster, name))
+    assert job["metadata"]["labels"]["llamaft.io/finetune"] == "tj"
+    assert job["metadata"]["ownerReferences"][0]["name"] == "tj"
+    assert cluster.attempt_job("tj", 1) is None, "no PyTorchJob on this backend"
+    status = wait_for("backend", lambda: (s := cluster.status("tj")).get("backend") == "TrainJob" and s)
+    assert status["phase"] == "Creating"
+    set_status(cluster, name, active=2)
+    wait_for("Running", lambda: cluster.status("tj")["phase"] == "Running")
+    set_status(cluster, name, [("Complete", "JobSetCompleted", "jobset completed")])
+    status = wait_for("Succeeded", lambda: (s := cluster.status("tj"))["phase"] == "Succeeded" and s)
+    assert f"TrainJob {name} succeeded" in status["message"]
+
+
+def test_suspend_and_resume_through_spec_suspend(cluster: Cluster, operator: Operator) -> None:
+    cluster.create("tjs", tiny_spec(backend="TrainJob"))
+    name = cluster.job_name("tjs", 1)
+    wait_for("TrainJob", lambda: trainjob(cluster, name))
+    set_status(cluster, name, active=2)
+    wait_for("Running", lambda: cluster.status("tjs")["phase"] == "Running")
+    cluster.patch_finetune("tjs", {"spec": {"runPolicy": {"suspend": True}}})
+    wait_for("suspended", lambda: (trainjob(cluster, name) or {}).get("spec", {}).get("suspend") is True)
+    set_status(cluster, name, [("Suspended", "Suspended", "suspended")])
+    wait_for("Suspended", lambda: cluster.status("tjs")["phase"] == "Suspended")
+    cluster.patch_finetune("tjs", {"spec": {"runPolicy": {"suspend": False}}})
+    wait_for("resumed", lambda: (trainjob(cluster, name) or {}).get("spec", {}).get("suspend") is False)
+    assert cluster.status("tjs")["attempt"] == 1, "suspend/resume is in place"
+
+
+def test_a_failed_trainjob_is_retried_as_a_new_attempt_within_the_budget(cluster: Cluster, operator: Operator) -> None:
+    cluster.create("tjr", tiny_spec(backend="TrainJob", runPolicy={"retryBudget": 1}))
+    first = cluster.job_name("tjr", 1)
+    wait_for("attempt 1", lambda: trainjob(cluster, first))
+    set_status(cluster, first, [("Failed", "JobSetFailed", "jobset failed: node-0 exited 1")], failed=1)
+    second = cluster.job_name("tjr", 2)
+    wait_for("attempt 2", lambda: trainjob(cluster, second))
+    status = wait_for("recorded", lambda: (s := cluster.status("tjr")).get("retriesUsed") == 1 and s)
+    assert status["failures"][-1]["reason"] == "JobFailed" and "TrainJob" in status["failures"][-1]["message"]
+    wait_for("old attempt deleted", lambda: trainjob(cluster, first) is None)
+    set_status(cluster, second, [("Failed", "JobSetFailed", "jobset failed again")], failed=1)
+    status = wait_for("Failed", lambda: (s := cluster.status("tjr"))["phase"] == "Failed" and s)
+    assert "retry budget (1) is used up" in status["message"]
+
+
+@pytest.mark.parametrize(("without", "expected"), [((), "PyTorchJob"), (("kubeflow.org/v1/pytorchjobs",), "TrainJob")])
+def test_auto_picks_the_backend_the_cluster_serves(without: tuple[str, ...], expected: str, tmp_path: Path) -> None:
+    emu = EmulatorThread(without=without).start()
+    try:
+        config = client.Configuration()
+        config.host = emu.url
+        own = Cluster(client.ApiClient(config))
+        op = Operator(write_kubeconfig(emu.url, tmp_path / "config"), tmp_path / "operator.log").start()
+        try:
+            own.create("auto", tiny_spec(backend="auto"))
+            status = wait_for("backend", lambda: (s := own.status("auto")).get("backend") and s)
+            assert status["backend"] == expected
+            name = own.job_name("auto", 1)
+            if expected == "TrainJob":
+                wait_for("TrainJob", lambda: trainjob(own, name))
+            else:
+                wait_for("PyTorchJob", lambda: own.attempt_job("auto", 1))
+            assert any(e["reason"] == "BackendSelected" and expected in e["message"] for e in own.events("auto"))
+        finally:
+            op.stop()
+    finally:
+        emu.stop()
+
+
+def test_auto_on_a_cluster_with_neither_says_what_to_install(tmp_path: Path) -> None:
+    emu = EmulatorThread(without=("kubeflow.org/v1/pytorchjobs", "trainer.kubeflow.org/v1alpha1/trainjobs")).start()
+    try:
+        config = client.Configuration()
+        config.host = emu.url
+        own = Cluster(client.ApiClient(config))
+        op = Operator(write_kubeconfig(emu.url, tmp_path / "config"), tmp_path / "operator.log").start()
+        try:
+            own.create("none", tiny_spec(backend="auto"))
+            status = wait_for("message", lambda: "serves neither" in (s := own.status("none")).get("message", "") and s)
+            assert "Kubeflow training operator v1.9" in status["message"] and "Kubeflow Trainer v2.3" in status["message"]
+            assert "backend" not in status
+        finally:
+            op.stop()
+    finally:
+        emu.stop()
