@@ -26,6 +26,9 @@ class OperatorSettings:
     prometheus_url: str | None = None
     """When set, running jobs get a GPUHealthy condition from DCGM metrics in this Prometheus."""
     metrics_port: int = 8080
+    workers: int = 16
+    """Threads that run lifecycle steps (each step is mostly blocking API round trips). The loop's
+    default executor would give min(32, cores + 4): 6 on 2 cores, which queued a burst of creates."""
 
     @classmethod
     def from_env(cls) -> OperatorSettings:
@@ -40,4 +43,5 @@ class OperatorSettings:
             dashboard_labels=tuple(sorted(json.loads(env["LLAMAFT_DASHBOARD_LABELS"]).items()))
             if env.get("LLAMAFT_DASHBOARD_LABELS") else cls.dashboard_labels,
             metrics_port=int(env.get("LLAMAFT_OPERATOR_METRICS_PORT", cls.metrics_port)),
+            workers=max(1, int(env.get("LLAMAFT_WORKERS", cls.workers))),
         )
