@@ -1,6 +1,7 @@
 """End-to-end on a real cluster: runs only when KUBECONFIG points at one (skipped otherwise).
 
-Needs the Kubeflow training operator (PyTorchJob CRD) installed. It installs llamaft's CRD, runs
+Needs the Kubeflow training operator (PyTorchJob CRD) installed; the TrainJob case needs Kubeflow
+Trainer v2.3 with its `torch-distributed` ClusterTrainingRuntime (skipped otherwise). It installs llamaft's CRD, runs
 `llamaft operator` from this checkout against the cluster, applies the tiny example in a fresh
 namespace and checks the PyTorchJob, status and clean-up. With LLAMAFT_E2E_IMAGE set to a trainer
 image that contains the tiny model at /opt/llamaft/.local-assets/tiny-llama (build it with
@@ -107,3 +108,38 @@ def test_tiny_example_on_a_cluster(api: Any, namespace: str, operator: subproces
     _wait(lambda: not custom.list_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs")["items"], 120)
 
 
+
+
+def test_tiny_example_as_a_trainjob(api: Any, namespace: str, operator: subprocess.Popen[bytes]) -> None:
+    """backend: TrainJob on a cluster with Kubeflow Trainer v2: the TrainJob, its status and clean-up
+    (and, with LLAMAFT_E2E_IMAGE, the whole run)."""
+    from kubernetes import client
+
+    custom = client.CustomObjectsApi(api)
+    try:
+        client.ApiextensionsV1Api(api).read_custom_resource_definition("trainjobs.trainer.kubeflow.org")
+        custom.get_cluster_custom_object("trainer.kubeflow.org", "v1alpha1", "clustertrainingruntimes", "torch-distributed")
+    except Exception as exc:
+        pytest.skip(f"e2e: no Kubeflow Trainer v2 with the torch-distributed runtime ({exc})")
+    body = yaml.safe_load((REPO / "examples" / "tiny.yaml").read_text())
+    body["metadata"]["name"] = "tiny-trainjob"
+    body["spec"]["backend"] = "TrainJob"
+    image = os.environ.get("LLAMAFT_E2E_IMAGE")
+    if image:
+        body["spec"]["cluster"]["image"] = image
+        body["spec"]["model"]["source"] = "/opt/llamaft/.local-assets/tiny-llama"
+        body["spec"]["dataset"]["source"] = "/opt/llamaft/examples/data/samsum-tiny.jsonl"
+        body["spec"]["checkpointing"]["directory"] = "/tmp/checkpoints"
+    created = custom.create_namespaced_custom_object("llamaft.io", "v1alpha1", namespace, "llamafinetunes", body)
+    job_name = f"tiny-trainjob-{created['metadata']['uid'].replace('-', '')[:4]}-1"  # naming.Owner.job_name
+    job = _wait(lambda: custom.get_namespaced_custom_object("trainer.kubeflow.org", "v1alpha1", namespace, "trainjobs", job_name), 120)
+    assert job["spec"]["runtimeRef"]["name"] == "torch-distributed"
+    status = _wait(lambda: (s := custom.get_namespaced_custom_object("llamaft.io", "v1alpha1", namespace, "llamafinetunes",
+                                                                     "tiny-trainjob").get("status", {})).get("jobName") and s, 60)
+    assert status["backend"] == "TrainJob" and status["phase"] in ("Creating", "Running", "Succeeded")
+    if image:
+        done = _wait(lambda: (s := custom.get_namespaced_custom_object("llamaft.io", "v1alpha1", namespace, "llamafinetunes",
+                                                                       "tiny-trainjob")["status"])["phase"] == "Succeeded" and s, 1200)
+        assert done["progress"]["step"] == done["progress"]["totalSteps"]
+    custom.delete_namespaced_custom_object("llamaft.io", "v1alpha1", namespace, "llamafinetunes", "tiny-trainjob")
+    _wait(lambda: not custom.list_namespaced_custom_object("trainer.kubeflow.org", "v1alpha1", namespace, "trainjobs")["items"], 120)
