@@ -262,19 +262,37 @@ def _cmd_render(args: argparse.Namespace) -> int:
 
 
 def _cmd_operator(args: argparse.Namespace) -> int:
-    """Run the operator in this process (what the chart's Deployment runs)."""
+    """Run the operator in this process (what the chart's Deployment runs).
+
+    --standalone: the only replica, no peering. --peering NAME: one of several replicas; kopf keeps
+    only the highest-priority live one active (llamaft/operator/peering.py explains the priorities)."""
     import kopf
 
     import llamaft.operator.handlers  # noqa: F401  (registers the handlers)
+    from llamaft.operator import peering
 
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.JSON if args.json_logs else kopf.LogFormat.FULL)
+    # The startup handler (handlers.configure) gets this same settings object and leaves .peering alone.
+    settings = kopf.OperatorSettings()
+    settings.peering.lifetime = args.peering_lifetime
+    settings.peering.stealth = True  # keep-alives go to the debug log only when they fail
     kopf.run(
-        standalone=args.standalone,
+        settings=settings,
+        standalone=True if args.standalone else None,
+        peering_name=args.peering,
+        priority=(args.priority if args.priority is not None else peering.age_priority()) if args.peering else None,
         clusterwide=not args.namespace,
         namespaces=args.namespace or (),
         liveness_endpoint=args.liveness,
     )
     return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -323,8 +341,20 @@ def build_parser() -> argparse.ArgumentParser:
     render.set_defaults(func=_cmd_render)
 
     op = sub.add_parser("operator", help="run the kopf operator (in-cluster or with KUBECONFIG)")
-    op.add_argument("--namespace", action="append", help="watch only this namespace (repeatable; default: all)")
-    op.add_argument("--standalone", action="store_true", help="no peering with other operator replicas")
+    scope = op.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", action="append", help="watch only this namespace (repeatable; default: all)")
+    scope.add_argument("--all-namespaces", action="store_true", help="watch every namespace (the default)")
+    mode = op.add_mutually_exclusive_group()
+    mode.add_argument("--standalone", action="store_true", help="no peering with other operator replicas")
+    mode.add_argument("--peering", metavar="NAME",
+                    help="run as one of several replicas: peer through the KopfPeering NAME in every watched "
+                         "namespace (with --namespace) or the ClusterKopfPeering NAME; only the highest-priority "
+                         "live replica handles resources")
+    op.add_argument("--priority", type=int,
+                    help="this replica's peering priority (default: by start time, the oldest replica highest)")
+    op.add_argument("--peering-lifetime", type=_positive_int, default=60, metavar="SECONDS",
+                    help="how long this replica's peering entry lives without a keep-alive, i.e. how long the "
+                         "others wait after it dies without a clean exit (default: kopf's 60)")
     op.add_argument("--liveness", default="http://0.0.0.0:8081/healthz", help="kopf liveness endpoint")
     op.add_argument("--json-logs", action="store_true", help="structured JSON log lines")
     op.add_argument("--verbose", action="store_true")

@@ -43,9 +43,13 @@ def wait_for(what: str, fn: Callable[[], T | None], timeout: float = 30.0, inter
 class Operator:
     """`kopf run --standalone -A -m llamaft.operator.handlers` against the emulator."""
 
-    def __init__(self, kubeconfig: Path, log: Path, cli: bool = False, **env: str) -> None:
-        """cli=True runs `llamaft operator` (the chart's entry point) instead of `kopf run`."""
+    def __init__(self, kubeconfig: Path, log: Path, cli: bool = False, *, peering: str | None = None,
+                 args: tuple[str, ...] = (), verbose: bool = False, **env: str) -> None:
+        """cli=True runs `llamaft operator` (the chart's entry point) instead of `kopf run`.
+        peering: run as one of several replicas (`--peering NAME` instead of `--standalone`);
+        args: more command-line options; verbose: kopf's debug log (pauses, watch streams)."""
         self.kubeconfig, self.log_path, self.extra_env, self.cli = kubeconfig, log, env, cli
+        self.peering, self.args, self.verbose = peering, args, verbose
         self.proc: subprocess.Popen[bytes] | None = None
         self.metrics_port = free_port()
 
@@ -58,16 +62,17 @@ class Operator:
         })
         env.update(self.extra_env)
         self.log = self.log_path.open("ab")
-        verbose = ["--verbose"] if os.environ.get("LLAMAFT_TEST_VERBOSE") else []
+        verbose = ["--verbose"] if self.verbose or os.environ.get("LLAMAFT_TEST_VERBOSE") else []
+        mode = ["--peering", self.peering] if self.peering else ["--standalone"]
         command = (
-            [sys.executable, "-m", "llamaft.cli", "operator", "--standalone", "--json-logs",
+            [sys.executable, "-m", "llamaft.cli", "operator", *mode, "--json-logs",
              "--liveness", f"http://127.0.0.1:{free_port()}/healthz"]
             if self.cli else
-            [sys.executable, "-m", "kopf", "run", "--standalone", "--all-namespaces", "--log-format", "json",
+            [sys.executable, "-m", "kopf", "run", *mode, "--all-namespaces", "--log-format", "json",
              "-m", "llamaft.operator.handlers"]
         )
         self.proc = subprocess.Popen(
-            command + verbose,
+            command + list(self.args) + verbose,
             env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
         )
         return self

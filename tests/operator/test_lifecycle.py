@@ -265,3 +265,11 @@ def test_observed_is_a_value() -> None:
     """replace() keeps rows short; a sanity check that Observed stays a frozen dataclass."""
     o = observed()
     assert replace(o, job=None).job is None and o.job is None
+
+
+def test_a_job_whose_creating_step_never_wrote_its_status_is_recorded_as_the_attempt() -> None:
+    """The operator died between creating attempt 1's job and writing that step's status (a leader
+    killed mid-step): the next look records the attempt instead of leaving attempt 0 behind."""
+    d = decide(observed({}, job=job("Created", "Running"), pods=[pod(0), pod(1)]))
+    assert d.status["attempt"] == 1 and d.status["jobName"] == JOB and d.start_attempt is None
+    assert d.status["phase"] == "Running"

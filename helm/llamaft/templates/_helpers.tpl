@@ -26,22 +26,39 @@ app.kubernetes.io/component: operator
 - apiGroups: ["kubeflow.org"]
   resources: ["pytorchjobs"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["trainer.kubeflow.org"]
+  resources: ["trainjobs"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
-  resources: ["configmaps"]
-  verbs: ["get", "create", "patch", "delete"]
+  resources: ["configmaps", "services"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["get", "create", "delete"]
-- apiGroups: [""]
-  resources: ["services"]
-  verbs: ["get", "create", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch"]
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["podmonitors", "prometheusrules"]
-  verbs: ["create", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create"]
+{{- end -}}
+
+
+{{/* Several replicas peer (kopf --peering) through this object; one replica runs standalone. */}}
+{{- define "llamaft.peered" -}}{{ if gt (int .Values.replicas) 1 }}true{{ end }}{{- end -}}
+{{- define "llamaft.peeringName" -}}{{ include "llamaft.name" . }}-{{ .Release.Namespace }}{{- end -}}
+
+{{/* kopf's own calls for its peering (operator/llamaft/operator/peering.py; tests compare). */}}
+{{- define "llamaft.clusterPeeringRules" -}}
+- apiGroups: ["kopf.dev"]
+  resources: ["clusterkopfpeerings"]
+  verbs: ["list", "watch", "patch"]
+{{- end -}}
+{{- define "llamaft.namespacedPeeringRules" -}}
+- apiGroups: ["kopf.dev"]
+  resources: ["kopfpeerings"]
+  verbs: ["list", "watch", "patch"]
 {{- end -}}

@@ -138,6 +138,8 @@ def _env(spec: LlamaFineTuneSpec) -> list[Obj]:
     env: list[Obj] = [
         {"name": "LLAMAFT_CONFIG", "value": f"{CONFIG_MOUNT}/{CONFIG_FILE}"},
         {"name": "LLAMAFT_METRICS_PORT", "value": str(spec.monitoring.metrics_port)},
+        # The pod's name for status.leaderPod (HOSTNAME is the hostname, which JobSet's pods set apart).
+        {"name": "LLAMAFT_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         # The trainer saves a checkpoint on SIGTERM only when the grace period leaves time for it.
         {"name": "LLAMAFT_TERMINATION_GRACE_SECONDS", "value": str(spec.cluster.termination_grace_period_seconds)},
         # torchrun forwards SIGTERM to its workers and SIGKILLs them after this (default 30 s):

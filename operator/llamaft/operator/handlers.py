@@ -295,6 +295,8 @@ class Step:
         self.settings = settings_of(memo)
         self.http: HttpClient = memo["http"]
         self.job_kind = "PyTorchJob"
+        self.children_index: Mapping[tuple[str, str], Any] | None = None
+        """kopf's index of the labelled children (`children_by_owner`); None: list them."""
 
     def event(self, obj: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
         kopf.event(cast(kopf.Body, dict(obj)), type=type_, reason=reason, message=message)
@@ -344,6 +346,12 @@ class Step:
             if self.kube.delete_job(self.namespace, job_name, self.job_kind):
                 self.logger.info(f"deleted {self.job_kind} {job_name}")
         patch.update(decision.status)
+        if patch.get("attempt") and not status.get("rendezvousId") and decision.start_attempt is None:
+            # An attempt recorded after the fact (lifecycle.decide): the rest of what _start_attempt writes.
+            patch.update(rendezvousId=owner.rendezvous_id(int(patch["attempt"])),
+                         totalGpus=parsed.cluster.workers * parsed.cluster.gpus_per_worker)
+        if obs.job is not None and decision.start_attempt is None and patch.get("phase", status.get("phase")) not in TERMINAL:
+            self._suspend_as_specified(obj, owner, parsed, obs.job, max(attempt, int(patch.get("attempt") or 0)))
         if decision.status.get("phase") == Phase.QUEUED.value and status.get("phase") != Phase.QUEUED.value and attempt:
             # Kueue suspended the job (at creation, or to preempt it): when it admits it again the
             # training operator recreates the pods, which must not meet a closed rendezvous.
@@ -380,6 +388,24 @@ class Step:
             return None
         interval = self.settings.sync_interval_s
         return min(requeue, interval) if requeue is not None else interval
+
+    def _suspend_as_specified(self, obj: Obj, owner: Owner, spec: LlamaFineTuneSpec, job: Mapping[str, Any],
+                              attempt: int) -> None:
+        """Level-based suspend: the job is suspended exactly when spec.runPolicy.suspend says so (the
+        update handler applies a change at once; this repairs one it missed, e.g. made while the
+        operator was down or changing leaders). A job Kueue manages is unsuspended by Kueue only."""
+        wanted = spec.run_policy.suspend
+        actual = bool(job.get("spec", {}).get("suspend") if self.job_kind == trainjob.KIND
+                      else job.get("spec", {}).get("runPolicy", {}).get("suspend"))
+        if wanted == actual or (actual and spec.scheduling.queue_name):
+            return
+        if not wanted:
+            self._reset(obj, owner, spec, [attempt])  # resumed pods must not meet a closed rendezvous
+        name = job["metadata"]["name"]
+        self.kube.patch_job(self.namespace, name, {"spec": {"suspend": wanted}} if self.job_kind == trainjob.KIND
+                            else {"spec": {"runPolicy": {"suspend": wanted}}}, self.job_kind)
+        self.event(obj, "Normal", "Suspended" if wanted else "Resumed",
+                   f"{self.job_kind} {name} {'suspended' if wanted else 'resumed'} (as spec.runPolicy.suspend says)")
 
     def _resolve_backend(self, obj: Obj, status: Obj, generation: int | None) -> str | None:
         """spec.backend, with `auto` resolved to the job kind the cluster serves (PyTorchJob when
@@ -574,7 +600,7 @@ class Step:
         # it that the spec no longer wants. Later applies know what they applied (memo["applied"]).
         listed: dict[str, list[Obj]] | None = None
         if self.memo.get("owner_checked") != owner.uid:
-            listed = {kind: self.kube.list_children(self.namespace, kind, f"{LABEL_FINETUNE}={self.name}") for kind in PRUNABLE}
+            listed = self._labelled_children()
             try:
                 self._check_owners(wanted, listed, owner)
             except ForeignObject as exc:
@@ -615,6 +641,16 @@ class Step:
                             "PodMonitor, alerts and dashboard are as the spec asks")
         return None
 
+    def _labelled_children(self) -> dict[str, list[Obj]]:
+        """The objects of the child kinds that carry this LlamaFineTune's label, by kind: from kopf's
+        index when the step has it (no request: kopf listed these kinds before any daemon ran and
+        follows their watches), else listed (the kinds that can be pruned)."""
+        if self.children_index is not None:
+            # list() of the index's store copies it in one C call: safe beside the loop's updates.
+            entries = list(self.children_index.get((self.namespace, self.name), ()))
+            return {kind: [e for e in entries if e["kind"] == kind] for kind in CHILD_KINDS}
+        return {kind: self.kube.list_children(self.namespace, kind, f"{LABEL_FINETUNE}={self.name}") for kind in PRUNABLE}
+
     def _check_owners(self, wanted: list[Obj], listed: Mapping[str, list[Obj]], owner: Owner) -> None:
         """ForeignObject when a child's name is taken by an object of another owner or one being
         deleted: the previous incarnation's, after a delete and re-apply (its objects carry the
@@ -638,7 +674,7 @@ class Step:
         off, the managed etcd after a switch to an external endpoint. Candidates: the listed objects
         with its label and owner uid, or (without a listing) what this process applied before."""
         if listed is not None:
-            candidates = [(kind, live["metadata"]["name"]) for kind, objs in listed.items() for live in objs
+            candidates = [(kind, live["metadata"]["name"]) for kind, objs in listed.items() if kind in PRUNABLE for live in objs
                           if owned_by(live, owner.uid) and not live["metadata"].get("deletionTimestamp")]
         else:
             candidates = [(kind, name) for kind, name in previous if kind in PRUNABLE]
@@ -704,13 +740,14 @@ def _condition_is(status: Mapping[str, Any], type_: str, value: str, generation:
 
 @kopf.daemon(*RESOURCE, cancellation_timeout=5.0)
 async def run_lifecycle(name: str | None, namespace: str | None, memo: kopf.Memo, stopped: kopf.DaemonStopped,
-                        logger: Any, **_: Any) -> None:
+                        logger: Any, children_by_owner: Any = None, **_: Any) -> None:
     """The object's lifecycle loop: one step now, then one per wake-up or requeue."""
     assert name is not None and namespace is not None
     loop = asyncio.get_running_loop()
     woken = asyncio.Event()
     memo["wakers"][(namespace, name)] = (loop, woken)
     step = Step(memo, namespace, name, logger)
+    step.children_index = children_by_owner
     executor = memo.get("executor")  # None: the loop's default executor
     try:
         while not stopped:
@@ -769,6 +806,28 @@ async def child_drifted(type: str | None, body: kopf.Body, meta: kopf.Meta, memo
     if type == "DELETED" or str(meta.get("resourceVersion")) != applied[child]:
         memo["drifted"].add((namespace, owner))
         wake(memo, namespace, owner)
+
+
+CHILD_KINDS = ("ConfigMap", "Deployment", "Service", "PodMonitor", "PrometheusRule")
+
+
+@kopf.index("", "v1", "configmaps", labels=CHILD_LABELS)
+@kopf.index("", "v1", "services", labels=CHILD_LABELS)
+@kopf.index("apps", "v1", "deployments", labels=CHILD_LABELS)
+@kopf.index("monitoring.coreos.com", "v1", "podmonitors", labels=CHILD_LABELS)
+@kopf.index("monitoring.coreos.com", "v1", "prometheusrules", labels=CHILD_LABELS)
+async def children_by_owner(resource: kopf.Resource, meta: kopf.Meta, **_: Any) -> dict[tuple[str, str], Obj]:
+    """Every labelled child, by (namespace, owner name), as much of it as the first apply of an
+    incarnation looks at: its name, owners and deletion (the previous incarnation's objects to wait
+    for, this one's to prune). kopf lists the indexed kinds before it runs any other handler or
+    daemon (kopf/_core/reactor/processing.py: operator_indexed), so the index is complete at start;
+    after that it follows the watches. It replaces five LISTs per new LlamaFineTune."""
+    owner, namespace = (meta.get("labels") or {}).get(LABEL_FINETUNE), meta.get("namespace")
+    if not owner or not namespace:
+        return {}
+    return {(str(namespace), str(owner)): {"kind": resource.kind, "metadata": {
+        "name": meta.get("name"), "deletionTimestamp": meta.get("deletionTimestamp"),
+        "ownerReferences": [{"uid": ref.get("uid")} for ref in meta.get("ownerReferences") or []]}}}
 
 
 @kopf.on.event(*RESOURCE)
@@ -831,15 +890,18 @@ def spec_changed(body: kopf.Body, old: Any, new: Any, meta: kopf.Meta, memo: kop
                                                invalid_message(parsed), generation, lifecycle.iso(now()))
             k.patch_finetune_status(namespace, name, {"conditions": conditions})
             return  # the running attempt continues with the last valid spec
+        owner = Owner(name, namespace, obj["metadata"].get("uid", ""))
         if attempt == 0:
-            wake(memo, namespace, name)  # never started (its spec was invalid): the lifecycle starts it
-            return
+            first = k.get_job(namespace, owner.job_name(1), kind)
+            if first is None or not owned_by(first, owner.uid):
+                wake(memo, namespace, name)  # never started (its spec was invalid): the lifecycle starts it
+                return
+            attempt = 1  # started, but the step that created the job never wrote the status
         if status.get("phase") in TERMINAL:
             kopf.info(body, reason="Finished", message=f"the run has {str(status['phase']).lower()}: spec changes do not "
                       "start it again; create a new LlamaFineTune (or delete and re-apply this one)")
             k.patch_finetune_status(namespace, name, {"observedGeneration": generation})
             return
-        owner = Owner(name, namespace, obj["metadata"].get("uid", ""))
         job_name = owner.job_name(attempt)
         changed = changed_fields(old, parsed)
         if not changed:

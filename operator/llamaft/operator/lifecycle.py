@@ -182,6 +182,12 @@ def decide(obs: Observed) -> Decision:
     attempt = max(attempt, 1)
     if obs.job is None:
         return _no_job(obs, attempt, d)  # rule 3
+    if int(st.get("attempt") or 0) == 0:
+        # The job exists but the step that created it never wrote its status (the operator died in
+        # between, e.g. a leader killed mid-step): record the attempt now, or a later spec change
+        # would take the run for never started.
+        d.status.update(attempt=attempt, jobName=obs.job_name, attemptStartTime=st.get("attemptStartTime") or iso(obs.now),
+                        retriesUsed=int(st.get("retriesUsed") or 0))
     return _with_job(obs, attempt, d)
 
 
