@@ -17,18 +17,27 @@ app.kubernetes.io/component: operator
 
 {{/* The rules the operator needs: exactly the calls in operator/llamaft/operator/kube.py and kopf's own (tests compare). */}}
 {{- define "llamaft.rules" -}}
+# kopf watches and patches the LlamaFineTunes (finalizer, bookkeeping annotations); the operator
+# reads them and writes their status.
 - apiGroups: ["llamaft.io"]
   resources: ["llamafinetunes"]
   verbs: ["get", "list", "watch", "patch"]
 - apiGroups: ["llamaft.io"]
   resources: ["llamafinetunes/status"]
-  verbs: ["get", "patch"]
+  verbs: ["patch"]
+# Children carry an ownerReference with blockOwnerDeletion: clusters that enforce owner-reference
+# permissions (OwnerReferencesPermissionEnforcement) require update on the owner's finalizers.
+- apiGroups: ["llamaft.io"]
+  resources: ["llamafinetunes/finalizers"]
+  verbs: ["update"]
 - apiGroups: ["kubeflow.org"]
   resources: ["pytorchjobs"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["trainer.kubeflow.org"]
   resources: ["trainjobs"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# Server-side applied children: patch, and create when the apply creates them; list and delete
+# prune; kopf watches them to repair hand edits.
 - apiGroups: [""]
   resources: ["configmaps", "services"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
@@ -41,7 +50,7 @@ app.kubernetes.io/component: operator
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["podmonitors", "prometheusrules"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
-- apiGroups: ["", "events.k8s.io"]
+- apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
 {{- end -}}
@@ -50,6 +59,14 @@ app.kubernetes.io/component: operator
 {{/* Several replicas peer (kopf --peering) through this object; one replica runs standalone. */}}
 {{- define "llamaft.peered" -}}{{ if gt (int .Values.replicas) 1 }}true{{ end }}{{- end -}}
 {{- define "llamaft.peeringName" -}}{{ include "llamaft.name" . }}-{{ .Release.Namespace }}{{- end -}}
+
+{{/* kopf's cluster-scoped calls: it watches CRDs to follow resources as they are installed, and
+     namespaces only when it serves given namespaces (tests/operator/test_rbac.py records them). */}}
+{{- define "llamaft.crdRules" -}}
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["list", "watch"]
+{{- end -}}
 
 {{/* kopf's own calls for its peering (operator/llamaft/operator/peering.py; tests compare). */}}
 {{- define "llamaft.clusterPeeringRules" -}}
