@@ -82,10 +82,8 @@ def _wait(fn: Any, timeout: float) -> Any:
     raise AssertionError("timed out")
 
 
-def test_tiny_example_on_a_cluster(api: Any, namespace: str, operator: subprocess.Popen[bytes]) -> None:
-    from kubernetes import client
-
-    custom = client.CustomObjectsApi(api)
+def tiny_body() -> tuple[dict[str, Any], str | None]:
+    """examples/tiny.yaml, pointed at the e2e image's model and data when LLAMAFT_E2E_IMAGE is set."""
     body = yaml.safe_load((REPO / "examples" / "tiny.yaml").read_text())
     image = os.environ.get("LLAMAFT_E2E_IMAGE")
     if image:
@@ -93,6 +91,14 @@ def test_tiny_example_on_a_cluster(api: Any, namespace: str, operator: subproces
         body["spec"]["model"]["source"] = "/opt/llamaft/.local-assets/tiny-llama"
         body["spec"]["dataset"]["source"] = "/opt/llamaft/examples/data/samsum-tiny.jsonl"
         body["spec"]["checkpointing"]["directory"] = "/tmp/checkpoints"
+    return body, image
+
+
+def test_tiny_example_on_a_cluster(api: Any, namespace: str, operator: subprocess.Popen[bytes]) -> None:
+    from kubernetes import client
+
+    custom = client.CustomObjectsApi(api)
+    body, image = tiny_body()
     created = custom.create_namespaced_custom_object("llamaft.io", "v1alpha1", namespace, "llamafinetunes", body)
     job_name = f"tiny-local-{created['metadata']['uid'].replace('-', '')[:4]}-1"  # naming.Owner.job_name
     job = _wait(lambda: custom.get_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", job_name), 120)
@@ -121,15 +127,9 @@ def test_tiny_example_as_a_trainjob(api: Any, namespace: str, operator: subproce
         custom.get_cluster_custom_object("trainer.kubeflow.org", "v1alpha1", "clustertrainingruntimes", "torch-distributed")
     except Exception as exc:
         pytest.skip(f"e2e: no Kubeflow Trainer v2 with the torch-distributed runtime ({exc})")
-    body = yaml.safe_load((REPO / "examples" / "tiny.yaml").read_text())
+    body, image = tiny_body()
     body["metadata"]["name"] = "tiny-trainjob"
     body["spec"]["backend"] = "TrainJob"
-    image = os.environ.get("LLAMAFT_E2E_IMAGE")
-    if image:
-        body["spec"]["cluster"]["image"] = image
-        body["spec"]["model"]["source"] = "/opt/llamaft/.local-assets/tiny-llama"
-        body["spec"]["dataset"]["source"] = "/opt/llamaft/examples/data/samsum-tiny.jsonl"
-        body["spec"]["checkpointing"]["directory"] = "/tmp/checkpoints"
     created = custom.create_namespaced_custom_object("llamaft.io", "v1alpha1", namespace, "llamafinetunes", body)
     job_name = f"tiny-trainjob-{created['metadata']['uid'].replace('-', '')[:4]}-1"  # naming.Owner.job_name
     job = _wait(lambda: custom.get_namespaced_custom_object("trainer.kubeflow.org", "v1alpha1", namespace, "trainjobs", job_name), 120)

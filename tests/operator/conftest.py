@@ -3,6 +3,7 @@ subprocess (`kopf run --standalone`), and a client that plays the training opera
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -251,3 +252,36 @@ def tiny_spec(**overrides: Any) -> dict[str, Any]:
 
 def dump(obj: Any) -> str:
     return json.dumps(obj, indent=1, default=str)[:4000]
+
+
+@contextlib.contextmanager
+def own_emulator(tmp_path: Path, without: tuple[str, ...] = ()) -> Iterator[tuple[Cluster, Path]]:
+    """A cluster of the test's own (serving all but `without`): its client and a kubeconfig for it."""
+    emu = EmulatorThread(without=without).start()
+    try:
+        config = client.Configuration()
+        config.host = emu.url
+        yield Cluster(client.ApiClient(config)), write_kubeconfig(emu.url, tmp_path / "config")
+    finally:
+        emu.stop()
+
+
+@contextlib.contextmanager
+def own_cluster(tmp_path: Path, without: tuple[str, ...] = (), **env: str) -> Iterator[Cluster]:
+    """own_emulator with an operator running on it."""
+    with own_emulator(tmp_path, without) as (cluster, kubeconfig):
+        op = Operator(kubeconfig, tmp_path / "operator.log", **env).start()
+        try:
+            yield cluster
+        finally:
+            op.stop()
+
+
+@pytest.fixture(scope="module")
+def etcd_operator(kubeconfig: Path, etcd: LocalEtcd, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
+    """The operator on the module's emulator, reaching every managed etcd through the real local
+    etcd (it runs outside the "cluster", as it would through a port-forward)."""
+    op = Operator(kubeconfig, tmp_path_factory.mktemp("op") / "operator.log",
+                  LLAMAFT_RENDEZVOUS_ADDRESS_OVERRIDE=etcd.endpoint).start()
+    yield op
+    op.stop()

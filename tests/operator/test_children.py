@@ -16,8 +16,8 @@ from llamaft.operator.kube import USER_AGENT
 from llamaft_trainer.local_etcd import LocalEtcd
 
 from tests.operator import apply as ssa
-from tests.operator.conftest import Cluster, Operator, tiny_spec, wait_for
-from tests.operator.emulator import EmulatorThread, write_kubeconfig
+from tests.operator.conftest import Cluster, Operator, own_emulator, tiny_spec, wait_for
+from tests.operator.emulator import EmulatorThread
 
 ETCD = {"backend": "etcd-v2"}  # managed etcd
 
@@ -70,13 +70,8 @@ def test_the_client_applies_through_the_emulator(cluster: Cluster) -> None:
 
 # ------------------------------------------------------------------------- the operator
 @pytest.fixture(scope="module")
-def operator(kubeconfig: Path, etcd: LocalEtcd, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
-    # The managed etcd's rendezvous state is reset through this address (a real etcd), as in
-    # test_operator_flows.
-    op = Operator(kubeconfig, tmp_path_factory.mktemp("op") / "operator.log",
-                  LLAMAFT_RENDEZVOUS_ADDRESS_OVERRIDE=etcd.endpoint).start()
-    yield op
-    op.stop()
+def operator(etcd_operator: Operator) -> Operator:
+    return etcd_operator
 
 
 def custom(cluster: Cluster, plural: str, name: str) -> dict[str, Any] | None:
@@ -149,32 +144,24 @@ def test_a_deleted_or_edited_etcd_service_is_repaired(cluster: Cluster, operator
 def test_a_new_etcd_image_rolls_out_without_a_new_attempt(etcd: LocalEtcd, tmp_path: Path) -> None:
     """The etcd image is the operator's setting: upgrading the operator updates every managed etcd.
     (Its own emulator: the module's operator must not run beside these two.)"""
-    emu = EmulatorThread().start()
-    config = client.Configuration()
-    config.host = emu.url
-    own = Cluster(client.ApiClient(config))
-    kubeconfig = write_kubeconfig(emu.url, tmp_path / "config")
-
-    def image() -> str:
+    def image(own: Cluster) -> str:
         return str(own.apps.read_namespaced_deployment("upgrade-etcd", own.ns).spec.template.spec.containers[0].image)
 
-    try:
+    with own_emulator(tmp_path) as (own, kubeconfig):
         op = Operator(kubeconfig, tmp_path / "a.log", LLAMAFT_ETCD_IMAGE="quay.io/coreos/etcd:v3.5.16",
                       LLAMAFT_RENDEZVOUS_ADDRESS_OVERRIDE=etcd.endpoint).start()
         try:
             started(own, "upgrade", tiny_spec(rendezvous=ETCD))
         finally:
             op.stop()
-        assert image() == "quay.io/coreos/etcd:v3.5.16"
+        assert image(own) == "quay.io/coreos/etcd:v3.5.16"
         op = Operator(kubeconfig, tmp_path / "b.log", LLAMAFT_ETCD_IMAGE="quay.io/coreos/etcd:v3.5.17",
                       LLAMAFT_RENDEZVOUS_ADDRESS_OVERRIDE=etcd.endpoint).start()
         try:
-            wait_for("new image", lambda: image() == "quay.io/coreos/etcd:v3.5.17")
+            wait_for("new image", lambda: image(own) == "quay.io/coreos/etcd:v3.5.17")
             assert own.status("upgrade")["attempt"] == 1 and own.attempt_job("upgrade", 2) is None
         finally:
             op.stop()
-    finally:
-        emu.stop()
 
 
 def test_deletion_is_left_to_the_garbage_collector(kubeconfig: Path, cluster: Cluster, operator: Operator,

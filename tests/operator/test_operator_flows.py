@@ -5,7 +5,6 @@ progress read from the real trainer's /progress endpoint."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,13 +18,8 @@ ETCD_SPEC = {"backend": "etcd-v2", "endpoint": "etcd.infra.svc:2379"}
 
 
 @pytest.fixture(scope="module")
-def operator(kubeconfig: Path, etcd: LocalEtcd, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
-    # The operator runs outside the "cluster": it reaches every etcd through this address, as it
-    # would through a port-forward.
-    op = Operator(kubeconfig, tmp_path_factory.mktemp("op") / "operator.log",
-                  LLAMAFT_RENDEZVOUS_ADDRESS_OVERRIDE=etcd.endpoint).start()
-    yield op
-    op.stop()
+def operator(etcd_operator: Operator) -> Operator:
+    return etcd_operator
 
 
 def reasons(cluster: Cluster, name: str) -> list[str]:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.operator.conftest import Cluster, Operator, tiny_spec, wait_for
+from tests.operator.conftest import Cluster, Operator, own_cluster, tiny_spec, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -170,23 +170,9 @@ def test_a_child_the_api_server_still_rejects_fails_the_run_with_its_message() -
 
 
 def test_a_cluster_without_the_training_operator_says_so(tmp_path: Path) -> None:
-    from kubernetes import client
-
-    from tests.operator.emulator import EmulatorThread, write_kubeconfig
-
-    bare = EmulatorThread(without=("kubeflow.org/v1/pytorchjobs",)).start()
-    try:
-        config = client.Configuration()
-        config.host = bare.url
-        cluster = Cluster(client.ApiClient(config))
-        op = Operator(write_kubeconfig(bare.url, tmp_path / "config"), tmp_path / "operator.log").start()
-        try:
-            cluster.create("nokf", tiny_spec())
-            status = wait_for("message", lambda: (s := cluster.status("nokf")).get("message", "").startswith(
-                "the cluster does not serve kubeflow.org/v1 PyTorchJobs") and s)
-            assert status.get("phase") in (None, "Pending", "Creating")
-            wait_for("event", lambda: [e for e in cluster.events("nokf") if e["reason"] == "TrainingOperatorMissing"])
-        finally:
-            op.stop()
-    finally:
-        bare.stop()
+    with own_cluster(tmp_path, ("kubeflow.org/v1/pytorchjobs",)) as cluster:
+        cluster.create("nokf", tiny_spec())
+        status = wait_for("message", lambda: (s := cluster.status("nokf")).get("message", "").startswith(
+            "the cluster does not serve kubeflow.org/v1 PyTorchJobs") and s)
+        assert status.get("phase") in (None, "Pending", "Creating")
+        wait_for("event", lambda: [e for e in cluster.events("nokf") if e["reason"] == "TrainingOperatorMissing"])

@@ -13,8 +13,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from tests.operator.conftest import Cluster, Operator, tiny_spec, wait_for
-from tests.operator.emulator import EmulatorThread, write_kubeconfig
+from tests.operator.conftest import Cluster, Operator, own_cluster, tiny_spec, wait_for
 
 GROUP, VERSION, PLURAL = "trainer.kubeflow.org", "v1alpha1", "trainjobs"
 
@@ -93,41 +92,21 @@ def test_a_failed_trainjob_is_retried_as_a_new_attempt_within_the_budget(cluster
 
 @pytest.mark.parametrize(("without", "expected"), [((), "PyTorchJob"), (("kubeflow.org/v1/pytorchjobs",), "TrainJob")])
 def test_auto_picks_the_backend_the_cluster_serves(without: tuple[str, ...], expected: str, tmp_path: Path) -> None:
-    emu = EmulatorThread(without=without).start()
-    try:
-        config = client.Configuration()
-        config.host = emu.url
-        own = Cluster(client.ApiClient(config))
-        op = Operator(write_kubeconfig(emu.url, tmp_path / "config"), tmp_path / "operator.log").start()
-        try:
-            own.create("auto", tiny_spec(backend="auto"))
-            status = wait_for("backend", lambda: (s := own.status("auto")).get("backend") and s)
-            assert status["backend"] == expected
-            name = own.job_name("auto", 1)
-            if expected == "TrainJob":
-                wait_for("TrainJob", lambda: trainjob(own, name))
-            else:
-                wait_for("PyTorchJob", lambda: own.attempt_job("auto", 1))
-            assert any(e["reason"] == "BackendSelected" and expected in e["message"] for e in own.events("auto"))
-        finally:
-            op.stop()
-    finally:
-        emu.stop()
+    with own_cluster(tmp_path, without) as own:
+        own.create("auto", tiny_spec(backend="auto"))
+        status = wait_for("backend", lambda: (s := own.status("auto")).get("backend") and s)
+        assert status["backend"] == expected
+        name = own.job_name("auto", 1)
+        if expected == "TrainJob":
+            wait_for("TrainJob", lambda: trainjob(own, name))
+        else:
+            wait_for("PyTorchJob", lambda: own.attempt_job("auto", 1))
+        assert any(e["reason"] == "BackendSelected" and expected in e["message"] for e in own.events("auto"))
 
 
 def test_auto_on_a_cluster_with_neither_says_what_to_install(tmp_path: Path) -> None:
-    emu = EmulatorThread(without=("kubeflow.org/v1/pytorchjobs", "trainer.kubeflow.org/v1alpha1/trainjobs")).start()
-    try:
-        config = client.Configuration()
-        config.host = emu.url
-        own = Cluster(client.ApiClient(config))
-        op = Operator(write_kubeconfig(emu.url, tmp_path / "config"), tmp_path / "operator.log").start()
-        try:
-            own.create("none", tiny_spec(backend="auto"))
-            status = wait_for("message", lambda: "serves neither" in (s := own.status("none")).get("message", "") and s)
-            assert "Kubeflow training operator v1.9" in status["message"] and "Kubeflow Trainer v2.3" in status["message"]
-            assert "backend" not in status
-        finally:
-            op.stop()
-    finally:
-        emu.stop()
+    with own_cluster(tmp_path, ("kubeflow.org/v1/pytorchjobs", "trainer.kubeflow.org/v1alpha1/trainjobs")) as own:
+        own.create("none", tiny_spec(backend="auto"))
+        status = wait_for("message", lambda: "serves neither" in (s := own.status("none")).get("message", "") and s)
+        assert "Kubeflow training operator v1.9" in status["message"] and "Kubeflow Trainer v2.3" in status["message"]
+        assert "backend" not in status
