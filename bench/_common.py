@@ -17,11 +17,15 @@ WORKER = Path(__file__).with_name("_worker.py")
 
 
 
-def torchrun(nproc: int, mode: str, config: dict[str, Any], tmp: Path) -> tuple[list[dict[str, Any]], str]:
+def torchrun(
+    nproc: int, mode: str, config: dict[str, Any], tmp: Path, env: dict[str, str] | None = None
+) -> tuple[list[dict[str, Any]], str]:
+    """Run bench/_worker.py `mode` on `config` in `nproc` processes; (rank 0's result list, stdout).
+    `env`: extra environment variables for the workers."""
     cfg, out = tmp / f"{mode}-{nproc}.json", tmp / f"{mode}-{nproc}.out.json"
     cfg.write_text(json.dumps(config))
     # One core per process in every run, so runs with different process counts compare fairly.
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "operator"), str(REPO / "trainer")])
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),

@@ -37,7 +37,7 @@ def test_plan_prints_components_verdict_host_checkpoints_and_time(capsys: pytest
                  "+ CUDA context and NCCL buffers (assumed)", "= needed per GPU"):
         assert line in out
     assert "Verdict: Fits: fits: needs about" in out
-    assert "node of rank 0: 8 process(es) x 4.0 GiB (assumed) + 25.1 GiB full model (fp32, the master dtype)" in out
+    assert "every node: 8 process(es) x 4.0 GiB (assumed) + 3.9 GiB read buffers (the largest tensor, fp32, per process)" in out
     assert "per save: 75.3 GiB (model 25.1 GiB, optimizer 50.2 GiB)" in out
     assert "Time (an assumption, not a measurement: the GPUs run at 40% of their bf16 peak)" in out
     assert "16 GPU(s) x 312 TFLOP/s bf16 peak" in out

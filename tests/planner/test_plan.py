@@ -152,9 +152,12 @@ def test_host_memory_checkpoints_and_time() -> None:
                         "checkpointing.keepLast": 2, "cluster.resources.memory": "50Gi"})
     plan = build_plan(spec, resolve_shape(spec.model.source))
     host = plan.host
-    assert host.loading_bytes == 4 * LLAMA2_7B  # rank 0 reads the whole model in fp32 (the master dtype)
-    assert host.node0_bytes == 8 * 4 * GiB + 4 * LLAMA2_7B and host.other_node_bytes == 8 * 4 * GiB
-    assert host.limit_bytes == 50 * GiB and host.fits is False
+    # streamed: per process one fp32 read buffer of the largest tensor (the 32000 x 4096 embedding)
+    assert host.loading_bytes == 8 * 4 * 32000 * 4096
+    assert host.node0_bytes == host.other_node_bytes == 8 * 4 * GiB + 8 * 4 * 32000 * 4096
+    assert host.limit_bytes == 50 * GiB and host.fits is True
+    tight = build_plan(make_spec(**{"cluster.workers": 2, "cluster.resources.memory": "32Gi"}), resolve_shape(spec.model.source))
+    assert tight.host.fits is False
     ck = plan.checkpoint
     assert ck.per_save_bytes == 12 * LLAMA2_7B  # fp32 model + AdamW's two fp32 moments
     assert ck.saves == 5 and ck.disk_bytes == 3 * 12 * LLAMA2_7B + 2 * LLAMA2_7B  # keepLast 2 + 1 + bf16 export
@@ -166,7 +169,7 @@ def test_host_memory_checkpoints_and_time() -> None:
     assert tp.tokens_per_second == pytest.approx(0.4 * 312e12 * 16 / (fpt * tp.recompute_factor))
     assert tp.total_seconds == pytest.approx(1000 * tp.tokens_per_step / tp.tokens_per_second)
     # host RAM that is too small is a WillNotFit verdict too
-    result = admission(spec)
+    result = admission(make_spec(**{"cluster.workers": 2, "cluster.resources.memory": "32Gi"}))
     assert result.reason == WILL_NOT_FIT and "host memory" in result.message
 
 

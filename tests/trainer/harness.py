@@ -19,6 +19,7 @@ from llamaft.api.spec import TrainingJobConfig
 from llamaft_trainer.checkpoint import full_model_state_dict
 from llamaft_trainer.main import run
 from llamaft_trainer.runtime import init_runtime
+from llamaft_trainer.shutdown import exit_process
 
 
 def checksum(model: torch.nn.Module) -> str:
@@ -62,3 +63,6 @@ def main(cases_path: str, out_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    # As the trainer leaves (shutdown.py): never through interpreter finalization, which a gloo
+    # worker thread (of any group: the default, the mesh's, the checkpoint group) can abort.
+    exit_process(0)

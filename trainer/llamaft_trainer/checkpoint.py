@@ -4,9 +4,28 @@ Layout under `checkpointing.directory` (a path or an fsspec URI):
   step-00000200/               torch.distributed.checkpoint shards (model, optimizer, scheduler,
                                step, epoch, data position) plus rng-rank-<r>.pt per rank (its random
                                states and the fp16 gradient scaler: see _rng_state)
-  step-00000200/COMPLETE       written by rank 0 after every rank finished; a directory without it
-                               is an interrupted save and is never resumed from
+  step-00000200/COMPLETE       written by rank 0 once every rank's part is written; a directory
+                               without it is an interrupted save and is never resumed from
   export/                      consolidated Hugging Face safetensors (or the LoRA adapter)
+
+Only DCP's public API: `dcp.save` / `dcp.async_save` / `dcp.load` with `checkpoint_id` (a local path
+picks FileSystemWriter/Reader, any other fsspec URI DCP's fsspec storage: torch 2.13
+`torch/distributed/checkpoint/_storage_utils.py` `_storage_setup`), and `Stateful` wrappers of the
+model, the optimizer (`torch.distributed.checkpoint.state_dict`), the scheduler and the train state,
+as torchtitan's CheckpointManager does. The keys (`model`, `optimizer`, `scheduler`, `train`) are
+those of the earlier layout, so older checkpoints still resume.
+
+Asynchronous saves (`checkpointing.async`, the default): the training loop waits only while the state
+is copied ("staged") to host memory; the write runs on a background thread (`dcp.async_save`) and
+then, still in the background, every rank commits it (see `Checkpointer._commit`): each rank writes
+its random state, waits for its part of the write, the ranks agree over an all-reduce that all of
+them succeeded, rank 0 writes COMPLETE and prunes, and a second all-reduce tells every rank it is
+marked. DCP's collectives and these run on a dedicated gloo process group, so they never interleave
+with the training collectives of the main thread on the default group. One save is in flight at a
+time: the next save (and the end of training) first waits for the previous one. A crash during the
+background write leaves that step's directory without COMPLETE: only that checkpoint is lost. The
+staging buffers (one host copy of this rank's shards and optimizer state) are allocated by the first
+save and reused by the next ones (`_stager_for`).
 """
 
 from __future__ import annotations
@@ -17,29 +36,39 @@ import random
 import re
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import fsspec
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
-from torch.distributed.checkpoint.state_dict_loader import load
-from torch.distributed.checkpoint.state_dict_saver import save
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.checkpoint.stateful import Stateful
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 COMPLETE = "COMPLETE"
+ASYNC_GROUP_TIMEOUT_S = 1800.0
+"""Least timeout of the checkpoint process group: its collectives wait for the slowest rank's write
+(a peer that died is found sooner by the training collectives, which use collectiveTimeoutSeconds)."""
 
 
 @dataclass
-class TrainState:
+class TrainState(Stateful):
     """Everything besides model and optimizer that a resumed run needs to continue identically."""
 
     step: int = 0
@@ -48,23 +77,131 @@ class TrainState:
     tokens_seen: int = 0
 
     def to_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
+        return {"step": self.step, "epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch, "tokens_seen": self.tokens_seen}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.to_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for key, value in state_dict.items():
+            setattr(self, key, int(value))
+
+
+class ModelState(Stateful):
+    """The model's (sharded) state dict through torch.distributed.checkpoint.state_dict."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state_dict)
+
+
+class OptimizerState(Stateful):
+    """The optimizer's state dict, keyed by parameter names (torch.distributed.checkpoint.state_dict)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)  # type: ignore[return-value]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict)  # type: ignore[arg-type]
+
+
+class SchedulerState(Stateful):
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.scheduler.state_dict())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+
+@dataclass(frozen=True)
+class Staged:
+    """What `Checkpointer.save` returns: the save has started (async) or is complete (sync)."""
+
+    step: int
+    path: str
+    stall_seconds: float
+    """How long the call blocked the training loop (waiting for the previous save included)."""
+    waited_seconds: float
+    """The part of stall_seconds spent waiting for the previous save to finish."""
+    background: bool
+    """True: the write continues in the background; `poll` / `wait` report its completion."""
+
+
+@dataclass(frozen=True)
+class Completed:
+    """A checkpoint that is complete on storage (its COMPLETE marker exists)."""
+
+    step: int
+    path: str
+    stall_seconds: float
+    """How long the training loop was blocked by this save (sync: all of it)."""
+    write_seconds: float
+    """From the start of the write to the COMPLETE marker (async: in the background)."""
+    background: bool
+
+
+@dataclass
+class _InFlight:
+    step: int
+    path: str
+    stall_seconds: float
+    waited_seconds: float
+    future: Future[float]
 
 
 class Checkpointer:
-    def __init__(self, directory: str, keep_last: int, rank: int) -> None:
+    def __init__(
+        self, directory: str, keep_last: int, rank: int, *, async_save: bool = False,
+        device: torch.device | None = None, timeout_s: float = ASYNC_GROUP_TIMEOUT_S,
+    ) -> None:
+        """`async_save`: save in the background (needs an initialised process group: it creates a
+        gloo group for the checkpoint's collectives, a collective call on every rank). `device`:
+        where the flags of a synchronous save's all-reduces live (the default group's device)."""
         self.fs, self.root = fsspec.core.url_to_fs(directory)
         self.directory = directory.rstrip("/")
         self.keep_last = keep_last
         self.rank = rank
         self.save_seconds: list[float] = []
-        """How long each save of this run took: what a save on SIGTERM is expected to cost."""
+        """How long each save of this run took, staging and write: what a save on SIGTERM is expected to cost."""
+        self.async_save = async_save and dist.is_available() and dist.is_initialized()
+        self._group: Any = None
+        self._flag_device = device if device is not None else torch.device("cpu")
+        self._executor: ThreadPoolExecutor | None = None
+        self._stager: Any = None
+        self._stager_chosen = False
+        if self.async_save:
+            # torch 2.13 async_save runs DCP's collectives on `process_group` or the default group,
+            # from its own thread; the default group is busy with training collectives, so give
+            # checkpoints their own gloo group (torchtitan does the same). CPU: async_save asserts it.
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout_s, ASYNC_GROUP_TIMEOUT_S)))
+            self._flag_device = torch.device("cpu")
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamaft-checkpoint")
+        self._in_flight: _InFlight | None = None
+        self._completed: list[Completed] = []
 
+    # ------------------------------------------------------------------ paths and listing
     def _path(self, name: str) -> str:
         return f"{self.root.rstrip('/')}/{name}"
 
     def _writer_path(self, name: str) -> str:
         return f"{self.directory}/{name}"
+
+    def _checkpoint_id(self, name: str) -> str:
+        """What DCP gets: a local path (FileSystemWriter/Reader) or the URI (its fsspec storage)."""
+        if "://" in self.directory and not self.directory.startswith("file://"):
+            return self._writer_path(name)
+        return self._path(name)
 
     def complete_steps(self) -> list[int]:
         """Steps that have a complete checkpoint, oldest first."""
@@ -81,50 +218,166 @@ class Checkpointer:
         steps = self.complete_steps()
         return steps[-1] if steps else None
 
+    @staticmethod
+    def _payload(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, state: TrainState) -> dict[str, Any]:
+        return {
+            "model": ModelState(model),
+            "optimizer": OptimizerState(model, optimizer),
+            "scheduler": SchedulerState(scheduler),
+            "train": state,
+        }
+
+    # ------------------------------------------------------------------ saving
     def save(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, state: TrainState, scaler: Any | None = None,
-    ) -> str:
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, state: TrainState,
+        scaler: Any | None = None, *, blocking: bool = False,
+    ) -> Staged:
+        """Save step `state.step` (collective: every rank calls it at the same step).
+
+        Async (and not `blocking`): waits for the previous save, stages a copy of the state and
+        returns while the write goes on; `poll` / `wait` report its completion. Otherwise the save
+        is complete (or has raised) when this returns. A failed earlier save raises here."""
         started = time.perf_counter()
+        self.wait()
+        waited = time.perf_counter() - started
         name = f"step-{state.step:08d}"
         path = self._path(name)
         if self.rank == 0 and self.fs.exists(path):
             self.fs.rm(path, recursive=True)  # a leftover of an interrupted save of the same step
         dist.barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        payload = {
-            "model": model_sd,
-            "optimizer": optim_sd,
-            "scheduler": scheduler.state_dict(),
-            "train": state.to_dict(),
-        }
-        save(payload, storage_writer=self._storage_writer(name))
-        with self.fs.open(self._path(f"{name}/rng-rank-{self.rank}.pt"), "wb") as f:
-            torch.save(_rng_state(scaler), f)
-        dist.barrier()
-        if self.rank == 0:
-            with self.fs.open(self._path(f"{name}/{COMPLETE}"), "w") as f:
-                f.write(json.dumps(state.to_dict()))
-            self._prune()
-        dist.barrier()
-        self.save_seconds.append(time.perf_counter() - started)
-        return self._writer_path(name)
+        rng = io.BytesIO()
+        torch.save(_rng_state(scaler), rng)
+        marker = json.dumps(state.to_dict())
+        payload = self._payload(model, optimizer, scheduler, state)
+        checkpoint_id = self._checkpoint_id(name)
+        if self.async_save and not blocking:
+            if not self._stager_chosen:
+                self._stager, self._stager_chosen = _stager_for(model), True
+            response = dcp_async_save(
+                payload, checkpoint_id=checkpoint_id, process_group=self._group, async_stager=self._stager,
+            )
+            if isinstance(response, AsyncSaveResponse):  # a stager that stages in the background
+                response.staging_completion.result()
+                upload = response.upload_completion
+            else:
+                upload = response
+            write_started = time.perf_counter()
+            stall = write_started - started
+            assert self._executor is not None
+            future = self._executor.submit(self._commit, name, marker, rng.getvalue(), upload.result, write_started)
+            self._in_flight = _InFlight(state.step, self._writer_path(name), stall, waited, future)
+            return Staged(state.step, self._writer_path(name), stall, waited, True)
 
+        def write() -> None:
+            dcp_save(payload, checkpoint_id=checkpoint_id, process_group=self._group)
+
+        write_seconds = self._commit(name, marker, rng.getvalue(), write, time.perf_counter())
+        stall = time.perf_counter() - started
+        self.save_seconds.append(stall - waited)
+        self._completed.append(Completed(state.step, self._writer_path(name), stall, write_seconds, False))
+        return Staged(state.step, self._writer_path(name), stall, waited, False)
+
+    def _commit(self, name: str, marker: str, rng: bytes, write: Callable[[], Any], started: float) -> float:
+        """Finish a save on every rank (the background thread of an async save): this rank's random
+        state, its part of the write, then agreement and the COMPLETE marker. Returns the seconds
+        from `started`; raises on every rank when any rank's part failed or the marker could not
+        be written, so the ranks always reach the same verdict.
+
+        DCP's save returns on a rank only after the coordinator gathered every rank's write result
+        and wrote `.metadata` (torch 2.13 state_dict_saver.py `_save_state_dict`: `all_reduce("write",
+        ...)`, utils.py `_DistWrapper.all_reduce`), and raises on every rank if any failed; the
+        all-reduce here adds the rng files, written outside DCP."""
+        error: BaseException | None = None
+        try:
+            self.fs.makedirs(self._path(name), exist_ok=True)
+            with self.fs.open(self._path(f"{name}/rng-rank-{self.rank}.pt"), "wb") as f:
+                f.write(rng)
+            write()
+        except Exception as exc:
+            error = exc
+        if not self._everywhere(error is None):
+            raise error or RuntimeError(f"checkpoint {name}: another rank failed to write its part (see its log)")
+        if self.rank == 0:
+            try:
+                with self.fs.open(self._path(f"{name}/{COMPLETE}"), "w") as f:
+                    f.write(marker)
+            except Exception as exc:
+                error = exc
+        if not self._everywhere(error is None):
+            raise error or RuntimeError(f"checkpoint {name}: rank 0 could not write its {COMPLETE} marker (see its log)")
+        if self.rank == 0:
+            try:
+                self._prune()
+            except Exception as exc:  # leftovers are harmless: the next save prunes again
+                print(f"llamaft_trainer: pruning old checkpoints failed: {exc!r}", file=sys.stderr, flush=True)
+        return time.perf_counter() - started
+
+    def _everywhere(self, ok: bool) -> bool:
+        flag = torch.tensor([1.0 if ok else 0.0], device=self._flag_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
+        return bool(flag.item() > 0)
+
+    def _collect(self) -> None:
+        """Move the finished in-flight save to the completed list (raises if it failed)."""
+        assert self._in_flight is not None
+        flight, self._in_flight = self._in_flight, None
+        write_seconds = flight.future.result()
+        self.save_seconds.append(flight.stall_seconds - flight.waited_seconds + write_seconds)
+        self._completed.append(Completed(flight.step, flight.path, flight.stall_seconds, write_seconds, True))
+
+    @property
+    def in_flight_step(self) -> int | None:
+        return self._in_flight.step if self._in_flight is not None else None
+
+    def poll(self) -> list[Completed]:
+        """Checkpoints completed since the last call, oldest first. Local and non-blocking (no
+        collective): a rank may see a completion a step before another. A failed background save
+        stays in flight here; `wait` (or the next `save`) raises it on every rank."""
+        flight = self._in_flight
+        if flight is not None and flight.future.done() and flight.future.exception() is None:
+            self._collect()
+        done, self._completed = self._completed, []
+        return done
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the in-flight save: True when none is left, False when `timeout` passed first
+        (it goes on in the background). Raises the save's error, on every rank alike."""
+        if self._in_flight is None:
+            return True
+        try:
+            self._in_flight.future.result(timeout)
+        except FutureTimeout:
+            return False
+        self._collect()
+        return True
+
+    def close(self) -> None:
+        """After the last save: finish it (raises if it failed) and release the checkpoint process
+        group. A save abandoned by a stop (still running) is left alone: the process exits and the
+        step stays without COMPLETE."""
+        if self._in_flight is not None and not self._in_flight.future.done():
+            return
+        self.wait()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group = None
+
+    # ------------------------------------------------------------------ loading
     def load(
         self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any | None = None,
     ) -> TrainState:
         """Restore everything a checkpoint holds; the random states last, so that nothing after this
         call but the next step draws from them."""
         name = f"step-{step:08d}"
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        payload: dict[str, Any] = {
-            "model": model_sd,
-            "optimizer": optim_sd,
-            "scheduler": scheduler.state_dict(),
-            "train": TrainState().to_dict(),
-        }
-        load(payload, storage_reader=self._storage_reader(name))
-        set_state_dict(model, optimizer, model_state_dict=payload["model"], optim_state_dict=payload["optimizer"])
-        scheduler.load_state_dict(payload["scheduler"])
+        state = TrainState()
+        # dcp.load calls load_state_dict in sorted key order: model, optimizer, scheduler, train.
+        dcp_load(self._payload(model, optimizer, scheduler, state), checkpoint_id=self._checkpoint_id(name))
         rng_path = self._path(f"{name}/rng-rank-{self.rank}.pt")
         if self.fs.exists(rng_path):
             with self.fs.open(rng_path, "rb") as f:
@@ -132,10 +385,12 @@ class Checkpointer:
         else:  # more ranks than the run that saved it: training continues, but not bit for bit
             print(f"llamaft_trainer: {name} has no random state for rank {self.rank}; dropout masks will differ "
                   "from an uninterrupted run", file=sys.stderr, flush=True)
-        return TrainState(**{k: int(v) for k, v in payload["train"].items()})
+        return state
 
     def _prune(self) -> None:
-        """Delete complete checkpoints beyond keep_last and interrupted ones older than the newest."""
+        """Delete complete checkpoints beyond keep_last and interrupted ones older than the newest.
+        Runs right after a save is marked, before the next one starts: the newest complete one is
+        always kept and nothing newer (an in-flight save) is touched."""
         steps = self.complete_steps()
         keep = set(steps[-self.keep_last :])
         newest = steps[-1] if steps else -1
@@ -144,22 +399,31 @@ class Checkpointer:
             if not match:
                 continue
             step = int(match.group(1))
-            if step not in keep and step <= newest:
+            if step not in keep and step < newest:
                 self.fs.rm(entry, recursive=True)
 
-    def _storage_writer(self, name: str) -> Any:
-        if "://" in self.directory and not self.directory.startswith("file://"):
-            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-            return FsspecWriter(self._writer_path(name))
-        return FileSystemWriter(self._path(name))
+def _stager_for(model: nn.Module) -> Any:
+    """How async_save copies the state before training goes on; one stager per Checkpointer, so its
+    host buffers are allocated by the first save and reused by the next ones (a fresh copy pays for
+    the allocation: ~1 s instead of ~0.25 s for 630 MB on this CPU). The cost: one host copy of this
+    rank's weights and optimizer state stays allocated between saves.
 
-    def _storage_reader(self, name: str) -> Any:
-        if "://" in self.directory and not self.directory.startswith("file://"):
-            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    CPU: the stager async_save builds when given none (torch 2.13 state_dict_saver.py `async_save`:
+    `DefaultStager(StagingOptions(False, False, False, False))`: no pinned or shared memory, a
+    blocking copy), kept instead of rebuilt per save. FSDP1: `BlockingAsyncStager`, because
+    DefaultStager cannot copy ShardedTensors (`_state_dict_stager.py` `_offload_tensor` calls
+    `data_ptr()`, which ShardedTensor rejects); it caches only into pinned memory, i.e. on a GPU.
+    GPU: page-locked host buffers kept between saves (the device-to-host copy is the stall)."""
+    from torch.distributed.checkpoint.staging import BlockingAsyncStager, DefaultStager, StagingOptions
+    from torch.distributed.fsdp import FullyShardedDataParallel
 
-            return FsspecReader(self._writer_path(name))
-        return FileSystemReader(self._path(name))
+    if torch.cuda.is_available():
+        return BlockingAsyncStager(cache_staged_state_dict=True)
+    if isinstance(model, FullyShardedDataParallel):
+        return BlockingAsyncStager()
+    return DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=False))
 
 
 def _rng_state(scaler: Any | None = None) -> dict[str, Any]:

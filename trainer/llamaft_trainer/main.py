@@ -34,10 +34,9 @@ from llamaft.api.documents import parse_documents
 from llamaft.api.spec import FsdpImplementation, TrainingJobConfig
 from llamaft.api.validation import SpecInvalid, validate_resource
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from llamaft_trainer import data as data_step
-from llamaft_trainer import elastic, termination
+from llamaft_trainer import elastic, kubeflow_progress, loading, termination
 from llamaft_trainer import model as model_step
 from llamaft_trainer.checkpoint import Checkpointer, TrainState
 from llamaft_trainer.errors import EXIT_CONFIG_ERROR, EXIT_FAILURE, EXIT_PREEMPTED, ConfigError
@@ -113,29 +112,21 @@ def _agree(failed: bool, rt: Runtime) -> bool:
 
 
 def build_model(cfg: TrainingJobConfig, rt: Runtime, model_config: Any) -> tuple[nn.Module, int]:
-    """Meta model -> (LoRA) -> parallelize -> allocate shards -> weights broadcast from rank 0."""
+    """Meta model -> (LoRA) -> parallelize -> allocate shards -> pretrained weights streamed into
+    the shards (loading.py: each rank reads only its own rows, or rank 0 broadcasts tensor by tensor)."""
     dtype = model_step.master_dtype(cfg.fsdp.mixed_precision)
     lora = cfg.training.lora if cfg.training.lora is not None and cfg.training.lora.enabled else None
     model = model_step.build_meta_model(model_config, cfg.model, dtype)
     if lora is not None:
         model = model_step.apply_lora(model, lora)
     n_params = sum(p.numel() for p in model.parameters())
+    want = loading.wanted(model)  # the checkpoint's names, before wrappers rename the parameters
     mesh = build_mesh(cfg.fsdp, rt)
     model = parallelize(model, cfg.fsdp, mesh, rt.device)
     if cfg.fsdp.implementation is FsdpImplementation.FSDP2:
         model.to_empty(device=rt.device)
     model_step.rebuild_rotary_buffers(model, rt.device)
-    full: dict[str, Any] = {}
-    error: ConfigError | None = None
-    if rt.is_leader:
-        try:
-            full = model_step.read_full_state_dict(cfg.model, rt, dtype, lora, cfg.training.seed)
-        except ConfigError as exc:
-            error = exc
-    if _agree(error is not None, rt):
-        raise error or ConfigError("spec.model.source: rank 0 could not load the weights (see its log)")
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    del full
+    loading.load_weights(model, want, cfg.model, rt, config=model_config, dtype=dtype, lora=lora, seed=cfg.training.seed)
     return model, n_params
 
 
@@ -172,7 +163,10 @@ def run(
     if progress is not None:
         progress.total_steps.set(s.steps)
         progress.update(phase="Training", totalSteps=s.steps)
-    checkpointer = Checkpointer(cfg.checkpointing.directory, cfg.checkpointing.keep_last, rt.rank)
+    checkpointer = Checkpointer(
+        cfg.checkpointing.directory, cfg.checkpointing.keep_last, rt.rank,
+        async_save=cfg.checkpointing.async_save, device=rt.device, timeout_s=rt.timeout_s,
+    )
     state = TrainState()
     scaler = build_scaler(cfg, rt)
     latest = checkpointer.latest() if cfg.checkpointing.resume else None
@@ -186,6 +180,7 @@ def run(
         checkpointer=checkpointer, progress=progress, flops_per_token=s.flops_per_token,
         peak_flops=peak_flops(rt.device), stop_after=stop_after, stop=stop, record=record, scaler=scaler,
     )
+    checkpointer.close()  # the loop waited for its last save; releases the checkpoint process group
     if result.stopped is None and state.step >= s.steps and cfg.checkpointing.export_hugging_face:
         destination = f"{cfg.checkpointing.directory.rstrip('/')}/export"
         lora = cfg.training.lora is not None and cfg.training.lora.enabled
@@ -214,6 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     record = RunRecord()
     rt: Runtime | None = None
     server: ThreadingHTTPServer | None = None
+    kubeflow: kubeflow_progress.KubeflowProgress | None = None
     healthy = False
     try:
         cfg = load_config(args.config)
@@ -222,9 +218,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rt.is_local_leader:
             progress = Progress()
             # The operator asks every worker and takes global rank 0's document as the leader's.
-            progress.update(rank=rt.rank, pod=os.environ.get("HOSTNAME"))
+            progress.update(rank=rt.rank, pod=os.environ.get("LLAMAFT_POD_NAME") or os.environ.get("HOSTNAME"))
             if args.metrics_port:
                 server = progress.serve(args.metrics_port)
+            if rt.is_leader:  # TrainJob.status.trainerStatus, when Kubeflow Trainer asks for it
+                kubeflow = kubeflow_progress.attach(progress)
         _, result = run(cfg, rt, progress=progress, stop=stop, record=record)
         healthy = True  # every rank got here together (a stop is agreed on collectively)
         if result.stopped is not None:
@@ -252,6 +250,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _report(termination.failed(reason, f"{type(exc).__name__}: {exc}", record, retryable=retryable), rt, always=True)
         return EXIT_FAILURE
     finally:
+        if kubeflow is not None:
+            kubeflow.close()  # the final post, bounded
         teardown(rt, server, healthy=healthy)
 
 

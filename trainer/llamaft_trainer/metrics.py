@@ -16,6 +16,7 @@ import resource
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -95,11 +96,20 @@ class Progress:
         )
         self.document: dict[str, Any] = {"phase": "Starting"}
         self._lock = threading.Lock()
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
+
+    def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        """Call `listener` with a copy of the document after every update; it must return at once
+        (kubeflow_progress.KubeflowProgress.offer only queues)."""
+        self._listeners.append(listener)
 
     def update(self, **fields: Any) -> None:
         with self._lock:
             self.document.update({k: v for k, v in fields.items()})
             self.document["updatedAt"] = datetime.now(UTC).isoformat(timespec="seconds")
+            snapshot = dict(self.document)
+        for listener in self._listeners:
+            listener(snapshot)
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:

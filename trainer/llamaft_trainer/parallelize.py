@@ -9,14 +9,23 @@ Strategy mapping (FSDP2):
   SHARD_GRAD_OP -> 1-D mesh, reshard_after_forward=False (parameters stay gathered until backward)
   HYBRID_SHARD  -> 2-D (replicate, shard) mesh, reshard_after_forward=True
   NO_SHARD      -> 2-D (world, 1) mesh: full replicas, gradients all-reduced (DDP semantics)
+
+On CPU (gloo) FSDP2's CUDA-stream overlap does not exist: its streams and events are no-ops there,
+so every all-gather and reduce-scatter blocks the training thread. `overlap_on_cpu` gets some of it
+back (bench/cpu_scaling.py measures it): decoder-layer all-gathers run asynchronously on gloo's
+worker thread, issued one unit ahead, and reduce-scatters use all-to-all instead of gloo's
+all-reduce-based reduce-scatter. CUDA keeps FSDP2's defaults.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from llamaft.api.spec import (
     CheckpointingMode,
     FsdpImplementation,
@@ -32,6 +41,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+CPU_OVERLAP_ENV = "LLAMAFT_FSDP_CPU_OVERLAP"
+"""Set to 0 to keep FSDP2's defaults on CPU too (bench/cpu_scaling.py --compare measures both)."""
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -93,7 +105,76 @@ def apply_fsdp2(model: nn.Module, fsdp: FsdpSpec, mesh: DeviceMesh) -> nn.Module
         # all-gather (torchtitan does the same).
         fully_shard(unit, reshard_after_forward=reshard and index < len(units) - 1, **common)
     fully_shard(model, reshard_after_forward=reshard, **common)
+    if mesh.device_type == "cpu" and os.environ.get(CPU_OVERLAP_ENV, "1") != "0":
+        overlap_on_cpu(model, units)
     return model
+
+
+def overlap_on_cpu(model: nn.Module, units: Sequence[nn.Module]) -> None:
+    """FSDP2 on CPU/gloo: prefetch the next unit's all-gather asynchronously, and reduce-scatter
+    with all-to-all. Same collectives' results (bit for bit on 2 ranks), same sharding.
+
+    Forward: each unit (the root first, then the decoder layers in order) issues the next unit's
+    all-gather with async_op=True right after its own (`set_modules_to_forward_prefetch`), so
+    gloo's thread moves the bytes while this unit computes; the next unit's pre-forward waits for
+    it. Backward: FSDP2's default prefetch of the previous unit becomes asynchronous the same way.
+    Either holds at most one extra unit's parameters gathered, as FSDP2 on CUDA does (its
+    all-gather stream runs one unit ahead); reshard_after_forward is unchanged.
+    (torch docs, fully_shard: `set_modules_to_forward_prefetch`, `unshard(async_op=True)`; FSDP2's
+    own switch for async pre-forward/pre-backward all-gathers is `FSDPModule._set_unshard_async_op`.)
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        return
+    chain = [model, *(u for u in units if isinstance(u, FSDPModule))]
+    set_async = getattr(model, "_set_unshard_async_op", None)
+    if callable(set_async) and len(chain) > 1:
+        set_async(True)  # recurses into every FSDP unit
+        for current, following in zip(chain, chain[1:], strict=False):
+            current.set_modules_to_forward_prefetch([following])
+    reduce_scatter = gloo_reduce_scatter()
+    if reduce_scatter is not None:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(reduce_scatter)
+
+
+def gloo_reduce_scatter() -> Any:
+    """A ReduceScatter for FSDP2 that does gloo's reduce-scatter as all-to-all + a local sum.
+
+    Gloo implements reduce_scatter_tensor as an all-reduce of the whole input and a copy of this
+    rank's chunk (ProcessGroupGloo::reduce_scatter_tensor_coalesced), so it moves about twice the
+    bytes a reduce-scatter needs; all_to_all_single sends each rank only its chunk ((n-1)/n of the
+    input, like a ring reduce-scatter), and the sum runs here. On 2 ranks the sum a+b is the same
+    float as gloo's, so gradients are bitwise identical; on more ranks only the order of the
+    additions differs. Ops other than SUM/AVG, async calls and non-gloo groups use the default.
+    None when this torch has no custom-collective API."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    except ImportError:
+        return None
+
+    class AllToAllReduceScatter(ReduceScatter):  # type: ignore[misc, valid-type]
+        def allocate(
+            self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+        ) -> torch.Tensor:
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(
+            self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
+        ) -> Any:
+            world = dist.get_world_size(group)
+            if async_op or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or dist.get_backend(group) != "gloo":
+                return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+            received = torch.empty_like(input_tensor)
+            dist.all_to_all_single(received, input_tensor, group=group)
+            torch.sum(received.view(world, -1), dim=0, out=output_tensor)
+            if op == dist.ReduceOp.AVG:
+                output_tensor.div_(world)
+            return None
+
+    return AllToAllReduceScatter()
 
 
 def apply_fsdp1(model: nn.Module, fsdp: FsdpSpec, mesh: DeviceMesh, device: torch.device) -> nn.Module:

@@ -42,10 +42,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import get_scheduler
 
+from llamaft_trainer import profiling
 from llamaft_trainer.checkpoint import Checkpointer, TrainState
 from llamaft_trainer.data import IGNORE_INDEX, Data, batches_from
 from llamaft_trainer.metrics import Progress, log_json, peak_memory_bytes
 from llamaft_trainer.preemption import (
+    EXIT_RESERVE_S,
     StopReport,
     StopSignal,
     agree_to_save,
@@ -224,36 +226,45 @@ def train_loop(
         result.stopped = StopReport(state.step, stop.requested, False, "the signal came before the first step: nothing new to save")
         return result
     model.train()
+    timers = profiling.start(model)  # LLAMAFT_PHASE_TIMERS=1: a `phases` event per step (None: off)
     groups = _micro_batches(data, state, accum)
     started = time.perf_counter()
     first_step = state.step
     while state.step < steps and (stop_after is None or state.step < stop_after):
         step_start = time.perf_counter()
-        group = next(groups)
-        local_tokens = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in group)
-        (global_tokens,) = _all_reduce_sum([float(local_tokens)], rt.device)
+        with profiling.phase("data"):
+            group = next(groups)
+            local_tokens = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in group)
+        with profiling.phase("sync"):
+            (global_tokens,) = _all_reduce_sum([float(local_tokens)], rt.device)
         scale = rt.world_size / max(global_tokens, 1.0)
         loss_sum = 0.0
         for index, batch in enumerate(group):
             with _micro_step(model, index == accum - 1, cfg):
-                loss, _ = token_loss_sum(model, batch, rt.device)
-                scaled = loss * scale
-                (scaler.scale(scaled) if scaler is not None else scaled).backward()
+                with profiling.phase("forward"):
+                    loss, _ = token_loss_sum(model, batch, rt.device)
+                    scaled = loss * scale
+                with profiling.phase("backward"):
+                    (scaler.scale(scaled) if scaler is not None else scaled).backward()
             loss_sum += float(loss.detach())
-        grad_norm = optimizer_step(model, optimizer, scaler, cfg)
-        lr = float(scheduler.get_last_lr()[0])
-        scheduler.step()
+        with profiling.phase("optimizer"):
+            grad_norm = optimizer_step(model, optimizer, scaler, cfg)
+            lr = float(scheduler.get_last_lr()[0])
+            scheduler.step()
         state.step += 1
         state.batches_in_epoch += accum
         seq_tokens = sum(int(b["input_ids"].numel()) for b in group)
         # The stop flag rides along: every rank gets the same sum, so all stop after this step.
         stop_vote = 1.0 if stop is not None and stop.requested else 0.0
-        (loss_total, tokens_total, stop_votes) = _all_reduce_sum([loss_sum, float(seq_tokens), stop_vote], rt.device)
+        with profiling.phase("sync"):
+            (loss_total, tokens_total, stop_votes) = _all_reduce_sum([loss_sum, float(seq_tokens), stop_vote], rt.device)
         step_loss = loss_total / max(global_tokens, 1.0)
         state.tokens_seen += int(tokens_total)
         result.losses.append(step_loss)
         result.grad_norms.append(grad_norm)
         elapsed = time.perf_counter() - step_start
+        if timers is not None:
+            log_json("phases", step=state.step, rank=rt.rank, world_size=rt.world_size, **timers.end_step(elapsed))
         record.step, record.loss = state.step, step_loss
         record.tokens += int(tokens_total)
         record.train_seconds += elapsed
@@ -275,6 +286,8 @@ def train_loop(
                 progress.record_step(metrics)
         if tc.eval_interval and state.step % tc.eval_interval == 0 and state.step < steps:
             _run_eval(model, data, rt, state, progress, result, record)
+        if checkpointer is not None:
+            _report_completed(checkpointer, rt, result, record)  # a background save that finished (no collective)
         if stop is not None and stop_votes > 0:
             result.stopped = _save_on_stop(model, optimizer, scheduler, state, rt, checkpointer, stop, result, record, scaler)
             return result
@@ -282,18 +295,35 @@ def train_loop(
             _save(model, optimizer, scheduler, state, rt, checkpointer, result, record, scaler)
     if state.step >= steps:
         _run_eval(model, data, rt, state, progress, result, record)
+    if checkpointer is not None:
+        checkpointer.wait()  # the last save, written in the background during the final eval
+        _report_completed(checkpointer, rt, result, record)
     return result
 
 
 def _save(
     model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, state: TrainState, rt: Runtime,
     checkpointer: Checkpointer, result: LoopResult, record: RunRecord, scaler: Any | None = None,
+    *, blocking: bool = False,
 ) -> None:
-    path = checkpointer.save(model, optimizer, scheduler, state, scaler)
-    result.checkpoints.append(path)
-    record.checkpoint_step = state.step
-    if rt.is_leader:
-        log_json("checkpoint", step=state.step, path=path)
+    """Save this step (collective). Async: the loop waits for the previous save (one in flight at a
+    time) and the staging copy, logs `checkpoint_staged`, and `checkpoint` follows once the
+    background write is complete; otherwise `checkpoint` comes at once."""
+    staged = checkpointer.save(model, optimizer, scheduler, state, scaler, blocking=blocking)
+    _report_completed(checkpointer, rt, result, record)  # the previous save, if this one waited for it
+    if staged.background and rt.is_leader:
+        log_json("checkpoint_staged", step=staged.step, path=staged.path, stall_seconds=round(staged.stall_seconds, 4),
+                 waited_seconds=round(staged.waited_seconds, 4))
+
+
+def _report_completed(checkpointer: Checkpointer, rt: Runtime, result: LoopResult, record: RunRecord) -> None:
+    """Log and record the checkpoints completed since the last call (this rank's view, no collective)."""
+    for done in checkpointer.poll():
+        result.checkpoints.append(done.path)
+        record.checkpoint_step = done.step
+        if rt.is_leader:
+            log_json("checkpoint", step=done.step, path=done.path, stall_seconds=round(done.stall_seconds, 4),
+                     write_seconds=round(done.write_seconds, 4), **{"async": done.background})
 
 
 def _save_on_stop(
@@ -301,16 +331,50 @@ def _save_on_stop(
     checkpointer: Checkpointer | None, stop: StopSignal, result: LoopResult, record: RunRecord, scaler: Any | None = None,
 ) -> StopReport:
     """Save when every rank has time for it (a collective decision), else leave the newest
-    complete checkpoint as it is: an interrupted save has no COMPLETE marker and is never resumed."""
+    complete checkpoint as it is: an interrupted save has no COMPLETE marker and is never resumed.
+
+    A background save still in flight goes first: every rank waits for it until the same deadline
+    (the least time left anywhere, less the exit reserve). If it is not complete everywhere by
+    then, it stays unmarked and no new save starts; otherwise the stop's own save is decided on as
+    before and runs synchronously."""
     if checkpointer is None:
         return StopReport(state.step, stop.requested, False, "checkpointing is off")
+    in_flight = checkpointer.in_flight_step
+    left = _least_time_left(stop, rt.device)
+    problem = ""
+    try:
+        finished = checkpointer.wait(timeout=max(0.0, left - EXIT_RESERVE_S))
+        if not finished:
+            problem = f"did not finish within the grace period ({left:.1f} s to SIGKILL)"
+    except Exception as exc:  # the same on every rank (Checkpointer._commit agrees on it)
+        finished, problem = False, f"failed: {type(exc).__name__}: {exc}"
+    _report_completed(checkpointer, rt, result, record)
+    if not _on_every_rank(finished, rt.device):
+        why = f"the background save of step {in_flight} {problem or 'did not finish on another rank'}; no new save"
+        if rt.is_leader:
+            log_json("preempted", step=state.step, save=False, detail=why)
+        return StopReport(state.step, stop.requested, False, why)
     estimate = estimate_save_seconds(checkpointer.save_seconds, local_checkpoint_bytes(model, optimizer))
     save, why = agree_to_save(stop, estimate, rt.device)
     if rt.is_leader:
         log_json("preempted", step=state.step, save=save, detail=why)
     if save:
-        _save(model, optimizer, scheduler, state, rt, checkpointer, result, record, scaler)
+        _save(model, optimizer, scheduler, state, rt, checkpointer, result, record, scaler, blocking=True)
     return StopReport(state.step, stop.requested, save, why)
+
+
+def _least_time_left(stop: StopSignal, device: torch.device) -> float:
+    """Collective: the least time to SIGKILL of any rank."""
+    t = torch.tensor([-stop.seconds_left()], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return -float(t[0])
+
+
+def _on_every_rank(ok: bool, device: torch.device) -> bool:
+    """Collective: whether `ok` holds on every rank."""
+    t = torch.tensor([1.0 if ok else 0.0], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t[0] > 0)
 
 
 def _run_eval(

@@ -82,8 +82,8 @@ def verdict(plan: Plan) -> Admission:
     if plan.host.fits is False and plan.host.limit_bytes is not None:
         return Admission(
             False, WILL_NOT_FIT,
-            f"will not fit in host memory: the node of global rank 0 needs about {gib(plan.host.node0_bytes)} "
-            f"while loading ({gib(plan.host.loading_bytes)} for the full model read by rank 0, "
+            f"will not fit in host memory: each node needs about {gib(plan.host.node0_bytes)} "
+            f"while loading ({gib(plan.host.loading_bytes)} of read buffers, "
             f"{plan.host.processes_per_node} x {gib(plan.host.per_process_bytes)} for the processes) but "
             f"{plan.host.limit_source} is {gib(plan.host.limit_bytes)}; raise cluster.resources.memory",
             plan, spec.preflight,

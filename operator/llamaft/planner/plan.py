@@ -132,13 +132,15 @@ def _gpu_names() -> list[str]:
 # --------------------------------------------------------------------------- host, disk
 @dataclass(frozen=True)
 class HostMemory:
-    """Host RAM per node: rank 0 reads the whole model (then broadcasts shards), every process
-    has its baseline, CPU offload keeps each rank's shards and optimizer state in host memory."""
+    """Host RAM per node: every process has its baseline; while loading, each reads the weights
+    tensor by tensor (llamaft_trainer/loading.py: its own slices, or rank 0 one tensor at a time
+    for the broadcast), so it holds at most the largest tensor besides its shards; CPU offload
+    keeps each rank's shards and optimizer state in host memory."""
 
     processes_per_node: int
     per_process_bytes: int
     loading_bytes: int
-    """On the node of global rank 0: the full state dict `from_pretrained` builds (master dtype)."""
+    """Per node while loading: one read buffer of the largest tensor (in the master dtype) per process."""
     offload_bytes_per_node: int
     node0_bytes: int
     other_node_bytes: int
@@ -290,14 +292,16 @@ def host_memory(spec: LlamaFineTuneSpec, shape: ModelShape, est: MemoryEstimate,
     m = master_bytes(spec.fsdp.mixed_precision)
     lora = spec.training.lora if spec.training.lora is not None and spec.training.lora.enabled else None
     adapters = shape.lora_parameters(lora.r, list(lora.target_modules)) if lora else 0
-    loading = m * (shape.parameters + adapters)
+    del adapters  # adapters are initialised in place: nothing is read for them
+    largest = max(shape.vocab_size * shape.hidden_size, max(a * b for a, b in shape.linear_shapes().values()))
+    loading = m * largest * procs
     if cpu_only:
         # on the CPU the training tensors themselves are host memory
         offload = est.peak_bytes * procs
     else:
         offload = est.host_offloaded_bytes * procs
-    node0 = procs * base + loading + offload
-    other = procs * base + offload
+    node0 = procs * base + loading + offload  # every node alike (no rank reads the whole model)
+    other = node0
     limit: int | None = None
     limit_source = "unknown"
     if spec.cluster.resources.memory:

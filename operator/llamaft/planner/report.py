@@ -80,14 +80,13 @@ def render_plan(name: str, plan: Plan, adm: Admission) -> str:
             lines.append(f"       set {fix.changes_text()}; cost: {fix.cost}")
     lines.append("")
     host = plan.host
-    lines.append("Host RAM per node while loading (global rank 0 reads the whole model, then broadcasts)")
+    lines.append("Host RAM per node while loading (weights streamed tensor by tensor into each rank's shards)")
     base = f"{host.processes_per_node} process(es) x {gib(host.per_process_bytes)} (assumed)"
     offload = f" + {gib(host.offload_bytes_per_node)} {'of tensors' if plan.cpu_only else 'offloaded shards'}" \
         if host.offload_bytes_per_node else ""
     master = "fp32" if master_bytes(spec.fsdp.mixed_precision) == 4 else "bf16"
-    lines.append(f"  node of rank 0: {base} + {gib(host.loading_bytes)} full model ({master}, the master dtype)"
-                 f"{offload} = {gib(host.node0_bytes)}")
-    lines.append(f"  other nodes:    {base}{offload} = {gib(host.other_node_bytes)}")
+    lines.append(f"  every node: {base} + {gib(host.loading_bytes)} read buffers (the largest tensor, {master}, per "
+                 f"process){offload} = {gib(host.node0_bytes)}")
     if host.limit_bytes is not None:
         state = "ok" if host.fits else "TOO LITTLE"
         lines.append(f"  limit: {host.limit_source} = {gib(host.limit_bytes)}: {state}")

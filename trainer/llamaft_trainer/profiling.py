@@ -1,0 +1,252 @@
+"""Opt-in wall-clock timers per train-loop phase: where a step's time goes.
+
+    LLAMAFT_PHASE_TIMERS=1 torchrun ... -m llamaft_trainer --config ...
+
+Off (the default) every hook is `phase(name)` returning one shared no-op context manager: a
+global read and a function call per hook, a few per micro-step. On, `train_loop` calls `start`,
+which makes a registry active and, for FSDP2, swaps each FSDP unit's all-gather / reduce-scatter
+for the default ones wrapped in a timer (`FSDPModule.set_custom_all_gather` /
+`set_custom_reduce_scatter`, public API since torch 2.7); every rank then logs one `phases` event
+per optimizer step with milliseconds per phase:
+
+  data            next micro-batch group from the loader and counting its target tokens
+  forward         model forward + loss, less the all-gathers inside it
+  backward        autograd backward, less the all-gathers and reduce-scatters inside it
+  all_gather      FSDP2 parameter all-gathers (forward and backward; async ones: issue + wait)
+  reduce_scatter  FSDP2 gradient reduce-scatters (and the HSDP/NO_SHARD replica all-reduce)
+  optimizer       gradient clipping (its norm all-reduce included), AdamW step, zero_grad, LR scheduler
+  sync            the loop's own small all-reduces (token count; loss, tokens and stop vote): also
+                  where a rank waits for a slower one
+  other           the rest of the step's wall time (Python, metrics)
+
+Time is exclusive: a phase entered inside another pauses the outer one, so the phases sum to the
+step's wall time. On CPU (gloo) FSDP2's collectives block the calling thread (its streams and
+events are no-ops there), so `all_gather` + `reduce_scatter` is the exposed communication time; on
+GPU a collective's call returns once it is queued on its stream, so these timers see only the issue
+and the waits the CPU does, not the GPU-side overlap (use torch.profiler there). FSDP1 has no
+custom-collective hook: its collectives stay inside forward/backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+ENV_VAR = "LLAMAFT_PHASE_TIMERS"
+PHASES = ("data", "forward", "backward", "all_gather", "reduce_scatter", "optimizer", "sync", "other")
+COLLECTIVES = ("all_gather", "reduce_scatter")
+_NULL: AbstractContextManager[None] = contextlib.nullcontext()
+
+
+def enabled_by_env(environ: dict[str, str] | None = None) -> bool:
+    value = (os.environ if environ is None else environ).get(ENV_VAR, "")
+    return value.strip().lower() not in ("", "0", "false", "no", "off")
+
+
+class _Open:
+    """A phase being timed: its name and when it (re)started counting."""
+
+    __slots__ = ("name", "since")
+
+    def __init__(self, name: str, since: float) -> None:
+        self.name, self.since = name, since
+
+
+class PhaseTimers:
+    """Exclusive wall time per phase, accumulated until `end_step` hands it over and resets."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        # Bytes of the full (unsharded) buffers per collective kind, this step.
+        self.volumes: dict[str, int] = dict.fromkeys(COLLECTIVES, 0)
+        # The open phases, innermost last.
+        self._stack: list[_Open] = []
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        now = time.perf_counter()
+        if self._stack:
+            outer = self._stack[-1]
+            self.totals[outer.name] = self.totals.get(outer.name, 0.0) + now - outer.since
+        entry = _Open(name, now)
+        self._stack.append(entry)
+        try:
+            yield
+        finally:
+            now = time.perf_counter()
+            self._stack.pop()
+            self.totals[name] = self.totals.get(name, 0.0) + now - entry.since
+            if self._stack:
+                self._stack[-1].since = now
+
+    def count(self, collective: str, nbytes: int) -> None:
+        self.volumes[collective] = self.volumes.get(collective, 0) + nbytes
+
+    def end_step(self, step_seconds: float) -> dict[str, float]:
+        """Milliseconds per phase for the step that took `step_seconds` (`other`: the rest),
+        `<collective>_bytes` (the full buffers' bytes of this step's collectives) and `threads`
+        (torch's intra-op threads); then reset."""
+        totals = dict(self.totals)
+        totals["other"] = max(0.0, step_seconds - sum(v for k, v in totals.items() if k != "other"))
+        out: dict[str, float] = {k: round(v * 1e3, 3) for k, v in totals.items()}
+        out.update({f"{k}_bytes": v for k, v in self.volumes.items()})
+        out["threads"] = torch.get_num_threads()  # intra-op threads of this rank
+        self.totals = dict.fromkeys(PHASES, 0.0)
+        self.volumes = dict.fromkeys(COLLECTIVES, 0)
+        return out
+
+
+_active: PhaseTimers | None = None
+
+
+def phase(name: str) -> AbstractContextManager[None]:
+    """Time the block as `name` when timers are on; a shared no-op context otherwise."""
+    timers = _active
+    return _NULL if timers is None else timers.phase(name)
+
+
+def active() -> PhaseTimers | None:
+    return _active
+
+
+def start(model: nn.Module | None = None, *, enabled: bool | None = None) -> PhaseTimers | None:
+    """Turn the timers on (`enabled`, default: the LLAMAFT_PHASE_TIMERS variable) for a new loop,
+    timing `model`'s FSDP2 collectives too; returns the registry, or None when off."""
+    global _active
+    if not (enabled_by_env() if enabled is None else enabled):
+        _active = None
+        return None
+    _active = PhaseTimers()
+    if model is not None:
+        instrument_fsdp2(model)
+    return _active
+
+
+def stop() -> None:
+    global _active
+    _active = None
+
+
+# ------------------------------------------------------------------ FSDP2 collectives
+class _TimedWork(dist.Work):
+    """An async collective's handle whose wait counts as the collective's phase."""
+
+    def __init__(self, inner: dist.Work, name: str) -> None:
+        super().__init__()
+        self._inner, self._name = inner, name
+
+    def wait(self, timeout: Any = None) -> bool:
+        with phase(self._name):
+            return bool(self._inner.wait() if timeout is None else self._inner.wait(timeout))
+
+    def is_completed(self) -> bool:
+        return bool(self._inner.is_completed())
+
+    def get_future(self) -> Any:
+        return self._inner.get_future()
+
+
+def _timed(result: Any, name: str) -> Any:
+    return _TimedWork(result, name) if isinstance(result, dist.Work) else result
+
+
+def _count(collective: str, full: torch.Tensor) -> None:
+    timers = _active
+    if timers is not None:
+        timers.count(collective, full.numel() * full.element_size())
+
+
+def instrument_fsdp2(model: nn.Module) -> int:
+    """Wrap the all-gather and reduce-scatter of every FSDP2 unit of `model` (the ones it has:
+    FSDP2's defaults or parallelize.py's) in timers: same collectives, same buffers. Returns how
+    many units; FSDP1 and non-FSDP models: 0. Idempotent."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+            DefaultAllGather,
+            DefaultReduceScatter,
+        )
+    except ImportError:  # another torch: the collectives stay inside forward/backward
+        return 0
+
+    class TimedAllGather(AllGather):  # type: ignore[misc, valid-type]
+        timed = True
+
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return self.inner.allocate(size, dtype=dtype, device=device)  # type: ignore[no-any-return]
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+            _count("all_gather", output_tensor)
+            with phase("all_gather"):
+                return _timed(self.inner(output_tensor, input_tensor, group, async_op), "all_gather")
+
+    class TimedReduceScatter(ReduceScatter):  # type: ignore[misc, valid-type]
+        timed = True
+
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return self.inner.allocate(size, dtype=dtype, device=device)  # type: ignore[no-any-return]
+
+        def __call__(
+            self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
+        ) -> Any:
+            _count("reduce_scatter", input_tensor)
+            with phase("reduce_scatter"):
+                return _timed(self.inner(output_tensor, input_tensor, group, op, async_op), "reduce_scatter")
+
+    units = 0
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", None) or []
+        if len(groups) != 1:  # no parameters, or several meshes: leave it
+            continue
+        # The unit's current collectives (FSDP2 keeps them on its parameter group).
+        all_gather = getattr(groups[0], "_all_gather_comm", None) or DefaultAllGather()
+        reduce_scatter = getattr(groups[0], "_reduce_scatter_comm", None) or DefaultReduceScatter()
+        if not getattr(all_gather, "timed", False):
+            module.set_custom_all_gather(TimedAllGather(all_gather))
+        if not getattr(reduce_scatter, "timed", False):
+            module.set_custom_reduce_scatter(TimedReduceScatter(reduce_scatter))
+        units += 1
+    return units
+
+
+# --------------------------------------------------------------------- summaries
+def summarize(events: Sequence[dict[str, Any]], skip_steps: int = 0) -> dict[str, float]:
+    """Per phase: the median over steps (after the first `skip_steps`) of the mean over ranks, in
+    ms; `step`: the median step wall time (the phases' sum); `<collective>_bytes`: per step and rank. `events`: `phases` log records."""
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for event in events:
+        by_step.setdefault(int(event["step"]), []).append(event)
+    steps = sorted(s for s in by_step if s > skip_steps)
+    out: dict[str, float] = {}
+    for name in PHASES:
+        per_step = sorted(sum(float(e.get(name, 0.0)) for e in by_step[s]) / len(by_step[s]) for s in steps)
+        out[name] = _median(per_step)
+    for name in COLLECTIVES:
+        out[f"{name}_bytes"] = _median(sorted(
+            sum(float(e.get(f"{name}_bytes", 0)) for e in by_step[s]) / len(by_step[s]) for s in steps))
+    out["step"] = _median(sorted(sum(sum(float(e.get(n, 0.0)) for n in PHASES) for e in by_step[s]) / len(by_step[s]) for s in steps))
+    return out
+
+
+def _median(values: Sequence[float]) -> float:
+    if not values:
+        return 0.0
+    middle = len(values) // 2
+    return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
