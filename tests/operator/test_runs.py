@@ -210,15 +210,23 @@ def phase(cluster: Cluster, name: str, *phases: str, timeout: float = 180) -> di
 
 def stepping(cluster: Cluster, sim: SimCluster, name: str, at_least: int, timeout: float = 120,
              job: str | None = None) -> dict[str, Any]:
-    """Until the attempt's leader has logged step >= at_least (read from the pods' logs as they are
-    written, not from the status, which is refreshed once per sync interval)."""
+    """Until the attempt's leader has logged step >= at_least and the checkpoint of the last
+    interval before it is complete (read from the pods' logs as they are written, not from the
+    status, which is refreshed once per sync interval). Checkpoints are written in the background:
+    a fault while one is being written loses it (the run resumes from the one before), so a fault
+    meant to cost at most one interval is injected once the interval's checkpoint is complete."""
+    saved = (at_least - 1) // EVERY * EVERY
+
     def reached() -> dict[str, Any] | None:
         status = cluster.status(name)
         current = job or status.get("jobName")
         if not current:
             return None
-        steps = [line["step"] for i in range(2) for line in steps_of(sim.logs(f"{current}-worker-{i}")) if line.get("event") == "step"]
-        return status if steps and max(steps) >= at_least else None
+        lines = [line for i in range(2) for line in steps_of(sim.logs(f"{current}-worker-{i}"))]
+        steps = [line["step"] for line in lines if line.get("event") == "step"]
+        complete = [line["step"] for line in lines if line.get("event") == "checkpoint"]
+        done = not saved or (complete and max(complete) >= saved)
+        return status if steps and max(steps) >= at_least and done else None
     return wait_for(f"{name} at step {at_least}", reached, timeout=timeout, interval=0.1)
 
 
@@ -506,8 +514,8 @@ def test_trainjob_run_recovers_a_killed_container_as_a_whole_gang(cluster: Clust
         return [line for pod in pods or trainjob_pods(cluster, job) for line in steps_of(sim.logs(pod, previous=previous))]
 
     first = cluster.job_name("tjrun", 1)
-    wait_for("step past the first checkpoint", lambda: any(line.get("event") == "step" and line["step"] > EVERY
-                                                           for line in logs(first)), timeout=180, interval=0.2)
+    wait_for("step past the first checkpoint, complete", lambda: any(line.get("event") == "checkpoint" and line["step"] >= EVERY
+                                                                     for line in logs(first)), timeout=180, interval=0.2)
     first_pods = trainjob_pods(cluster, first)  # their logs outlive them
     inject(sim, "kill_container", first_pods[1])
     status = phase(cluster, "tjrun", "Succeeded", "Failed", timeout=240)
