@@ -82,6 +82,10 @@ def test_summarize_medians_over_steps_and_ranks() -> None:
     assert out["forward"] == pytest.approx(30.5)  # mean over ranks, median over steps 2..4
     assert out["step"] == pytest.approx(31.5)
     assert out["all_gather_bytes"] == 8 and out["backward"] == 0.0
+    fastest = profiling.summarize(events, skip_steps=1, stat="min")  # the fastest step's figures
+    assert fastest["forward"] == pytest.approx(20.5) and fastest["step"] == pytest.approx(21.5)
+    with pytest.raises(ValueError):
+        profiling.summarize(events, stat="mean")
 
 
 def _events(stdout: str) -> list[dict[str, Any]]:
@@ -113,7 +117,7 @@ def test_two_process_run_logs_every_phase(tiny_model: Path, tmp_path: Path) -> N
     assert sorted((e["step"], e["rank"]) for e in phases) == [(s, r) for s in (1, 2, 3) for r in (0, 1)]
     for e in phases:
         assert all(e[p] >= 0 for p in profiling.PHASES)
-        assert e["forward"] > 0 and e["backward"] > 0 and e["optimizer"] > 0
+        assert e["forward"] > 0 and e["backward"] > 0 and e["grad_norm"] > 0 and e["optimizer"] > 0
         # FSDP2 on 2 ranks: the whole model is gathered in forward and its gradients reduce-scattered.
         assert e["all_gather"] > 0 and e["reduce_scatter"] > 0
         assert e["all_gather_bytes"] > 0 and e["reduce_scatter_bytes"] > 0

@@ -14,7 +14,9 @@ per optimizer step with milliseconds per phase:
   backward        autograd backward, less the all-gathers and reduce-scatters inside it
   all_gather      FSDP2 parameter all-gathers (forward and backward; async ones: issue + wait)
   reduce_scatter  FSDP2 gradient reduce-scatters (and the HSDP/NO_SHARD replica all-reduce)
-  optimizer       gradient clipping (its norm all-reduce included), AdamW step, zero_grad, LR scheduler
+  grad_norm       the global gradient norm and clipping (with FSDP2 its norm all-reduce is in here, and
+                  so is the wait for a slower rank)
+  optimizer       AdamW step, zero_grad, LR scheduler (and fp16's unscale)
   sync            the loop's own small all-reduces (token count; loss, tokens and stop vote): also
                   where a rank waits for a slower one
   other           the rest of the step's wall time (Python, metrics)
@@ -41,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 ENV_VAR = "LLAMAFT_PHASE_TIMERS"
-PHASES = ("data", "forward", "backward", "all_gather", "reduce_scatter", "optimizer", "sync", "other")
+PHASES = ("data", "forward", "backward", "all_gather", "reduce_scatter", "grad_norm", "optimizer", "sync", "other")
 COLLECTIVES = ("all_gather", "reduce_scatter")
 _NULL: AbstractContextManager[None] = contextlib.nullcontext()
 
@@ -227,22 +229,28 @@ def instrument_fsdp2(model: nn.Module) -> int:
 
 
 # --------------------------------------------------------------------- summaries
-def summarize(events: Sequence[dict[str, Any]], skip_steps: int = 0) -> dict[str, float]:
-    """Per phase: the median over steps (after the first `skip_steps`) of the mean over ranks, in
-    ms; `step`: the median step wall time (the phases' sum); `<collective>_bytes`: per step and rank. `events`: `phases` log records."""
+def summarize(events: Sequence[dict[str, Any]], skip_steps: int = 0, stat: str = "median") -> dict[str, float]:
+    """ms per phase per step from `phases` log records, each step's figures averaged over ranks,
+    steps after the first `skip_steps`. `stat` "median": per phase, the median over steps, and
+    `step` the median step time (the phases' sum); "min": the fastest step's figures (least
+    disturbed by other load on a shared machine). `<collective>_bytes`: per step and rank."""
     by_step: dict[int, list[dict[str, Any]]] = {}
     for event in events:
         by_step.setdefault(int(event["step"]), []).append(event)
-    steps = sorted(s for s in by_step if s > skip_steps)
-    out: dict[str, float] = {}
-    for name in PHASES:
-        per_step = sorted(sum(float(e.get(name, 0.0)) for e in by_step[s]) / len(by_step[s]) for s in steps)
-        out[name] = _median(per_step)
-    for name in COLLECTIVES:
-        out[f"{name}_bytes"] = _median(sorted(
-            sum(float(e.get(f"{name}_bytes", 0)) for e in by_step[s]) / len(by_step[s]) for s in steps))
-    out["step"] = _median(sorted(sum(sum(float(e.get(n, 0.0)) for n in PHASES) for e in by_step[s]) / len(by_step[s]) for s in steps))
-    return out
+    keys = (*PHASES, *(f"{c}_bytes" for c in COLLECTIVES))
+    rows = []
+    for step in sorted(s for s in by_step if s > skip_steps):
+        ranks = by_step[step]
+        row = {k: sum(float(e.get(k, 0.0)) for e in ranks) / len(ranks) for k in keys}
+        row["step"] = sum(row[p] for p in PHASES)
+        rows.append(row)
+    if not rows:
+        return dict.fromkeys((*keys, "step"), 0.0)
+    if stat == "min":
+        return min(rows, key=lambda r: r["step"])
+    if stat != "median":
+        raise ValueError(f"stat must be median or min, not {stat!r}")
+    return {k: _median(sorted(r[k] for r in rows)) for k in (*keys, "step")}
 
 
 def _median(values: Sequence[float]) -> float:

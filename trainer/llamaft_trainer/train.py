@@ -125,7 +125,8 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: A
     (bench/plan_accuracy.py replays the trainer's step with this and `_micro_step`.)"""
     if scaler is not None:
         scaler.unscale_(optimizer)
-    grad_norm = clip_gradients(model, cfg.training.max_grad_norm, cfg)
+    with profiling.phase("grad_norm"):
+        grad_norm = clip_gradients(model, cfg.training.max_grad_norm, cfg)
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
