@@ -245,7 +245,9 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
     timings: list[tuple[str, float]] | None = None
     """(method, seconds) of every request but watches, from arrival to response, when asked for
     (EmulatorThread(timed=True)): the emulator's own latency. GET STATS_PATH reads (and with
-    ?reset=1 clears) them together with the recorded requests."""
+    ?reset=1 clears) them together with the recorded requests and `lags`."""
+    lags: list[float]
+    """With timed: the loop's worst lateness per second (Emulator.measure_lag)."""
 
     gc_delay = 0.05
     """Seconds between a change and the garbage collector acting on it (a real GC takes ~10-100 ms)."""
@@ -261,6 +263,7 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         self._gc_wake = asyncio.Event()
         self._orphaned_since: dict[str, float] = {}
         self._schemas = {**upstream_crd_schemas(), **_crd_schemas()}
+        self.lags = []
 
     def _defaulted(self, resource: Any, obj: Obj) -> Obj:
         """Objects of this repo's CRDs (and of UPSTREAM_CRDS) get their schema's defaults, on create and on every write."""
@@ -357,13 +360,23 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
 
     def _serve_stats(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
         """The timings and recorded requests so far; ?reset=1 starts both afresh."""
-        timings, recorded = list(self.timings or []), list(self.recorded or [])
+        timings, recorded, lags = list(self.timings or []), list(self.recorded or []), list(self.lags)
         if raw_request.query.get("reset") in ("true", "1"):
-            if self.timings is not None:
-                self.timings.clear()
-            if self.recorded is not None:
-                self.recorded.clear()
-        return aiohttp.web.json_response({"timings": timings, "requests": [attrs.asdict(r) for r in recorded]})
+            for kept in (self.timings, self.recorded, self.lags):
+                if kept is not None:
+                    kept.clear()
+        return aiohttp.web.json_response({"timings": timings, "requests": [attrs.asdict(r) for r in recorded], "lags": lags})
+
+    async def measure_lag(self) -> None:
+        """Every second, the event loop's worst lateness in it (time a request can wait before it is
+        even read: not part of `timings`), until cancelled."""
+        while True:
+            worst, until = 0.0, time.perf_counter() + 1.0
+            while time.perf_counter() < until:
+                before = time.perf_counter()
+                await asyncio.sleep(0.01)
+                worst = max(worst, time.perf_counter() - before - 0.01)
+            self.lags.append(worst)
 
     async def _handle(self, request: Any) -> Any:
         # kmock records every request for assertions and matches reactions by scanning that log,
@@ -845,6 +858,7 @@ class EmulatorThread:
                 emulator.recorded = []
             if self.timed:
                 emulator.timings = []
+                lag = asyncio.create_task(emulator.measure_lag())
             for key, info in RESOURCES.items():
                 if key not in self.without:
                     emulator.resources[key] = {**info, "verbs": VERBS}
@@ -859,6 +873,8 @@ class EmulatorThread:
             try:
                 await self._stop.wait()
             finally:
+                if self.timed:
+                    lag.cancel()
                 collectors.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await collectors

@@ -588,11 +588,17 @@ class Step:
         rendered children are the same and no child event reported a hand edit or deletion (see
         `child_drifted`). Returns a requeue delay while the previous incarnation's objects go."""
         key = (self.namespace, self.name)
+        drifted = key in self.memo["drifted"]
+        # The children derive from the spec (its generation), the incarnation and the settings only:
+        # a step of an unchanged generation does not render them (the dashboard alone is a large JSON).
+        source = (owner.uid, obj["metadata"].get("generation"))
+        if not force and not drifted and self.memo.get("children_source") == source:
+            return None
         wanted = [adopted(child, obj) for child in
                   desired.children(owner, spec, self.settings.etcd_image, dict(self.settings.dashboard_labels))]
         digest = hashlib.sha256(json.dumps(wanted, sort_keys=True).encode()).hexdigest()
-        drifted = key in self.memo["drifted"]
         if not force and not drifted and self.memo.get("children_digest") == digest:
+            self.memo["children_source"] = source
             return None
         self.memo["drifted"].discard(key)
         # The first apply for this incarnation (in this process) looks at what carries its label:
@@ -626,6 +632,7 @@ class Step:
         pruned = self._prune(owner, set(applied) | {(c["kind"], c["metadata"]["name"]) for c in wanted}, listed, previous)
         self.memo["applied"][key] = applied
         self.memo["children_digest"] = digest
+        self.memo["children_source"] = source
         if changed or pruned:
             what = (f"applied {', '.join(changed)}" if changed else "") + ("; " if changed and pruned else "") + \
                    (f"pruned {', '.join(pruned)}" if pruned else "")

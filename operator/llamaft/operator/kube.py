@@ -23,8 +23,9 @@ USER_AGENT = "llamaft-operator"
 APPLY_PATCH = "application/apply-patch+yaml"
 LLAMAFINETUNES = ("llamaft.io", "v1alpha1", "llamafinetunes")
 
-# (api group, resource, verbs): what this module calls. tests/operator/test_rbac.py checks the
-# chart's Role against it.
+# (api group, resource, verbs): what this module calls (tests/helm/test_chart.py reads the calls
+# from this file and compares). tests/operator/test_rbac.py compares the chart's grants with these
+# calls plus kopf's own, recorded from a running operator.
 API_CALLS: list[tuple[str, str, tuple[str, ...]]] = [
     ("llamaft.io", "llamafinetunes", ("get",)),
     ("llamaft.io", "llamafinetunes/status", ("patch",)),

@@ -1,0 +1,322 @@
+"""What keeps the operator cheap per LlamaFineTune (issue 9, scale): one CEL evaluation per
+distinct spec, not per object; children checked from kopf's index instead of listed; a bounded
+number of /progress requests per sync whatever the number of pods; the per-phase gauge moved, not
+recounted; the children's watches filtered by the API server. No timing asserts: the speed is
+bench/operator_latency.py's to show. Pure where it can be (a Step with a recording client)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+from typing import Any
+
+import kopf
+import pytest
+from llamaft.api.validation import SpecInvalid
+from llamaft.operator import handlers
+from llamaft.operator.kube import ForeignObject
+from llamaft.operator.metrics import FINETUNES
+from llamaft.operator.naming import Owner
+from llamaft.operator.settings import OperatorSettings
+
+from tests.operator.conftest import tiny_spec
+from tests.operator.emulator import STATS_PATH, EmulatorThread
+
+UID = "1234abcd-0000-0000-0000-000000000000"
+
+
+@pytest.fixture(autouse=True)
+def fresh_spec_cache() -> None:
+    with handlers._specs_lock:
+        handlers._specs.clear()
+
+
+def counting_validate(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    calls: list[Any] = []
+    real = handlers.validate_spec
+
+    def validate_spec(spec: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(spec)
+        return real(spec, *args, **kwargs)
+
+    monkeypatch.setattr(handlers, "validate_spec", validate_spec)
+    return calls
+
+
+# ------------------------------------------------------------------------- validation cache
+def test_one_cel_evaluation_per_distinct_spec_shared_by_objects(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = counting_validate(monkeypatch)
+    spec = tiny_spec()
+    reordered = dict(reversed(list(tiny_spec().items())))  # the same content, keys in another order
+    first = handlers.cached_spec(spec)
+    assert handlers.cached_spec(reordered) is first and len(calls) == 1
+    other = handlers.cached_spec(tiny_spec(cluster={"workers": 4}))
+    assert other is not first and len(calls) == 2
+
+
+def test_an_invalid_spec_is_cached_as_its_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = counting_validate(monkeypatch)
+    broken = tiny_spec(fsdp={"shardingStrategy": "HYBRID_SHARD", "hybridShard": {"shardGroupSize": 3, "replicaGroupSize": 2}})
+    for _ in range(3):
+        result = handlers.cached_spec(broken)
+        assert isinstance(result, SpecInvalid) and "shardGroupSize" in str(result)
+    assert len(calls) == 1
+
+
+def test_concurrent_steps_with_one_spec_wait_for_one_evaluation(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = counting_validate(monkeypatch)
+    results: list[Any] = []
+    threads = [threading.Thread(target=lambda: results.append(handlers.cached_spec(tiny_spec()))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and all(r is results[0] for r in results)
+
+
+def test_the_cache_keeps_the_latest_distinct_specs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(handlers, "SPEC_CACHE_SIZE", 2)
+    calls = counting_validate(monkeypatch)
+    for workers in (1, 2, 3, 1):
+        handlers.cached_spec(tiny_spec(cluster={"workers": workers}))
+    assert len(calls) == 4, "workers=1 was evicted by 2 and 3"
+    assert len(handlers._specs) == 2
+
+
+def test_validated_caches_per_generation_and_not_with_the_old_spec(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = counting_validate(monkeypatch)
+    memo: Any = {}
+    obj = {"metadata": {"name": "x", "namespace": "default", "uid": UID, "generation": 1}, "spec": tiny_spec()}
+    assert handlers.validated(memo, obj) is handlers.validated(memo, obj)
+    handlers.validated({}, {**obj, "metadata": {**obj["metadata"], "name": "y", "generation": 3}})  # another object
+    assert len(calls) == 1
+    handlers.validated(memo, obj, old=tiny_spec())  # an update: transition rules need the old spec
+    assert len(calls) == 2
+
+
+# -------------------------------------------------------------------- children, first apply
+class RecordingKube:
+    """What Step calls on the client, recorded; children applied as the API server would answer."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        def call(*args: Any, **_: Any) -> Any:
+            self.calls.append((name, args[1:] if len(args) > 1 else args))
+            if name == "apply":
+                obj = args[1]
+                return {**obj, "metadata": {**obj["metadata"], "resourceVersion": "1"}}
+            if name in ("list_children", "list_jobs"):
+                return []
+            return True
+        return call
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.calls]
+
+
+def step_with(index: dict[tuple[str, str], list[Any]] | None) -> tuple[handlers.Step, RecordingKube]:
+    kube = RecordingKube()
+    memo: Any = {"kube": kube, "settings": OperatorSettings(), "wakers": {}, "phases": {}, "applied": {}, "drifted": set(),
+                 "http": None}
+    step = handlers.Step(memo, "default", "x", logger=None)
+    step.event = lambda *_: None  # type: ignore[method-assign]
+    step.children_index = index
+    return step, kube
+
+
+def reconcile(step: handlers.Step) -> tuple[float | None, dict[str, Any]]:
+    obj = {"apiVersion": "llamaft.io/v1alpha1", "kind": "LlamaFineTune",
+           "metadata": {"name": "x", "namespace": "default", "uid": UID, "generation": 1}, "spec": tiny_spec(), "status": {}}
+    spec = handlers.cached_spec(obj["spec"])
+    assert not isinstance(spec, SpecInvalid)
+    patch: dict[str, Any] = {}
+    return step._reconcile_children(obj, Owner("x", "default", UID), spec, patch, force=True), patch
+
+
+def indexed(kind: str, name: str, uid: str, deleting: bool = False) -> dict[str, Any]:
+    return {"kind": kind, "metadata": {"name": name, "ownerReferences": [{"uid": uid}],
+                                       "deletionTimestamp": "2026-11-30T12:00:00Z" if deleting else None}}
+
+
+def test_a_new_incarnation_applies_from_the_index_without_a_read() -> None:
+    step, kube = step_with({})
+    assert reconcile(step)[0] is None
+    assert set(kube.names()) == {"apply"}, kube.calls
+
+
+def test_without_the_index_the_children_are_listed() -> None:
+    step, kube = step_with(None)
+    reconcile(step)
+    assert "list_children" in kube.names() and "apply" in kube.names()
+
+
+def test_the_previous_incarnations_objects_in_the_index_are_waited_for() -> None:
+    step, kube = step_with({("default", "x"): [indexed("ConfigMap", "x-config", "the-predecessor")]})
+    requeue, patch = reconcile(step)
+    assert requeue == 1.0 and "previous incarnation" in patch["message"]
+    assert kube.names() == [], "nothing applied over the predecessor's objects"
+    step, _ = step_with({("default", "x"): [indexed("PodMonitor", "x-trainer", UID, deleting=True)]})
+    assert reconcile(step)[0] == 1.0, "nor over one of its own being deleted"
+    with pytest.raises(ForeignObject):
+        step._check_owners([{"kind": "ConfigMap", "metadata": {"name": "x-config"}}],
+                           {"ConfigMap": [indexed("ConfigMap", "x-config", "other")]}, Owner("x", "default", UID))
+
+
+def test_what_an_earlier_process_applied_and_the_spec_no_longer_wants_is_pruned() -> None:
+    leftovers = [indexed("Deployment", "x-etcd", UID), indexed("Service", "x-etcd", UID),
+                 indexed("Deployment", "x-other", "someone-else")]
+    step, kube = step_with({("default", "x"): leftovers})
+    reconcile(step)
+    deleted = [args for name, args in kube.calls if name == "delete"]
+    assert sorted(deleted) == [("Deployment", "x-etcd"), ("Service", "x-etcd")], kube.calls
+    step.memo["drifted"].add(("default", "x"))  # a later apply prunes from what it applied, not the index
+    kube.calls.clear()
+    reconcile(step)
+    assert "list_children" not in kube.names() and "delete" not in kube.names()
+
+
+def test_a_step_of_an_unchanged_generation_does_not_render_the_children(monkeypatch: pytest.MonkeyPatch) -> None:
+    step, kube = step_with({})
+    reconcile(step)
+    rendered: list[Any] = []
+    real = handlers.desired.children
+    monkeypatch.setattr(handlers.desired, "children", lambda *a, **k: rendered.append(a) or real(*a, **k))
+    obj = {"apiVersion": "llamaft.io/v1alpha1", "kind": "LlamaFineTune",
+           "metadata": {"name": "x", "namespace": "default", "uid": UID, "generation": 1}, "spec": tiny_spec(), "status": {}}
+    spec = handlers.cached_spec(obj["spec"])
+    assert not isinstance(spec, SpecInvalid)
+    kube.calls.clear()
+    assert step._reconcile_children(obj, Owner("x", "default", UID), spec, {}) is None
+    assert rendered == [] and kube.calls == []
+    step.memo["drifted"].add(("default", "x"))  # a hand edit: rendered and applied again
+    step._reconcile_children(obj, Owner("x", "default", UID), spec, {})
+    assert len(rendered) == 1 and "apply" in kube.names()
+
+
+def test_the_index_records_name_owners_and_deletion() -> None:
+    import asyncio
+
+    meta = {"name": "x-config", "namespace": "default", "labels": {"llamaft.io/finetune": "x"},
+            "ownerReferences": [{"uid": UID, "kind": "LlamaFineTune"}], "deletionTimestamp": None}
+    resource = kopf.Resource("", "v1", "configmaps", kind="ConfigMap")
+    entry = asyncio.run(handlers.children_by_owner(resource=resource, meta=meta))
+    assert entry == {("default", "x"): indexed("ConfigMap", "x-config", UID)}
+    assert asyncio.run(handlers.children_by_owner(resource=resource, meta={"name": "unlabelled", "namespace": "default"})) == {}
+
+
+# ------------------------------------------------------------------------- leader progress
+class CountingHttp:
+    def __init__(self, leader_ip: str) -> None:
+        self.leader_ip, self.asked = leader_ip, 0
+
+    def get_json(self, url: str, **_: Any) -> dict[str, Any]:
+        self.asked += 1
+        ip = url.split("//")[1].split(":")[0]
+        return {"rank": 0 if ip == self.leader_ip else 3, "pod": f"pod-{ip}"}
+
+
+def pods(n: int) -> list[dict[str, Any]]:
+    return [{"metadata": {"name": f"pod-10.0.0.{i}", "labels": {"training.kubeflow.org/replica-index": str(i)}},
+             "status": {"phase": "Running", "podIP": f"10.0.0.{i}"}} for i in range(n)]
+
+
+def test_a_sync_asks_a_bounded_number_of_pods_and_finds_the_leader_in_turn() -> None:
+    step, _ = step_with(None)
+    http = CountingHttp("10.0.0.13")
+    step.http = http  # type: ignore[assignment]
+    spec = handlers.cached_spec(tiny_spec())
+    assert not isinstance(spec, SpecInvalid)
+    status: dict[str, Any] = {}
+    found, syncs = None, 0
+    while found is None and syncs < 20:
+        syncs += 1
+        before = http.asked
+        found = step._leader_progress(pods(32), spec, status)
+        assert http.asked - before <= handlers.PROGRESS_REQUESTS_PER_SYNC
+    assert found is not None and found["pod"] == "pod-10.0.0.13" and syncs <= 32 // handlers.PROGRESS_REQUESTS_PER_SYNC
+    status["leaderPod"] = found["pod"]
+    before = http.asked
+    assert step._leader_progress(pods(32), spec, status) == found
+    assert http.asked - before == 1, "the steady state: one request to the known leader"
+
+
+def test_replica_zero_is_asked_first() -> None:
+    step, _ = step_with(None)
+    http = CountingHttp("10.0.0.0")
+    step.http = http  # type: ignore[assignment]
+    spec = handlers.cached_spec(tiny_spec())
+    assert not isinstance(spec, SpecInvalid)
+    assert step._leader_progress(list(reversed(pods(8))), spec, {}) is not None and http.asked == 1
+
+
+# ------------------------------------------------------------------------------ gauge, watch
+def test_the_phase_gauge_moves_with_one_object() -> None:
+    memo: Any = {"phases": {}}
+
+    def value(phase: str) -> float:
+        return float(FINETUNES.labels(phase)._value.get())
+
+    before = {p: value(p) for p in ("Pending", "Running", "Creating")}
+    handlers.record_phase(memo, "ns", "a", "Pending")
+    handlers.record_phase(memo, "ns", "b", "Pending")
+    handlers.record_phase(memo, "ns", "a", "Running")
+    handlers.record_phase(memo, "ns", "a", "Running")
+    handlers.record_phase(memo, "ns", "b", None)
+    handlers.record_phase(memo, "ns", "c", "NotAPhase")
+    assert value("Pending") - before["Pending"] == 0 and value("Running") - before["Running"] == 1
+    assert value("Creating") == before["Creating"]
+
+
+def test_the_childrens_watches_are_filtered_by_the_api_server() -> None:
+    """Every child kind the handlers watch with a label filter gets the same filter as a
+    server-side selector (kopf's `labels=` alone filters in the operator)."""
+    registry = kopf.get_default_registry()
+    watched = {(h.selector.group, h.selector.version, h.selector.any_name)
+               for h in registry._watching.get_all_handlers() if h.labels}
+    watched |= {(h.selector.group, h.selector.version, h.selector.any_name)
+                for h in registry._indexing.get_all_handlers() if h.labels}
+    assert watched == set(handlers.CHILD_SELECTORS)
+    settings = kopf.OperatorSettings()
+    for child, selector in handlers.CHILD_SELECTORS.items():
+        settings.watching.label_selectors[child] = selector
+    pods = kopf.Resource("", "v1", "pods", kind="Pod", preferred=True)
+    assert list(settings.watching.label_selectors.collect(pods)) == ["llamaft.io/finetune,app.kubernetes.io/component=trainer"]
+    assert list(settings.watching.label_selectors.collect(kopf.Resource("llamaft.io", "v1alpha1", "llamafinetunes",
+                                                                            preferred=True))) == []
+
+
+# ------------------------------------------------------------------------ emulator timings
+def test_the_emulator_times_its_requests_when_asked() -> None:
+    emulator = EmulatorThread(timed=True, record=True).start()
+    try:
+        urllib.request.urlopen(f"{emulator.url}/api/v1/namespaces/default/configmaps").read()
+        with urllib.request.urlopen(f"{emulator.url}{STATS_PATH}?reset=1") as response:
+            stats = json.loads(response.read())
+        assert [method for method, _ in stats["timings"]] == ["GET"] and stats["timings"][0][1] >= 0
+        assert [r["path"] for r in stats["requests"]] == ["/api/v1/namespaces/default/configmaps"]
+        with urllib.request.urlopen(f"{emulator.url}{STATS_PATH}") as response:
+            assert json.loads(response.read())["timings"] == [], "reset"
+    finally:
+        emulator.stop()
+    untimed = EmulatorThread().start()
+    try:
+        assert untimed.emulator is not None and untimed.emulator.timings is None
+    finally:
+        untimed.stop()
+
+
+def test_the_emulator_serves_from_a_process_of_its_own() -> None:
+    from tests.operator.emulator_server import EmulatorProcess
+
+    emulator = EmulatorProcess(timed=True, record=True, gc_delay=1.0).start()
+    try:
+        urllib.request.urlopen(f"{emulator.url}/apis/llamaft.io/v1alpha1/namespaces/default/llamafinetunes").read()
+        stats = emulator.stats(reset=True)
+        assert len(stats["timings"]) == 1 and stats["requests"][0]["method"] == "GET"
+        assert emulator.stats()["requests"] == []
+    finally:
+        emulator.stop()
+    assert emulator.proc is not None and emulator.proc.returncode == 0
