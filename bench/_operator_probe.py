@@ -65,7 +65,10 @@ def _timed(what: str, fn: Any) -> Any:
 
 
 def _step_of(fn: Any) -> Any:
-    """The Step whose bound `run` an executor is handed (directly, or as asyncio.to_thread's partial)."""
+    """The Step whose bound `run` an executor is handed (directly, or as asyncio.to_thread's
+    partial), or the Step itself when handed as an argument (handlers._logged)."""
+    if isinstance(fn, handlers.Step):
+        return fn
     while isinstance(fn, functools.partial):
         fn = next((a for a in fn.args if callable(a)), fn.func) if fn.args else fn.func
     owner = getattr(fn, "__self__", None)

@@ -19,7 +19,8 @@ work make absolute figures noisy: compare within one run).
 --probe loads bench/_operator_probe.py into the operator: the time each lifecycle step waited for
 a worker thread, its duration, its API round trips and pure work by kind, and the event loop's lag.
 --pyspy COUNT records py-spy profiles of the operator and the emulator during that batch
-($TMPDIR/llamaft-operator-latency/{operator,emulator}-COUNT.txt: collapsed stacks; `pip install py-spy`).
+($TMPDIR/llamaft-operator-latency/{operator,emulator}-COUNT.txt: collapsed stacks of the threads
+holding the GIL, i.e. where the CPU goes; `pip install py-spy`).
 c10d rendezvous is used so that no etcd is involved: this measures the operator and API round
 trips, not etcd.
 """
@@ -159,7 +160,28 @@ def settle(*procs: psutil.Process, quiet_s: float = 2.0, timeout: float = 300.0)
             return
 
 
-def probe_report(path: Path, names: set[str], count: int, since: float) -> None:
+def critical_path(steps: list[dict[str, Any]], acked: dict[str, float], seen: dict[str, float]) -> None:
+    """Where each CR's create->job time went, from its first lifecycle step (perf_counter is the
+    machine's monotonic clock, the same in every process): kopf delivering the create to a handler,
+    the step waiting for a thread, the step running until the job was created, the job reaching
+    this process's watch."""
+    first: dict[str, dict[str, Any]] = {}
+    for step in steps:
+        if step["name"] not in first or step["start"] < first[step["name"]]["start"]:
+            first[step["name"]] = step
+    parts: dict[str, list[float]] = collections.defaultdict(list)
+    for name, step in first.items():
+        if name not in acked or name not in seen or not step.get("submitted"):
+            continue
+        parts["create -> step submitted"].append(step["submitted"] - acked[name])
+        parts["waiting for a thread"].append(step["start"] - step["submitted"])
+        parts["step until the job is seen"].append(seen[name] - step["start"])
+    print("      critical path (first step of each CR): " + "; ".join(
+        f"{what} p50 {ms(statistics.median(v))}, p99 {ms(pct(v, 0.99))}" for what, v in parts.items()))
+
+
+def probe_report(path: Path, names: set[str], count: int, since: float,
+                 acked: dict[str, float] | None = None, seen: dict[str, float] | None = None) -> None:
     """Per-step figures from bench/_operator_probe.py for the CRs of one batch."""
     steps, lags = [], []
     for line in path.read_text().splitlines() if path.exists() else []:
@@ -182,6 +204,8 @@ def probe_report(path: Path, names: set[str], count: int, since: float) -> None:
     for step in steps:
         for what, seconds in step["calls"]:
             totals[what].append(seconds)
+    if acked is not None and seen is not None:
+        critical_path(steps, acked, seen)
     print("      per CR (calls, time in the step; nested parts overlap):")
     for what, values in sorted(totals.items(), key=lambda kv: -sum(kv[1])):
         print(f"        {what:<28} {len(values) / count:5.1f} calls {ms(sum(values) / count):>9}/CR, "
@@ -261,7 +285,7 @@ def main() -> None:
                     for who, pid in (("operator", proc.pid), ("emulator", emulator.pid)):
                         spies.append(subprocess.Popen(
                             [str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(pid), "--format", "raw",
-                             "--output", str(out_dir / f"{who}-{count}.txt"), "--rate", "50", "--nonblocking"],
+                             "--output", str(out_dir / f"{who}-{count}.txt"), "--rate", "100", "--nonblocking", "--gil"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
                 with Sampler(proc) as sampler:
                     threads = [threading.Thread(target=create, args=(n,)) for n in names]
@@ -294,7 +318,7 @@ def main() -> None:
                 requests_report(stats["requests"], count)
                 if args.probe:
                     time.sleep(1.5)  # the probe flushes every second
-                    probe_report(probe, set(names), count, began)
+                    probe_report(probe, set(names), count, began, acked, watch.seen)
         finally:
             operator.stop()
             emulator.stop()

@@ -22,10 +22,12 @@ Each problem is reported on the spec field that causes it, with the fix. Pure: n
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import re
 import string
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from importlib import resources
 from typing import Any
@@ -76,9 +78,45 @@ def child_errors(
     check (default spec.backend; `auto` checks the PyTorchJob, what auto picks when both are served)."""
     backend = backend or spec.backend
     train_job = backend is Backend.TRAIN_JOB
+    name_errors = _name_errors(spec, name, namespace, uid, train_job=train_job)
+    if name_errors or _deeper_than(spec.cluster.pod_template_overrides, POD_MAX_DEPTH) is not None:
+        # (too deep overrides are refused at once, and cannot be serialized into a cache key)
+        return _unique([*_runtime_errors(spec), *name_errors, *_object_errors(spec, name, namespace, uid, attempt, backend)])
+    # With a name that fits every object it names, what the objects' schemas and rules find does
+    # not depend on which name (of that length) or uid: LlamaFineTunes made from one template are
+    # checked once, for a stand-in name, and the messages name the real objects.
+    key = (spec.model_dump_json(), namespace, len(name), attempt, backend)
+    stand_in = _stand_in(len(name))
+    with _checked_lock:
+        cached = _checked.get(key)
+        if cached is not None:
+            _checked.move_to_end(key)
+    if cached is None:
+        cached = _unique([*_runtime_errors(spec), *_object_errors(spec, stand_in, namespace, PLACEHOLDER_UID, attempt, backend)])
+        with _checked_lock:
+            _checked[key] = cached
+            while len(_checked) > CHECKED_CACHE_SIZE:
+                _checked.popitem(last=False)
+    return [FieldError(e.path.replace(stand_in, name).replace(PLACEHOLDER_UID, uid),
+                       e.message.replace(stand_in, name).replace(PLACEHOLDER_UID, uid)) for e in cached]
+
+
+CHECKED_CACHE_SIZE = 256
+_checked: collections.OrderedDict[tuple[str, str, int, int, Backend], list[FieldError]] = collections.OrderedDict()
+_checked_lock = threading.Lock()
+
+
+def _stand_in(length: int) -> str:
+    """A valid object name of `length` characters that no message contains by chance."""
+    return ("z" + "q9" * length)[:length]
+
+
+def _object_errors(spec: LlamaFineTuneSpec, name: str, namespace: str, uid: str, attempt: int,
+                   backend: Backend) -> list[FieldError]:
+    """What the rendered objects' schemas and the admission rules find (child_errors without the
+    runtime and name checks)."""
+    train_job = backend is Backend.TRAIN_JOB
     errors: list[FieldError] = []
-    errors += _runtime_errors(spec)
-    errors += _name_errors(spec, name, namespace, uid, train_job=train_job)
     too_deep = _deeper_than(spec.cluster.pod_template_overrides, POD_MAX_DEPTH)
     if too_deep is not None:
         shown = _format(too_deep[:12], leading_dot=True) + ("…" if len(too_deep) > 12 else "")

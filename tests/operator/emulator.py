@@ -111,6 +111,18 @@ STATS_PATH = "/_emulator/stats"
 """The emulator's own timings and recorded requests (EmulatorThread(timed=True)); not a Kubernetes path."""
 
 
+def _rkey(resource: Any) -> tuple[str, str, str]:
+    """A kmock resource as a plain tuple: hashing and comparing kmock's resource objects (attrs
+    with a Protocol match in __eq__) was the emulator's largest cost per request."""
+    return (resource.group or "", resource.version or "", resource.plural or "")
+
+
+def _copy(obj: Obj) -> Obj:
+    """A deep copy of a JSON document (what every stored object is): several times faster than
+    copy.deepcopy."""
+    return json.loads(json.dumps(obj))  # type: ignore[no-any-return]
+
+
 def now_rfc3339(offset_s: float = 0.0) -> str:
     """Kubernetes' timestamp format (second precision, UTC, `Z`)."""
     moment = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=offset_s)
@@ -264,6 +276,10 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         self._orphaned_since: dict[str, float] = {}
         self._schemas = {**upstream_crd_schemas(), **_crd_schemas()}
         self.lags = []
+        self._infos: dict[tuple[str, str, str], Any] = {}
+        self._infos_for = -1
+        self._mirror: dict[tuple[str, str, str], dict[tuple[str | None, str], Obj]] = {}
+        self._mirror_count = -1
 
     def _defaulted(self, resource: Any, obj: Obj) -> Obj:
         """Objects of this repo's CRDs (and of UPSTREAM_CRDS) get their schema's defaults, on create and on every write."""
@@ -303,37 +319,61 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         return self._info_for(request.resource)
 
     def _info_for(self, resource: Any) -> Any:
-        for res in self._get_resources():
-            if res == resource:
-                return self.resources[res]
-        return None
+        """The declared ResourceInfo of a resource (None: not declared). Cached: kmock finds it by
+        comparing against every resource of every stored object, per request."""
+        if len(self.resources) != self._infos_for:
+            self._infos = {_rkey(res): self.resources[res] for res in self.resources}
+            self._infos_for = len(self.resources)
+        return self._infos.get(_rkey(resource)) if resource is not None else None
 
     # ------------------------------------------------------------------------------ the store
+    # kmock's store (`objects`, with its history views) stays the record that watches, dumps and
+    # tests read; the mirror beside it holds each live object's current dict by plain keys, so
+    # that reads are dict lookups instead of kmock's scans over every object of every kind.
+    def _mirrored(self) -> dict[tuple[str, str, str], dict[tuple[str | None, str], Obj]]:
+        """resource key -> (namespace, name) -> the live object (never mutated in place: every
+        write stores a new dict). Rebuilt when objects were put into kmock's store directly."""
+        if len(self._objects) != self._mirror_count:
+            mirror: dict[tuple[str, str, str], dict[tuple[str | None, str], Obj]] = {}
+            for (resource, namespace, name), obj in self._objects.items():
+                bucket = mirror.setdefault(_rkey(resource), {})
+                if not obj.deleted:
+                    bucket[(namespace, name)] = obj.raw
+            self._mirror, self._mirror_count = mirror, len(self._objects)
+        return self._mirror
+
+    def _current(self, key: tuple[Any, str | None, str]) -> Obj | None:
+        """The stored object itself (read-only: for responses and checks), None if not live."""
+        return self._mirrored().get(_rkey(key[0]), {}).get((key[1], key[2]))
+
     def _live(self, key: tuple[Any, str | None, str]) -> Obj | None:
-        """A deep copy of the stored object, or None if it does not exist (never or any more)."""
-        if key not in self._objects:
-            return None
-        obj = self._objects[key]
-        return None if obj.deleted else copy.deepcopy(obj.raw)
+        """A copy of the stored object to change, or None if it does not exist (never or any more)."""
+        current = self._current(key)
+        return None if current is None else _copy(current)
 
     async def _store(self, key: tuple[Any, str | None, str], new: Obj, event: str) -> Obj:
         """Write `new` as the object's next version and tell the watchers. Keeps one version of
-        history: kmock would otherwise keep every version of every object forever."""
-        new = copy.deepcopy(new)
+        history: kmock would otherwise keep every version of every object forever. The stored
+        dict is shared with the watchers and the response: nothing mutates it afterwards."""
+        new = _copy(new)
         new.setdefault("metadata", {})["resourceVersion"] = self._next_version()
+        mirror = self._mirrored()
         if key in self._objects:
             self._objects[key].history[:] = [new]
         else:
             self._objects[key] = new
-        await self._buses[key[0]].put({"type": event, "object": copy.deepcopy(new)})
+            self._mirror_count += 1
+        mirror.setdefault(_rkey(key[0]), {})[(key[1], key[2])] = new
+        await self._buses[key[0]].put({"type": event, "object": new})
         self._gc_wake.set()
         return new
 
     async def _remove(self, key: tuple[Any, str | None, str]) -> Obj:
-        last = copy.deepcopy(self._objects[key].raw)
+        last = _copy(self._objects[key].raw)
         last["metadata"]["resourceVersion"] = self._next_version()
+        self._mirrored().get(_rkey(key[0]), {}).pop((key[1], key[2]), None)
         self._objects[key].history[:] = [last, None]
-        await self._buses[key[0]].put({"type": "DELETED", "object": copy.deepcopy(last)})
+        await self._buses[key[0]].put({"type": "DELETED", "object": last})
         self._gc_wake.set()
         return last
 
@@ -392,14 +432,18 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
                 blocking_owners=tuple(sorted({str(ref.get("kind")) for ref in (
                     ((request.data or {}).get("metadata") or {}).get("ownerReferences") or [] if isinstance(request.data, dict) else [])
                     if ref.get("blockOwnerDeletion")}))))
-        if (request.resource is not None and request.resource.plural
-                and request.resource not in k8s.KubernetesScaffold._get_resources(self)):
+        if request.resource is not None and request.resource.plural and self._info_for(request.resource) is None:
             # As the API server: an undeclared resource (a CRD not installed) is a 404, not stored.
             return await self._render_error(k8s.KubernetesResourceNotFoundError())
         if request.resource is None:
             return await super()._handle(request)
         method = str(request.method.value if hasattr(request.method, "value") else request.method).upper()
         try:
+            if (method == "GET" and request.resource.plural and request.subresource is None
+                    and request.params.get("watch") not in ("true", "1")):
+                # Reads from the mirror: kmock would match the request against its reactions and
+                # scan every stored object.
+                return await (self._serve_get(request) if request.name is not None else self._serve_list_request(request))
             if request.name is not None and request.subresource == "eviction" and method == "POST":
                 return await self._serve_eviction(request)
             if request.name is not None and request.subresource == "binding" and method == "POST":
@@ -422,19 +466,34 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         return await super()._handle(request)
 
     async def _serve_get(self, request: Any) -> Any:
-        async with self._lock:
-            obj = self._live((request.resource, request.namespace, request.name))
+        obj = self._current((request.resource, request.namespace, request.name))
         if obj is None:
             raise k8s.KubernetesObjectNotFoundError()
         return aiohttp.web.json_response(obj)
+
+    async def _serve_list_request(self, request: Any) -> Any:
+        """A list of one kind (in one namespace, or in all), with label and field selectors, as
+        `<Kind>List` at the current resourceVersion."""
+        info = self._info(request)
+        group, version = request.resource.group, request.resource.version
+        api_version = f"{group}/{version}" if group else version
+        bucket = self._mirrored().get(_rkey(request.resource), {})
+        items = [obj for (namespace, _), obj in bucket.items()
+                 if (request.namespace is None or namespace == request.namespace) and _selected(request, obj)]
+        if info is not None and info.kind:
+            items = [obj if "kind" in obj and "apiVersion" in obj else {"kind": info.kind, "apiVersion": api_version, **obj}
+                     for obj in items]
+        return aiohttp.web.json_response({
+            "kind": f"{info.kind}List" if info is not None and info.kind else "List", "apiVersion": api_version,
+            "metadata": {"resourceVersion": str(self._last_version)}, "items": items})
 
     # ---------------------------------------------------------------------------------- create
     async def _serve_create_request(self, request: Any) -> Any:
         if not isinstance(request.data, dict):
             raise k8s.KubernetesError(status=400, reason="BadRequest", message="the body must be a JSON object")
-        key, obj = self._prepared_create(request, copy.deepcopy(request.data))
+        key, obj = self._prepared_create(request, _copy(request.data))
         async with self._lock:
-            if self._live(key) is not None:
+            if self._current(key) is not None:
                 raise k8s.KubernetesError(status=409, reason="AlreadyExists",
                                           message=f'{request.resource.plural} "{obj["metadata"]["name"]}" already exists')
             stored = await self._store(key, obj, "ADDED")
@@ -528,11 +587,11 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
                 if not isinstance(request.data, dict):
                     raise k8s.KubernetesError(status=400, reason="BadRequest", message="the body must be a JSON object")
                 wanted = str(request.data.get("metadata", {}).get("resourceVersion") or "")
-                new = copy.deepcopy(request.data)
+                new = _copy(request.data)
             else:
                 wanted = str(request.data.get("metadata", {}).get("resourceVersion") or "") if isinstance(request.data, dict) else ""
                 try:
-                    new = copy.deepcopy(dict(dicts.patch_dict(current, request.data)))
+                    new = _copy(dict(dicts.patch_dict(current, request.data)))
                 except (jsonpatch.JsonPatchTestFailed, jsonpatch.JsonPatchConflict, jsonpatch.JsonPointerException) as exc:
                     raise k8s.KubernetesError(status=422, reason="Invalid", message=f"the patch cannot be applied: {exc}") from None
             uid = str(request.data.get("metadata", {}).get("uid") or "") if isinstance(request.data, dict) else ""
@@ -699,9 +758,10 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
 
     async def _collect(self) -> None:
         live: dict[tuple[Any, str | None, str], Obj] = {}
-        for key, obj in list(self._objects.items()):
-            if not obj.deleted:
-                live[key] = obj.raw
+        for key in list(self._objects.keys()):
+            current = self._current(key)
+            if current is not None:
+                live[key] = current
         by_uid = {raw.get("metadata", {}).get("uid"): key for key, raw in live.items()}
         dependents: dict[str, list[tuple[Any, Obj]]] = {}
         for key, raw in live.items():
@@ -717,7 +777,7 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         for key, raw in live.items():
             meta = raw.get("metadata", {})
             refs = meta.get("ownerReferences") or []
-            if not refs or meta.get("deletionTimestamp") or self._live(key) is None:
+            if not refs or meta.get("deletionTimestamp") or self._current(key) is None:
                 continue
             dangling = [r for r in refs if r.get("uid") not in by_uid]
             waiting_for = [r for r in refs if r.get("uid") in by_uid and waiting(r["uid"])]
@@ -740,7 +800,7 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
             if not meta.get("deletionTimestamp") or not (FOREGROUND in finalizers or ORPHAN in finalizers):
                 continue
             uid = meta.get("uid")
-            deps = [(k, r) for k, r in dependents.get(uid, []) if self._live(k) is not None]
+            deps = [(k, r) for k, r in dependents.get(uid, []) if self._current(k) is not None]
             if ORPHAN in finalizers:
                 for dep_key, _ in deps:
                     dep = self._live(dep_key)
@@ -777,7 +837,7 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
             uid = raw["metadata"]["uid"]
             seen.add(uid)
             first = self._orphaned_since.setdefault(uid, now)
-            if now - first >= self.podgc_delay and self._live(key) is not None:
+            if now - first >= self.podgc_delay and self._current(key) is not None:
                 with contextlib.suppress(k8s.KubernetesError):
                     await self._delete(key, grace=0)
         self._orphaned_since = {uid: t for uid, t in self._orphaned_since.items() if uid in seen}
@@ -798,20 +858,6 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
                 if not _selected(request, obj):
                     continue
             yield event
-
-    async def _serve_list(self, request: Any) -> Any:
-        result = await super()._serve_list(request)
-        result["metadata"] = {"resourceVersion": str(self._last_version)}
-        result["items"] = [copy.deepcopy(i) for i in result["items"] if _selected(request, i)]
-        info = self._info(request)
-        if info is not None and info.kind:
-            result["kind"] = f"{info.kind}List"
-            group, version = request.resource.group, request.resource.version
-            result["apiVersion"] = f"{group}/{version}" if group else version
-            for item in result["items"]:
-                item.setdefault("kind", info.kind)
-                item.setdefault("apiVersion", result["apiVersion"])
-        return result
 
 
 def write_kubeconfig(url: str, path: Path) -> Path:

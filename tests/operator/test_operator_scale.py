@@ -6,6 +6,7 @@ bench/operator_latency.py's to show. Pure where it can be (a Step with a recordi
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import urllib.request
@@ -320,3 +321,62 @@ def test_the_emulator_serves_from_a_process_of_its_own() -> None:
     finally:
         emulator.stop()
     assert emulator.proc is not None and emulator.proc.returncode == 0
+
+
+# ------------------------------------------------------------------- the first step, at creation
+class Stopped:
+    """kopf.DaemonStopped's surface the daemon uses: truthiness and wait()."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+
+    def __bool__(self) -> bool:
+        return self.event.is_set()
+
+    async def wait(self) -> None:
+        await self.event.wait()
+
+
+def first_step_flow(monkeypatch: pytest.MonkeyPatch, *, wake_before_daemon: bool) -> list[str]:
+    """finetune_seen(ADDED) starts a step; then the daemon starts (as kopf does after adding its
+    finalizer) and runs until stopped. Returns who ran steps."""
+    ran: list[str] = []
+    monkeypatch.setattr(handlers.Step, "run", lambda self: ran.append(threading.current_thread().name) or None)
+
+    async def flow() -> None:
+        memo = kopf.Memo(wakers={}, phases={}, executor=None, kube=None, http=None, settings=OperatorSettings.from_env())
+        await handlers.finetune_seen(type="ADDED", name="a", namespace="ns", status=kopf.Status({"status": {}}), memo=memo, logger=None)
+        assert "first_step" in memo and ("ns", "a") in memo["wakers"], "the step and the wake-up are registered at once"
+        await asyncio.wait([memo["first_step"]])
+        if wake_before_daemon:
+            handlers.wake(memo, "ns", "a")  # e.g. the job's ADDED event, before the daemon listens
+        stopped = Stopped()
+        daemon = asyncio.ensure_future(handlers.run_lifecycle(name="a", namespace="ns", memo=memo, stopped=stopped, logger=None))
+        await asyncio.sleep(0.3)
+        stopped.event.set()
+        await asyncio.wait_for(daemon, 5)
+        assert ("ns", "a") not in memo["wakers"]
+
+    asyncio.run(flow())
+    return ran
+
+
+def test_a_created_object_gets_its_first_step_from_the_event_and_the_daemon_does_not_repeat_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert len(first_step_flow(monkeypatch, wake_before_daemon=False)) == 1
+
+
+def test_a_wake_up_before_the_daemon_listens_is_not_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert len(first_step_flow(monkeypatch, wake_before_daemon=True)) == 2
+
+
+def test_an_object_listed_at_start_or_already_started_waits_for_its_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(handlers.Step, "run", lambda self: pytest.fail("no step outside the daemon"))
+
+    async def flow() -> None:
+        for type_, status in ((None, {}), ("ADDED", {"attempt": 1}), ("MODIFIED", {})):
+            memo = kopf.Memo(wakers={}, phases={}, executor=None, kube=None, http=None, settings=OperatorSettings.from_env())
+            await handlers.finetune_seen(type=type_, name="a", namespace="ns", status=kopf.Status({"status": status}), memo=memo, logger=None)
+            assert "first_step" not in memo
+
+    asyncio.run(flow())

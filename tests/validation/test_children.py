@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
+from llamaft import rendered
 from llamaft.api.resource import MAX_ATTEMPTS, MAX_NAME_LENGTH
 from llamaft.api.spec import LlamaFineTuneSpec, TrainingJobConfig
 from llamaft.api.validation import validate_resource, validate_spec
@@ -64,8 +65,37 @@ def test_check_children_is_cheap() -> None:
     check_children(spec, "llama2-70b-samsum", "default")  # loads the schemas once
     start = time.perf_counter()
     for _ in range(10):
+        rendered._checked.clear()  # the full check each time, not the per-template cache
         check_children(spec, "llama2-70b-samsum", "default")
     assert (time.perf_counter() - start) / 10 < 0.2
+
+
+def test_one_template_is_checked_once_and_names_are_checked_each_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LlamaFineTunes made from one template share the objects' check (the operator validates every
+    new object's children); each one's name is still checked, and a name that does not fit gets
+    the full check (nothing cached for it)."""
+    bad = validate_resource(with_(("spec.cluster.podTemplateOverrides", {"spec": {"hostNetwrok": True}})))
+    calls: list[str] = []
+    real = rendered._object_errors
+    monkeypatch.setattr(rendered, "_object_errors", lambda spec, name, *a: calls.append(name) or real(spec, name, *a))
+    rendered._checked.clear()
+    first = [str(e) for e in child_errors(bad, "run-a", "team-a", uid="uid-a")]
+    assert any("hostNetwrok: unknown field (in the PyTorchJob run-a-" in e for e in first), first
+    rendered._checked.clear()
+    assert [str(e) for e in child_errors(bad, "run-a", "team-a", uid="uid-a")] == first, "the same, cached or not"
+    calls.clear()
+    second = [str(e) for e in child_errors(bad, "run-b", "team-a", uid="uid-b")]
+    assert second == [e.replace("run-a", "run-b") for e in first], "the messages name this object's children"
+    assert calls == [], "the second object of the template reuses the first one's check"
+    assert [str(e) for e in child_errors(bad, "run-b", "team-b")] != [] and len(calls) == 1, "another namespace: another check"
+    assert child_errors(bad, "run-bb", "team-a") and len(calls) == 2, "another name length: another check"
+    too_long = "a" * 60
+    errors = [str(e) for e in child_errors(bad, too_long, "team-a")]
+    assert errors[0].startswith("metadata.name:") and any("hostNetwrok" in e for e in errors)
+    assert calls[-1] == too_long and len(rendered._checked) == 3, "a name that does not fit is checked in full, uncached"
+    assert rendered._stand_in(5) == "zq9q9" and len(rendered._stand_in(42)) == 42
+    good = validate_resource(with_())
+    assert child_errors(good, "run-a", "team-a") == [] and child_errors(good, "run-c", "team-a") == []
 
 
 # ------------------------------------------------------------------ the schemas catch broken children

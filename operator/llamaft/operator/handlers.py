@@ -748,25 +748,33 @@ def _condition_is(status: Mapping[str, Any], type_: str, value: str, generation:
 @kopf.daemon(*RESOURCE, cancellation_timeout=5.0)
 async def run_lifecycle(name: str | None, namespace: str | None, memo: kopf.Memo, stopped: kopf.DaemonStopped,
                         logger: Any, children_by_owner: Any = None, **_: Any) -> None:
-    """The object's lifecycle loop: one step now, then one per wake-up or requeue."""
+    """The object's lifecycle loop: one step now (or the one the creation event started, see
+    `finetune_seen`), then one per wake-up or requeue."""
     assert name is not None and namespace is not None
     loop = asyncio.get_running_loop()
-    woken = asyncio.Event()
-    memo["wakers"][(namespace, name)] = (loop, woken)
+    woken = _waker(memo, namespace, name)
     step = Step(memo, namespace, name, logger)
     step.children_index = children_by_owner
     executor = memo.get("executor")  # None: the loop's default executor
+    first: asyncio.Future[tuple[bool, float | None]] | None = memo.pop("first_step", None)
+    delay: float | None = None
+    looked = False
+    if first is not None:
+        # Wake-ups since the creation event are on `woken` (registered before that step ran).
+        looked, delay = await first
     try:
         while not stopped:
-            woken.clear()
-            try:
-                # As asyncio.to_thread, in the operator's own pool: the context goes along (kopf.event needs it).
-                delay = await loop.run_in_executor(executor, contextvars.copy_context().run, step.run)
-            except kopf.TemporaryError as exc:
-                delay = exc.delay or 5.0
-            except Exception as exc:  # an API hiccup must not end the object's lifecycle
-                logger.exception(f"lifecycle step failed: {exc}")
-                delay = 5.0
+            if not looked:
+                woken.clear()
+                try:
+                    # As asyncio.to_thread, in the operator's own pool: the context goes along (kopf.event needs it).
+                    delay = await loop.run_in_executor(executor, contextvars.copy_context().run, step.run)
+                except kopf.TemporaryError as exc:
+                    delay = exc.delay or 5.0
+                except Exception as exc:  # an API hiccup must not end the object's lifecycle
+                    logger.exception(f"lifecycle step failed: {exc}")
+                    delay = 5.0
+            looked = False
             waits = [asyncio.ensure_future(woken.wait()), asyncio.ensure_future(stopped.wait())]
             try:
                 await asyncio.wait(waits, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
@@ -776,6 +784,16 @@ async def run_lifecycle(name: str | None, namespace: str | None, memo: kopf.Memo
     finally:
         if memo["wakers"].get((namespace, name), (None, None))[1] is woken:
             del memo["wakers"][(namespace, name)]
+
+
+def _waker(memo: kopf.Memo, namespace: str, name: str) -> asyncio.Event:
+    """The object's wake-up event on this loop (registered once: by the first of the creation
+    event's step and the daemon)."""
+    loop = asyncio.get_running_loop()
+    entry = memo["wakers"].get((namespace, name))
+    if entry is None or entry[0] is not loop:
+        entry = memo["wakers"][(namespace, name)] = (loop, asyncio.Event())
+    return entry[1]  # type: ignore[no-any-return]
 
 
 # ----------------------------------------------------------------------- children -> owner
@@ -839,11 +857,35 @@ async def children_by_owner(resource: kopf.Resource, meta: kopf.Meta, **_: Any) 
 
 @kopf.on.event(*RESOURCE)
 async def finetune_seen(type: str | None, name: str | None, namespace: str | None, status: kopf.Status, memo: kopf.Memo,
-                        **_: Any) -> None:
+                        logger: Any, children_by_owner: Any = None, **_: Any) -> None:
     """The per-phase gauge, from the phases the API server holds (every object is listed at
-    startup, so the gauge is right after a restart too)."""
-    if name and namespace:
-        record_phase(memo, namespace, name, None if type == "DELETED" else str(status.get("phase") or Phase.PENDING.value))
+    startup, so the gauge is right after a restart too).
+
+    A LlamaFineTune just created gets its first lifecycle step from here, at once: kopf starts the
+    daemon only after a round trip to add its finalizer (a PATCH and the watch event it causes),
+    which under a burst of creates queues behind every other object's events. The step is the
+    daemon's own (same lock, same memo), idempotent, and the daemon waits for it before its first
+    look. Nothing is lost without the finalizer yet: every child is owned by the CR."""
+    if not (name and namespace):
+        return
+    record_phase(memo, namespace, name, None if type == "DELETED" else str(status.get("phase") or Phase.PENDING.value))
+    if type == "DELETED" and "first_step" in memo:  # gone before its daemon started
+        memo["wakers"].pop((namespace, name), None)
+    if type == "ADDED" and not status.get("attempt") and "first_step" not in memo:
+        _waker(memo, namespace, name).clear()  # wake-ups from here on reach the daemon
+        step = Step(memo, namespace, name, logger)
+        step.children_index = children_by_owner
+        memo["first_step"] = asyncio.get_running_loop().run_in_executor(
+            memo.get("executor"), contextvars.copy_context().run, _first_step, step, logger)
+
+
+def _first_step(step: Step, logger: Any) -> tuple[bool, float | None]:
+    """(whether the step ran, when to look again); a failure is logged and the daemon looks itself."""
+    try:
+        return True, step.run()
+    except Exception as exc:
+        logger.warning(f"first lifecycle step failed (the daemon looks again): {exc}")
+        return False, None
 
 
 # ------------------------------------------------------------------------------ spec changes
