@@ -2,7 +2,7 @@
 for N LlamaFineTunes created at once (default 1, 50 and 200; e.g. `... 1 50 200 1000`), the time
 from each create to its PyTorchJob existing (p50/p99) and the operator's resident memory.
 
-    .venv/bin/python bench/operator_latency.py [COUNT ...] [--probe] [--pyspy COUNT]
+    .venv/bin/python bench/operator_latency.py [COUNT ...] [--probe [--memory]] [--pyspy COUNT]
 
 Three processes: the emulator (tests/operator/emulator_server.py, timing its own requests), the
 operator (`kopf run`), and this one (the client that creates the CRs and watches the PyTorchJobs).
@@ -31,6 +31,7 @@ import argparse
 import collections
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -229,6 +230,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("counts", nargs="*", type=int, default=[1, 50, 200])
     parser.add_argument("--probe", action="store_true", help="per-step timings from inside the operator")
+    parser.add_argument("--memory", action="store_true", help="with --probe: the operator's live objects by type at "
+                        "idle and after each batch, and the change")
     parser.add_argument("--pyspy", type=int, action="append", default=[], help="py-spy the operator and the emulator "
                         "during this batch")
     parser.add_argument("--gc-delay", type=float, default=2.0, help="the emulator's garbage collector delay (s)")
@@ -265,6 +268,21 @@ def main() -> None:
         while "warm-up" not in watch.seen:
             time.sleep(0.1)
         settle(proc, emulator_proc)
+        memory = Path(f"{probe}.mem")
+
+        def dump_memory(when: str) -> None:
+            if not (args.probe and args.memory):
+                return
+            size = memory.stat().st_size if memory.exists() else 0
+            os.kill(proc.pid, signal.SIGUSR1)
+            deadline = time.monotonic() + 30
+            while (memory.stat().st_size if memory.exists() else 0) == size and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(0.5)
+            print(f"      live objects {when} (change, total, type):")
+            print("\n".join("        " + line for line in memory.read_text()[size:].strip().splitlines()[:16]))
+
+        dump_memory("at idle")
         try:
             for count in args.counts:
                 names = [f"lat{count}-{i}" for i in range(count)]
@@ -277,7 +295,7 @@ def main() -> None:
                     acked[name] = time.perf_counter()
 
                 emulator.stats(reset=True)
-                load_before, cpu_op, cpu_emu = load(), cpu(proc), cpu(emulator_proc)
+                load_before, cpu_op, cpu_emu, cpu_me = load(), cpu(proc), cpu(emulator_proc), cpu(psutil.Process())
                 began = time.perf_counter()
                 spies = []
                 if count in args.pyspy:
@@ -314,8 +332,10 @@ def main() -> None:
                 print(f"      emulator: {len(timings)} requests, own latency p50 {ms(statistics.median(timings))}, "
                       f"p99 {ms(pct(timings, 0.99))}, max {ms(max(timings))}; its loop's lag p50 {ms(statistics.median(lags))}, "
                       f"max {ms(max(lags))}; CPU s: operator {operator_cpu:.1f} ({ms(operator_cpu / count)} per CR), "
-                      f"emulator {cpu(emulator_proc) - cpu_emu:.1f}; load average {load_before} -> {load()}")
+                      f"emulator {cpu(emulator_proc) - cpu_emu:.1f}, this client {cpu(psutil.Process()) - cpu_me:.1f}; "
+                      f"load average {load_before} -> {load()}")
                 requests_report(stats["requests"], count)
+                dump_memory(f"after {count}")
                 if args.probe:
                     time.sleep(1.5)  # the probe flushes every second
                     probe_report(probe, set(names), count, began, acked, watch.seen)
