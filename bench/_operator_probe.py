@@ -108,6 +108,19 @@ def _install() -> None:
     for name in ("children", "pytorch_job"):
         setattr(desired, name, _timed(f"render.{name}", getattr(desired, name)))
     kopf.event = _timed("kopf.event", kopf.event)  # type: ignore[assignment]
+    from kopf._cogs.clients import watching
+
+    watch_objs = watching.watch_objs
+
+    async def watch_objs_stamped(**kwargs: Any) -> Any:
+        """When each LlamaFineTune's ADDED event came off the watch stream (before kopf's queues)."""
+        plural = kwargs["resource"].plural
+        async for raw in watch_objs(**kwargs):
+            if plural == "llamafinetunes" and raw.get("type") == "ADDED":
+                _emit({"received": raw["object"]["metadata"]["name"], "at": time.perf_counter()})
+            yield raw
+
+    watching.watch_objs = watch_objs_stamped  # type: ignore[assignment]
     threading.Thread(target=_flush_forever, daemon=True, name="probe-flush").start()
 
     @kopf.on.startup()

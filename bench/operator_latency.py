@@ -161,7 +161,8 @@ def settle(*procs: psutil.Process, quiet_s: float = 2.0, timeout: float = 300.0)
             return
 
 
-def critical_path(steps: list[dict[str, Any]], acked: dict[str, float], seen: dict[str, float]) -> None:
+def critical_path(steps: list[dict[str, Any]], acked: dict[str, float], seen: dict[str, float],
+                  received: dict[str, float]) -> None:
     """Where each CR's create->job time went, from its first lifecycle step (perf_counter is the
     machine's monotonic clock, the same in every process): kopf delivering the create to a handler,
     the step waiting for a thread, the step running until the job was created, the job reaching
@@ -174,7 +175,11 @@ def critical_path(steps: list[dict[str, Any]], acked: dict[str, float], seen: di
     for name, step in first.items():
         if name not in acked or name not in seen or not step.get("submitted"):
             continue
-        parts["create -> step submitted"].append(step["submitted"] - acked[name])
+        if name in received:
+            parts["create -> on kopf's watch stream"].append(received[name] - acked[name])
+            parts["stream -> step submitted"].append(step["submitted"] - received[name])
+        else:
+            parts["create -> step submitted"].append(step["submitted"] - acked[name])
         parts["waiting for a thread"].append(step["start"] - step["submitted"])
         parts["step until the job is seen"].append(seen[name] - step["start"])
     print("      critical path (first step of each CR): " + "; ".join(
@@ -184,10 +189,12 @@ def critical_path(steps: list[dict[str, Any]], acked: dict[str, float], seen: di
 def probe_report(path: Path, names: set[str], count: int, since: float,
                  acked: dict[str, float] | None = None, seen: dict[str, float] | None = None) -> None:
     """Per-step figures from bench/_operator_probe.py for the CRs of one batch."""
-    steps, lags = [], []
+    steps, lags, received = [], [], {}
     for line in path.read_text().splitlines() if path.exists() else []:
         record = json.loads(line)
-        if "lag" in record:
+        if "received" in record:
+            received[record["received"]] = record["at"]
+        elif "lag" in record:
             if record["at"] >= since:
                 lags.append(record["lag"])
         elif record["name"] in names:
@@ -206,7 +213,7 @@ def probe_report(path: Path, names: set[str], count: int, since: float,
         for what, seconds in step["calls"]:
             totals[what].append(seconds)
     if acked is not None and seen is not None:
-        critical_path(steps, acked, seen)
+        critical_path(steps, acked, seen, received)
     print("      per CR (calls, time in the step; nested parts overlap):")
     for what, values in sorted(totals.items(), key=lambda kv: -sum(kv[1])):
         print(f"        {what:<28} {len(values) / count:5.1f} calls {ms(sum(values) / count):>9}/CR, "
@@ -309,13 +316,19 @@ def main() -> None:
                     threads = [threading.Thread(target=create, args=(n,)) for n in names]
                     for t in threads:
                         t.start()
-                    deadline = time.perf_counter() + 600
+                    deadline = time.perf_counter() + 60 + count * 0.1  # a job not there by then is lost
                     while any(n not in watch.seen for n in names) and time.perf_counter() < deadline:
                         time.sleep(0.05)
                     for t in threads:
                         t.join()
                     done = [n for n in names if n in watch.seen and n in acked]
                     settle(proc, emulator_proc)
+                missing = sorted(set(names) - set(done))
+                if missing:
+                    out_dir.mkdir(exist_ok=True)
+                    kept = out_dir / "operator.log"
+                    kept.write_bytes(operator.log_path.read_bytes())
+                    print(f"      NO PyTorchJob for {len(missing)}: {', '.join(missing[:10])}; the operator's log: {kept}")
                 for spy in spies:
                     spy.send_signal(2)
                     spy.wait(30)

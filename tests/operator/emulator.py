@@ -844,20 +844,55 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
 
     # ------------------------------------------------------------------------------- reading
     async def _serve_watch(self, request: Any) -> Any:
-        """As the API server: a watch from resourceVersion N does not replay objects at or below N
-        (kmock replays everything, which hands kopf stale duplicates of what it just listed); label
-        and field selectors apply to the stream."""
+        """As the API server: the objects that exist (for a watch from resourceVersion N, those
+        written after N; kmock replays everything, which hands kopf stale duplicates of what it
+        just listed), then every change, with nothing lost in between: the stream's place on the
+        event bus is taken before the objects are listed, under the store's lock (kmock listed
+        first and joined the bus after sending the list: a watch restarted during a burst of
+        creates missed the objects created meanwhile, and kopf never saw them). Label and field
+        selectors apply; with allowWatchBookmarks, a BOOKMARK every `bookmark_period` seconds of
+        quiet, as the API server sends them (kopf reconnects a stream silent for 70 s)."""
+        yield b""  # the headers: the stream has started
+        resource = request.resource
         since = int(request.params.get("resourceVersion") or 0) if str(request.params.get("resourceVersion", "")).isdigit() else 0
-        async for event in super()._serve_watch(request):
-            if isinstance(event, dict):
-                obj = event.get("object", {})
-                if event.get("type") == "ADDED" and since:
-                    version = obj.get("metadata", {}).get("resourceVersion", "0")
-                    if str(version).isdigit() and int(version) <= since:
-                        continue
-                if not _selected(request, obj):
+        bus = self._buses[resource]
+
+        def wanted(obj: Obj) -> bool:
+            meta = obj.get("metadata", {})
+            return ((request.namespace is None or meta.get("namespace") == request.namespace)
+                    and (request.name is None or meta.get("name") == request.name) and _selected(request, obj))
+
+        async with self._lock:
+            marker = await bus.mark()
+            existing = [obj for obj in self._mirrored().get(_rkey(resource), {}).values()
+                        if wanted(obj) and not (since and int(obj["metadata"].get("resourceVersion", 0)) <= since)]
+        events: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def pump() -> None:
+            async for event in bus.stream(since=marker):
+                await events.put(event)
+
+        pumping = asyncio.create_task(pump())
+        info = self._info_for(resource)
+        group, version = resource.group, resource.version
+        bookmark = {"kind": info.kind if info is not None else "", "apiVersion": f"{group}/{version}" if group else version}
+        bookmarks = request.params.get("allowWatchBookmarks") in ("true", "1")
+        try:
+            for obj in existing:
+                yield {"type": "ADDED", "object": obj}
+            while True:
+                try:
+                    event = await (asyncio.wait_for(events.get(), self.bookmark_period) if bookmarks else events.get())
+                except TimeoutError:
+                    yield {"type": "BOOKMARK", "object": {**bookmark, "metadata": {"resourceVersion": str(self._last_version)}}}
                     continue
-            yield event
+                if wanted(event.get("object", {})):
+                    yield event
+        finally:
+            pumping.cancel()  # the bus forgets the position once nothing holds its marker (weak keys)
+
+    bookmark_period = 30.0
+    """Seconds of quiet on a watch with allowWatchBookmarks before a BOOKMARK (the API server: ~60)."""
 
 
 def write_kubeconfig(url: str, path: Path) -> Path:

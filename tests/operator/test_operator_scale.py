@@ -345,7 +345,8 @@ def first_step_flow(monkeypatch: pytest.MonkeyPatch, *, wake_before_daemon: bool
 
     async def flow() -> None:
         memo = kopf.Memo(wakers={}, phases={}, executor=None, kube=None, http=None, settings=OperatorSettings.from_env())
-        await handlers.finetune_seen(type="ADDED", name="a", namespace="ns", status=kopf.Status({"status": {}}), memo=memo, logger=None)
+        await handlers.finetune_seen(type="ADDED", name="a", namespace="ns", status=kopf.Status({"status": {}}), memo=memo, logger=None,
+                                     body=kopf.Body({"metadata": {"name": "a", "namespace": "ns"}}))
         assert "first_step" in memo and ("ns", "a") in memo["wakers"], "the step and the wake-up are registered at once"
         await asyncio.wait([memo["first_step"]])
         if wake_before_daemon:
@@ -376,7 +377,65 @@ def test_an_object_listed_at_start_or_already_started_waits_for_its_daemon(monke
     async def flow() -> None:
         for type_, status in ((None, {}), ("ADDED", {"attempt": 1}), ("MODIFIED", {})):
             memo = kopf.Memo(wakers={}, phases={}, executor=None, kube=None, http=None, settings=OperatorSettings.from_env())
-            await handlers.finetune_seen(type=type_, name="a", namespace="ns", status=kopf.Status({"status": status}), memo=memo, logger=None)
+            await handlers.finetune_seen(type=type_, name="a", namespace="ns", status=kopf.Status({"status": status}), memo=memo,
+                                         logger=None, body=kopf.Body({"metadata": {"name": "a"}, "status": status}))
             assert "first_step" not in memo
 
     asyncio.run(flow())
+
+
+def test_the_first_step_reads_nothing_it_was_given_and_its_own_job_does_not_wake_it() -> None:
+    """A first step given the creation event's object makes no read of it; the job it creates is
+    remembered, so the job's creation event (the echo of that write) wakes nobody, while any later
+    event of the job, or a job created by someone else, does."""
+    from kubernetes import client
+    from llamaft.operator.kube import Kube
+
+    emulator = EmulatorThread(record=True).start()
+    try:
+        config = client.Configuration()
+        config.host = emulator.url
+        api = client.ApiClient(config)
+        custom = client.CustomObjectsApi(api)
+        created = custom.create_namespaced_custom_object("llamaft.io", "v1alpha1", "default", "llamafinetunes", {
+            "apiVersion": "llamaft.io/v1alpha1", "kind": "LlamaFineTune", "metadata": {"name": "x"}, "spec": tiny_spec()})
+        memo = kopf.Memo(kube=Kube(api), settings=OperatorSettings(), wakers={}, phases={}, applied={}, drifted=set(),
+                         created_jobs={}, http=None)
+        step = handlers.Step(memo, "default", "x", logger=None)
+        step.event = lambda *_: None  # type: ignore[method-assign]
+        step.children_index = {}
+        step.created = created
+
+        def finetune_reads() -> int:
+            return sum(1 for r in emulator.requests() if r.method == "GET" and r.path.endswith("/llamafinetunes/x"))
+
+        step.run()
+        assert finetune_reads() == 0
+        [(namespace, job_name)] = memo["created_jobs"]
+        job = custom.get_namespaced_custom_object("kubeflow.org", "v1", "default", "pytorchjobs", job_name)
+        assert memo["created_jobs"] == {("default", job_name): job["metadata"]["resourceVersion"]}
+        step.run()
+        assert finetune_reads() == 1, "later steps read the object afresh"
+    finally:
+        emulator.stop()
+
+    woken: list[tuple[str, str]] = []
+
+    async def events() -> None:
+        original = handlers.wake
+        handlers.wake = lambda memo, ns, name: woken.append((ns, name))  # type: ignore[assignment]
+        try:
+            meta = {"name": job["metadata"]["name"], "namespace": "default", "labels": job["metadata"]["labels"],
+                    "resourceVersion": job["metadata"]["resourceVersion"]}
+            echo = dict(memo, created_jobs=dict(memo["created_jobs"]))
+            await handlers.child_changed(type="ADDED", body=kopf.Body({**job}), meta=kopf.Meta({"metadata": meta}), memo=echo)
+            assert woken == [] and echo["created_jobs"] == {}, "the echo of llamaft's own create"
+            await handlers.child_changed(type="MODIFIED", body=kopf.Body({**job}), meta=kopf.Meta({"metadata": meta}), memo=echo)
+            assert woken == [("default", "x")], "the training operator's first status update"
+            other = dict(memo, created_jobs={})
+            await handlers.child_changed(type="ADDED", body=kopf.Body({**job}), meta=kopf.Meta({"metadata": meta}), memo=other)
+            assert len(woken) == 2, "a job llamaft did not just create (another replica's, a restart's)"
+        finally:
+            handlers.wake = original  # type: ignore[assignment]
+
+    asyncio.run(events())

@@ -27,6 +27,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextvars
+import copy
 import hashlib
 import json
 import logging
@@ -161,6 +162,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -
         FINETUNES.labels(phase.value).set(0)
     memo["applied"] = {}  # (namespace, name) -> {(kind, child name): resourceVersion llamaft applied}
     memo["drifted"] = set()  # (namespace, name) whose children were edited or deleted by someone else
+    memo["created_jobs"] = {}  # (namespace, job name) -> resourceVersion of the job as llamaft created it
     # Lifecycle steps block on API round trips: a pool of their own, sized by the settings (the
     # loop's default executor has min(32, cores + 4) threads: 6 on 2 cores, which queued bursts).
     memo["executor"] = concurrent.futures.ThreadPoolExecutor(operator_settings.workers, thread_name_prefix="lifecycle")
@@ -297,6 +299,8 @@ class Step:
         self.job_kind = "PyTorchJob"
         self.children_index: Mapping[tuple[str, str], Any] | None = None
         """kopf's index of the labelled children (`children_by_owner`); None: list them."""
+        self.created: Obj | None = None
+        """The object as its creation event showed it, for the first step (instead of a read)."""
 
     def event(self, obj: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
         kopf.event(cast(kopf.Body, dict(obj)), type=type_, reason=reason, message=message)
@@ -304,7 +308,9 @@ class Step:
     def run(self) -> float | None:
         """Returns when to look again (None: only on an event)."""
         with measured("lifecycle"), object_lock(self.memo):
-            obj = self.kube.get_finetune(self.namespace, self.name)
+            # A fresh read (a step never decides on a status older than its last write), but for
+            # the first step of an object just created: its creation event is as fresh.
+            obj, self.created = self.created or self.kube.get_finetune(self.namespace, self.name), None
             if obj is None or obj.get("metadata", {}).get("deletionTimestamp"):
                 return None
             return self._run(obj)
@@ -567,7 +573,10 @@ class Step:
         rendered = (trainjob.train_job(owner, spec, attempt, excluded) if self.job_kind == trainjob.KIND
                     else desired.pytorch_job(owner, spec, attempt, excluded))
         job = adopted(rendered, obj)
-        if k.create_job(ns, job):
+        created = k.create_job(ns, job)
+        if created is not None:
+            # The job's creation event is this write's echo: it need not wake this lifecycle.
+            self.memo["created_jobs"][(ns, job_name)] = str(created["metadata"].get("resourceVersion"))
             self.event(obj, "Normal", "JobCreated", f"created {self.job_kind} {job_name} (attempt {attempt}, "
                        f"rendezvous {owner.rendezvous_id(attempt)})" + (f", avoiding {', '.join(excluded)}" if excluded else ""))
         self._condition(obj, patch, "RendezvousReady", True, "RendezvousReady",
@@ -800,13 +809,20 @@ def _waker(memo: kopf.Memo, namespace: str, name: str) -> asyncio.Event:
 @kopf.on.event("kubeflow.org", "v1", "pytorchjobs", labels={LABEL_FINETUNE: kopf.PRESENT})
 @kopf.on.event("trainer.kubeflow.org", "v1alpha1", "trainjobs", labels={LABEL_FINETUNE: kopf.PRESENT})
 @kopf.on.event("", "v1", "pods", labels={LABEL_FINETUNE: kopf.PRESENT, "app.kubernetes.io/component": "trainer"})
-async def child_changed(meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
-    """A PyTorchJob or trainer pod changed: its owner's lifecycle looks now, not at the next sync.
-    (This and the other event handlers are async: they only look at dicts, so they run on the
-    loop instead of taking a trip through kopf's thread pool for every watch event.)"""
-    owner = (meta.get("labels") or {}).get(LABEL_FINETUNE)
-    if owner and meta.get("namespace"):
-        wake(memo, str(meta["namespace"]), str(owner))
+async def child_changed(type: str | None, body: kopf.Body, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+    """A job or trainer pod changed: its owner's lifecycle looks now, not at the next sync. Not
+    for the creation event of a job the lifecycle itself just created (what it wrote is what it
+    knows; the training operator's first status update wakes it). (This and the other event
+    handlers are async: they only look at dicts, so they run on the loop instead of taking a trip
+    through kopf's thread pool for every watch event.)"""
+    owner, namespace = (meta.get("labels") or {}).get(LABEL_FINETUNE), meta.get("namespace")
+    if not owner or not namespace:
+        return
+    if body.get("kind") in JOBS:
+        ours = memo["created_jobs"].pop((namespace, meta.get("name")), None)
+        if type == "ADDED" and ours is not None and ours == str(meta.get("resourceVersion")):
+            return
+    wake(memo, str(namespace), str(owner))
 
 
 CHILD_LABELS = {LABEL_FINETUNE: kopf.PRESENT}
@@ -857,7 +873,7 @@ async def children_by_owner(resource: kopf.Resource, meta: kopf.Meta, **_: Any) 
 
 @kopf.on.event(*RESOURCE)
 async def finetune_seen(type: str | None, name: str | None, namespace: str | None, status: kopf.Status, memo: kopf.Memo,
-                        logger: Any, children_by_owner: Any = None, **_: Any) -> None:
+                        logger: Any, body: kopf.Body, children_by_owner: Any = None, **_: Any) -> None:
     """The per-phase gauge, from the phases the API server holds (every object is listed at
     startup, so the gauge is right after a restart too).
 
@@ -875,6 +891,7 @@ async def finetune_seen(type: str | None, name: str | None, namespace: str | Non
         _waker(memo, namespace, name).clear()  # wake-ups from here on reach the daemon
         step = Step(memo, namespace, name, logger)
         step.children_index = children_by_owner
+        step.created = copy.deepcopy(dict(body))
         memo["first_step"] = asyncio.get_running_loop().run_in_executor(
             memo.get("executor"), contextvars.copy_context().run, _first_step, step, logger)
 

@@ -127,15 +127,14 @@ class Kube:
                 return False
             raise
 
-    def create_job(self, namespace: str, job: Obj) -> bool:
-        """True when created, False when it already existed."""
+    def create_job(self, namespace: str, job: Obj) -> Obj | None:
+        """The job as created, or None when it already existed."""
         kind = job["kind"]
         try:
-            self.custom.create_namespaced_custom_object(*JOBS[kind][:2], namespace, JOBS[kind][2], job)
-            return True
+            return cast(Obj, self.custom.create_namespaced_custom_object(*JOBS[kind][:2], namespace, JOBS[kind][2], job))
         except ApiException as exc:
             if exc.status == 409:
-                return False
+                return None
             raise
 
     def patch_job(self, namespace: str, name: str, patch: Obj, kind: str = "PyTorchJob") -> None:
