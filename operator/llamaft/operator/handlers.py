@@ -872,7 +872,7 @@ async def children_by_owner(resource: kopf.Resource, meta: kopf.Meta, **_: Any) 
 
 
 @kopf.on.event(*RESOURCE)
-async def finetune_seen(type: str | None, name: str | None, namespace: str | None, status: kopf.Status, memo: kopf.Memo,
+async def finetune_seen(type: str | None, name: str | None, namespace: str | None, memo: kopf.Memo,
                         logger: Any, body: kopf.Body, children_by_owner: Any = None, **_: Any) -> None:
     """The per-phase gauge, from the phases the API server holds (every object is listed at
     startup, so the gauge is right after a restart too).
@@ -884,10 +884,13 @@ async def finetune_seen(type: str | None, name: str | None, namespace: str | Non
     look. Nothing is lost without the finalizer yet: every child is owned by the CR."""
     if not (name and namespace):
         return
-    record_phase(memo, namespace, name, None if type == "DELETED" else str(status.get("phase") or Phase.PENDING.value))
+    # The plain dict under kopf's view: each lookup through the view re-resolves its path (a
+    # measurable share of the loop's time under a burst, for one field).
+    raw_status = body.get("status") or {}
+    record_phase(memo, namespace, name, None if type == "DELETED" else str(raw_status.get("phase") or Phase.PENDING.value))
     if type == "DELETED" and "first_step" in memo:  # gone before its daemon started
         memo["wakers"].pop((namespace, name), None)
-    if type == "ADDED" and not status.get("attempt") and "first_step" not in memo:
+    if type == "ADDED" and not raw_status.get("attempt") and "first_step" not in memo:
         _waker(memo, namespace, name).clear()  # wake-ups from here on reach the daemon
         step = Step(memo, namespace, name, logger)
         step.children_index = children_by_owner
