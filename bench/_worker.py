@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from llamaft.api.spec import TrainingJobConfig
 from llamaft_trainer.runtime import build_mesh, init_runtime
+from llamaft_trainer.shutdown import exit_process
 
 
 def peak_rss_mb() -> float:
@@ -53,5 +54,10 @@ if __name__ == "__main__":
     gathered: list[object] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     if dist.get_rank() == 0:
-        json.dump(gathered, open(out_path, "w"))
+        with open(out_path, "w") as out:
+            json.dump(gathered, out)
+    dist.barrier()
     dist.destroy_process_group()
+    # Never interpreter finalization: a gloo worker thread that drops a tensor then aborts the
+    # process (SIGABRT, "terminate called without an active exception"; llamaft_trainer/shutdown.py).
+    exit_process(0)
