@@ -133,10 +133,11 @@ def overlap_on_cpu(model: nn.Module, units: Sequence[nn.Module]) -> None:
     all-gather stream runs one unit ahead); reshard_after_forward is unchanged.
     (torch docs, fully_shard: `set_modules_to_forward_prefetch`, `unshard(async_op=True)`; FSDP2's
     own switch for async pre-forward/pre-backward all-gathers is `FSDPModule._set_unshard_async_op`,
-    private, as is the base class of a custom reduce-scatter: issuing the next unit's
+    the one private torch call here: issuing the next unit's
     `unshard(async_op=True)` from a public forward pre-hook instead leaves backward's prefetch
-    blocking and measured slower than FSDP2's defaults on CPU (bench/cpu_scaling.py --compare:
-    weak-scaling efficiency 0.68 vs 0.73). CPU only: CUDA keeps FSDP2's defaults.)
+    blocking and gains nothing over FSDP2's defaults (bench/cpu_scaling.py --compare, 3 runs each:
+    weak-scaling efficiency 0.66-0.75 vs the defaults' 0.71-0.75; with the switch 0.77-1.04 vs
+    0.70-0.91). CPU only: CUDA keeps FSDP2's defaults.)
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -148,48 +149,39 @@ def overlap_on_cpu(model: nn.Module, units: Sequence[nn.Module]) -> None:
         set_async(True)  # recurses into every FSDP unit
         for current, following in zip(chain, chain[1:], strict=False):
             current.set_modules_to_forward_prefetch([following])
-    reduce_scatter = gloo_reduce_scatter()
-    if reduce_scatter is not None:
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_custom_reduce_scatter(reduce_scatter)
+    reduce_scatter = AllToAllReduceScatter()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_reduce_scatter(reduce_scatter)  # type: ignore[arg-type]
 
 
-def gloo_reduce_scatter() -> Any:
-    """A ReduceScatter for FSDP2 that does gloo's reduce-scatter as all-to-all + a local sum.
+class AllToAllReduceScatter:
+    """A reduce-scatter for FSDP2 that does gloo's reduce-scatter as all-to-all + a local sum.
+    `FSDPModule.set_custom_reduce_scatter` (public) takes any object with this `allocate` and
+    `__call__` (the interface its docs name; its base class lives in a private module).
 
     Gloo implements reduce_scatter_tensor as an all-reduce of the whole input and a copy of this
     rank's chunk (ProcessGroupGloo::reduce_scatter_tensor_coalesced), so it moves about twice the
     bytes a reduce-scatter needs; all_to_all_single sends each rank only its chunk ((n-1)/n of the
     input, like a ring reduce-scatter), and the sum runs here. On 2 ranks the sum a+b is the same
     float as gloo's, so gradients are bitwise identical; on more ranks only the order of the
-    additions differs. Ops other than SUM/AVG, async calls and non-gloo groups use the default.
-    None when this torch has no custom-collective API."""
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-    except ImportError:
+    additions differs. Ops other than SUM/AVG, async calls and non-gloo groups use the default."""
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
+    ) -> Any:
+        world = dist.get_world_size(group)
+        if async_op or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or dist.get_backend(group) != "gloo":
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        received = torch.empty_like(input_tensor)
+        dist.all_to_all_single(received, input_tensor, group=group)
+        torch.sum(received.view(world, -1), dim=0, out=output_tensor)
+        if op == dist.ReduceOp.AVG:
+            output_tensor.div_(world)
         return None
-
-    class AllToAllReduceScatter(ReduceScatter):  # type: ignore[misc, valid-type]
-        def allocate(
-            self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-        ) -> torch.Tensor:
-            return torch.empty(*size, dtype=dtype, device=device)
-
-        def __call__(
-            self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
-        ) -> Any:
-            world = dist.get_world_size(group)
-            if async_op or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or dist.get_backend(group) != "gloo":
-                return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-            received = torch.empty_like(input_tensor)
-            dist.all_to_all_single(received, input_tensor, group=group)
-            torch.sum(received.view(world, -1), dim=0, out=output_tensor)
-            if op == dist.ReduceOp.AVG:
-                output_tensor.div_(world)
-            return None
-
-    return AllToAllReduceScatter()
 
 
 def apply_fsdp1(model: nn.Module, fsdp: FsdpSpec, mesh: DeviceMesh, device: torch.device) -> nn.Module:
