@@ -2,7 +2,8 @@
 
     torchrun --nproc_per_node N tests/trainer/harness.py CASES.json OUT.json
 
-CASES.json: [{"name": ..., "config": <TrainingJobConfig camelCase>, "steps": int}]. For each case
+CASES.json: [{"name": ..., "config": <TrainingJobConfig camelCase>, "steps": int, "env": {optional:
+environment variables set for this case only, e.g. LLAMAFT_FSDP_CPU_OVERLAP}}]. For each case
 every rank runs `steps` optimizer steps with the real trainer modules; rank 0 writes per-case losses
 and, from every rank, a checksum of the full (unsharded) parameters.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 
 import torch
@@ -37,7 +39,16 @@ def main(cases_path: str, out_path: str) -> None:
     results = {}
     for case in cases:
         cfg = TrainingJobConfig.model_validate(case["config"])
-        session, result = run(cfg, rt, stop_after=case.get("steps"))
+        saved = {key: os.environ.get(key) for key in case.get("env", {})}
+        os.environ.update(case.get("env", {}))
+        try:
+            session, result = run(cfg, rt, stop_after=case.get("steps"))
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
         # Each rank's copy of the full parameters: a replicated strategy must agree across ranks.
         own = checksum(session.model)  # collective: every rank gathers
         local = {}

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from llamaft_trainer.parallelize import CPU_OVERLAP_ENV
 
 from tests.trainer.conftest import base_config, run_harness
 
@@ -30,8 +31,13 @@ VARIANTS = [
 ]
 
 
-def _case(name: str, model: Path, tmp: Path, steps: int = STEPS, **overrides: Any) -> dict[str, Any]:
-    return {"name": name, "steps": steps, "config": base_config(model, tmp / name, **overrides)}
+def _case(name: str, model: Path, tmp: Path, steps: int = STEPS, env: dict[str, str] | None = None,
+          **overrides: Any) -> dict[str, Any]:
+    return {"name": name, "steps": steps, "config": base_config(model, tmp / name, **overrides), "env": env or {}}
+
+
+OVERLAP_CASES = ["FULL_SHARD-fp32-none", "FULL_SHARD-fp32-full", "SHARD_GRAD_OP-fp32-none"]
+"""Run again with FSDP2's CPU defaults (parallelize.overlap_on_cpu off): same training bit for bit."""
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +74,11 @@ def results(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
         _case("cpu-offload", tiny_model, tmp, fsdp={"cpuOffload": True}),
         _case("size-wrap", tiny_model, tmp, fsdp={"wrapPolicy": {"type": "sizeBased", "minNumParams": 1}}),
     ]
+    by_name = {case["name"]: case for case in cases}
+    for name in OVERLAP_CASES:
+        config = {**by_name[name]["config"], "checkpointing": {**by_name[name]["config"]["checkpointing"],
+                                                               "directory": str(tmp / f"defaults-{name}")}}
+        cases.append({**by_name[name], "name": f"defaults-{name}", "config": config, "env": {CPU_OVERLAP_ENV: "0"}})
     out = run_harness(tmp, 1, reference)
     out.update(run_harness(tmp, 2, cases))
     return out
@@ -96,6 +107,14 @@ def test_variants_match_reference(results: dict[str, Any], name: str) -> None:
 def test_replicas_keep_identical_parameters(results: dict[str, Any], name: str) -> None:
     per_rank = results[name]["param_sums"]
     assert len(per_rank) == 2 and per_rank[0] == per_rank[1]
+
+
+@pytest.mark.parametrize("name", OVERLAP_CASES)
+def test_cpu_overlap_trains_bit_identically_to_fsdp2_defaults(results: dict[str, Any], name: str) -> None:
+    """The all-gathers issued one unit ahead and the all-to-all reduce-scatter change when bytes
+    move, not what is computed: on 2 ranks, the same losses and parameters bit for bit."""
+    assert results[name]["losses"] == results[f"defaults-{name}"]["losses"]
+    assert results[name]["checksum"] == results[f"defaults-{name}"]["checksum"]
 
 
 def test_hybrid_shard_2x2_on_four_ranks(tiny_model: Path, results: dict[str, Any], tmp_path: Path) -> None:
