@@ -82,8 +82,9 @@ PEFT_PREFIX = "base_model.model."
 BASE_PREFIX = "model."
 """`base_model_prefix` of LlamaForCausalLM: a checkpoint of the bare LlamaModel lacks it."""
 WRAPPERS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
-"""Name segments FSDP1, activation checkpointing and torch.compile add to parameter names; the
-same ones torch.distributed.checkpoint.state_dict._get_fqns drops."""
+"""Name segments FSDP1, torch's checkpoint wrapper and torch.compile add to parameter names; the
+same ones torch.distributed.checkpoint.state_dict._get_fqns drops. (llamaft's own activation
+checkpointing adds none: parallelize.apply_activation_checkpointing.)"""
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 """Old Llama checkpoints saved RoPE buffers; the model recomputes them (from_pretrained ignores them too)."""
 SAFETENSORS_DTYPES = {
