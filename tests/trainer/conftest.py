@@ -36,17 +36,15 @@ def torchrun_cmd(nproc: int, *args: str, port: int | None = None) -> list[str]:
     ]
 
 
-def run_harness(tmp: Path, nproc: int, cases: list[dict[str, Any]], label: str = "", **env: str) -> dict[str, Any]:
-    """`env`: extra environment of the launch; `label` tells its files apart from another launch's."""
-    stem = f"{nproc}{label}"
-    cases_file, out_file = tmp / f"cases-{stem}.json", tmp / f"out-{stem}.json"
+def run_harness(tmp: Path, nproc: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
+    cases_file, out_file = tmp / f"cases-{nproc}.json", tmp / f"out-{nproc}.json"
     cases_file.write_text(json.dumps(cases))
     proc = subprocess.run(
         torchrun_cmd(nproc, str(HARNESS), str(cases_file), str(out_file)),
-        env=trainer_env(**env), capture_output=True, text=True, timeout=900, cwd=REPO,
+        env=trainer_env(), capture_output=True, text=True, timeout=900, cwd=REPO,
     )
-    (tmp / f"log-{stem}.txt").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, f"torchrun failed, full log: {tmp}/log-{stem}.txt\n" + proc.stderr[-3000:]
+    (tmp / f"log-{nproc}.txt").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, f"torchrun failed, full log: {tmp}/log-{nproc}.txt\n" + proc.stderr[-3000:]
     return dict(json.loads(out_file.read_text()))
 
 
