@@ -165,7 +165,7 @@ def dashboard_config_map(owner: Owner, sidecar_labels: dict[str, str] | None = N
             "namespace": owner.namespace,
             "labels": {**owner.labels("monitoring"), **(sidecar_labels or DEFAULT_DASHBOARD_LABELS)},
         },
-        # Compact: json.dumps with indent runs the pure-Python encoder, ~10x the C one's time, and
+        # Compact: json.dumps with indent runs the pure-Python encoder (0.28 vs 0.06 ms here), and
         # this is rendered on every apply of every fine-tune (Grafana does not care).
         "data": {f"llamaft-{owner.name}.json": json.dumps(dashboard(owner), sort_keys=True, separators=(",", ":"))},
     }
