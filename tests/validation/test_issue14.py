@@ -37,7 +37,7 @@ LABEL_VALUE = "must be a label value: at most 63 letters, digits, '-', '_' or '.
 PVC = ("pvc:// sources look like pvc://<claim>/<path>, with <claim> the name of a PersistentVolumeClaim in this namespace "
        "(lowercase letters, digits, '-' and '.'), e.g. pvc://models/llama-2-7b")
 COLLIDES = ("directory collides with a path the worker pod already mounts or needs (/dev/shm, the config at /etc/llamaft, "
-            "pvc:// inputs under /mnt/pvc, /proc, /sys) or a parent of one: mount the claim elsewhere, e.g. /checkpoints/my-run")
+            "pvc:// inputs under /mnt/pvc, /proc, /sys, the download cache at /var/cache/llamaft) or a parent of one: mount the claim elsewhere, e.g. /checkpoints/my-run")
 SNAKE = "(field names are camelCase) known fields: "
 CLUSTER_FIELDS = ("efaDevicesPerWorker, elastic, env, gpuMemory, gpuModel, gpusPerWorker, image, imagePullPolicy, "
                   "instanceType, nodeSelector, podTemplateOverrides, priorityClassName, resources, sharedMemorySize, "
@@ -70,11 +70,11 @@ ADMISSION: list[tuple[str, dict[str, Any], list[str]]] = [
      [f"spec.fsdp.cpu_offload: unknown field; did you mean 'cpuOffload'? {SNAKE}activationCheckpointing, compile, "
       "cpuOffload, hybridShard, implementation, mixedPrecision, shardingStrategy, wrapPolicy"]),
     ("run_policy", with_(("spec.run_policy", {"suspend": True})),
-     [f"spec.run_policy: unknown field; did you mean 'runPolicy'? {SNAKE}backend, checkpointing, cluster, dataset, fsdp, model, "
+     [f"spec.run_policy: unknown field; did you mean 'runPolicy'? {SNAKE}backend, cache, checkpointing, cluster, dataset, fsdp, model, "
       "monitoring, preflight, rendezvous, runPolicy, scheduling, trainJob, training"]),
     ("dataset.validation_split", with_(("spec.dataset.validation_split", 0.1)),
-     [f"spec.dataset.validation_split: unknown field; did you mean 'validationSplit'? {SNAKE}fieldMapping, format, "
-      "maxSeqLength, packing, promptTemplate, source, split, validationSplit"]),
+     [f"spec.dataset.validation_split: unknown field; did you mean 'validationSplit'? {SNAKE}chatTemplate, fieldMapping, format, "
+      "maxSeqLength, packing, promptTemplate, revision, source, split, streaming, trainOn, validationSplit"]),
     # checkpoint directory on a claim
     ("checkpoints at /dev/shm", with_(("spec.checkpointing", {"directory": "/dev/shm", "volumeClaim": "ckpt"})),
      [f"spec.checkpointing.directory: {COLLIDES}"]),
@@ -207,14 +207,14 @@ RENDERED: list[tuple[str, dict[str, Any], list[str]]] = [
         "spec.cluster.podTemplateOverrides", {"spec": {"containers": [{"name": "pytorch", "env": [
             {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}, "configMap": {}}}]}]}})),
      [f"spec.cluster.podTemplateOverrides.spec.containers[0].env[0].valueFrom.configMap: unknown field ({TEMPLATE}.spec."
-      f"containers[0].env[8].valueFrom.configMap): {OVERRIDE_FIX}"]),
+      f"containers[0].env[11].valueFrom.configMap): {OVERRIDE_FIX}"]),
     ("podTemplateOverrides with a toleration the API server refuses", with_(("spec.cluster.podTemplateOverrides", {
         "spec": {"tolerations": [{"key": "gpu", "operator": "Exists", "value": "x"}]}})),
      [f"spec.cluster.podTemplateOverrides.spec.tolerations[0].value: must be empty when operator is Exists ({TEMPLATE}."
       f"spec.tolerations[0].value): {OVERRIDE_FIX}"]),
     ("podTemplateOverrides with a volume without name", with_(("spec.cluster.podTemplateOverrides", {
         "spec": {"volumes": [{"emptyDir": {}}]}})),
-     [f"spec.cluster.podTemplateOverrides.spec.volumes[0]: 'name' is a required property ({TEMPLATE}.spec.volumes[2]): "
+     [f"spec.cluster.podTemplateOverrides.spec.volumes[0]: 'name' is a required property ({TEMPLATE}.spec.volumes[3]): "
       f"{OVERRIDE_FIX}"]),
     ("podTemplateOverrides nested 500 levels", with_(("spec.cluster.podTemplateOverrides", {"x": _deep(500)})),
      ["spec.cluster.podTemplateOverrides.x.a.a.a.a.a.a.a.a.a.a.a…: nested more than 64 levels deep; no field of a pod "

@@ -93,7 +93,7 @@ CASES: list[tuple[str, Any, tuple[str, ...], int, list[str]]] = [
     ("a quoted number stays a string", GOOD.replace("workers: 2", "workers: '2'"), (), 1,
      ["F: spec.cluster.workers: must be an integer, got the string '2' (write 2 without quotes)"]),
     ("y is a boolean for kubectl", GOOD.replace("  cluster:", "  dataset2: y\n  cluster:"), (), 1,
-     ["F: spec.dataset2: unknown field; did you mean 'dataset'? known fields: backend, checkpointing, cluster, dataset, fsdp, "
+     ["F: spec.dataset2: unknown field; did you mean 'dataset'? known fields: backend, cache, checkpointing, cluster, dataset, fsdp, "
       "model, monitoring, preflight, rendezvous, runPolicy, scheduling, trainJob, training"]),
     ("packing: y", GOOD.replace("format: samsum", "format: samsum\n    packing: y"), (), 0,
      ["F: ok (ok: 2 worker(s) x 8 GPU(s), FULL_SHARD, bf16)"]),

@@ -8,6 +8,8 @@ from enum import StrEnum
 
 PVC_MOUNT_ROOT = "/mnt/pvc"
 """Each claim named by a `pvc://` source is mounted read-only at PVC_MOUNT_ROOT/<claim>."""
+CACHE_MOUNT = "/var/cache/llamaft"
+"""The download cache on every worker: spec.cache.volumeClaim, or an emptyDir."""
 
 
 class SourceKind(StrEnum):

@@ -117,6 +117,19 @@ class DatasetFormat(ApiEnum):
     SAMSUM = "samsum"
     ALPACA = "alpaca"
     JSONL = "jsonl"
+    CHAT = "chat"
+
+
+class TrainOn(ApiEnum):
+    """Which tokens of a `chat` record carry loss."""
+
+    ASSISTANT = "assistant"
+    LAST_ASSISTANT = "lastAssistant"
+    ALL = "all"
+
+
+BUILTIN_CHAT_TEMPLATES = ("llama3", "llama2")
+"""Names `dataset.chatTemplate` may give instead of a Jinja template (llamaft_trainer.chat)."""
 
 
 class FieldMapping(ApiModel):
@@ -128,6 +141,9 @@ class FieldMapping(ApiModel):
     response: str | None = Field(default=None, min_length=1, max_length=128)
     """Field whose text the model learns to produce; only these tokens carry loss (default:
     `summary` for samsum, `output` for alpaca and jsonl)."""
+    messages: str = Field(default="messages", min_length=1, max_length=128)
+    """`chat` format: the field holding the conversation, a list of `{role, content}` turns
+    (roles `system`, `user`, `assistant`)."""
 
 
 class DatasetSpec(ApiModel):
@@ -140,16 +156,44 @@ class DatasetSpec(ApiModel):
             field_path=".promptTemplate",
             reason="FieldValueRequired",
         ),
+        cel_rule(
+            "self.format == 'chat' || (!has(self.chatTemplate) && !has(self.trainOn))",
+            message="chatTemplate and trainOn apply to format chat only: set format: chat or remove them",
+            field_path=".format",
+            reason="FieldValueInvalid",
+        ),
+        cel_rule(
+            "self.format != 'chat' || !has(self.promptTemplate)",
+            message="format chat renders turns with the tokenizer's chat template (or chatTemplate), not promptTemplate: "
+            "remove promptTemplate",
+            field_path=".promptTemplate",
+            reason="FieldValueInvalid",
+        ),
         pvc_source_rule("source"),
     )
 
     format: DatasetFormat
-    """`samsum` (dialogue -> summary), `alpaca` (instruction/input/output) or `jsonl`."""
+    """`samsum` (dialogue -> summary), `alpaca` (instruction/input/output), `jsonl` (a prompt
+    template over record fields) or `chat` (a list of system/user/assistant turns per record,
+    rendered with the tokenizer's chat template)."""
     source: str = Field(min_length=1, max_length=1024)
-    """A hub dataset id (read with `datasets`), a local path, `pvc://<claim>/<path>` or an
-    fsspec URI to a JSON Lines file."""
+    """A hub dataset id (read with `datasets`: JSON Lines, Parquet, CSV or Arrow files), a local
+    path, `pvc://<claim>/<path>` or an fsspec URI to a JSON Lines file."""
+    revision: str | None = Field(default=None, min_length=1, max_length=256)
+    """Hub revision (branch, tag or commit) when `source` is a hub dataset: pin a commit for a
+    reproducible run."""
     split: str = Field(default="train", min_length=1, max_length=64)
     """Split to read when `source` is a hub dataset."""
+    chat_template: str | None = Field(default=None, min_length=1, max_length=65536)
+    """`chat` format: a Jinja chat template, or a built-in one by name (`llama3`, `llama2`), used
+    when the tokenizer has none or to override its own (default: the tokenizer's template)."""
+    train_on: TrainOn | None = None
+    """`chat` format: which tokens carry loss: `assistant` (every assistant turn, the default),
+    `lastAssistant` (the final assistant turn only) or `all` (the whole conversation)."""
+    streaming: bool = False
+    """Tokenize while training instead of preparing the whole set first (for sets too large to
+    prepare up front): records are read in file order, shuffled within a bounded buffer, and a
+    resumed run continues at the exact record it stopped at."""
     prompt_template: str | None = Field(default=None, min_length=1, max_length=4096)
     """Python format string over record fields (e.g. `Summarize:\\n{dialogue}\\nSummary: `).
     Overrides the format's built-in template."""
@@ -366,11 +410,12 @@ class CheckpointingSpec(ApiModel):
             field_path=".directory",
         ),
         cel_rule(
-            "!has(self.volumeClaim) || ['/dev/shm', '/etc/llamaft', '/mnt/pvc', '/proc', '/sys'].all(m, "
+            "!has(self.volumeClaim) || ['/dev/shm', '/etc/llamaft', '/mnt/pvc', '/proc', '/sys', '/var/cache/llamaft'].all(m, "
             "self.directory != m && !self.directory.startsWith(m + '/') && "
             "!(m + '/').startsWith(self.directory.endsWith('/') ? self.directory : self.directory + '/'))",
             message="directory collides with a path the worker pod already mounts or needs (/dev/shm, the config at "
-            "/etc/llamaft, pvc:// inputs under /mnt/pvc, /proc, /sys) or a parent of one: mount the claim "
+            "/etc/llamaft, pvc:// inputs under /mnt/pvc, /proc, /sys, the download cache at /var/cache/llamaft) or a "
+            "parent of one: mount the claim "
             "elsewhere, e.g. /checkpoints/my-run",
             field_path=".directory",
         ),
@@ -758,8 +803,29 @@ LORA_FSDP1_RULE = cel_rule(
 )
 
 
+class CacheSpec(ApiModel):
+    """Where downloaded model and dataset files are kept (the Hugging Face cache)."""
+
+    volume_claim: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
+    """A ReadWriteMany PersistentVolumeClaim mounted on every worker as the download cache: each
+    file of the model and the dataset is fetched once per run, and nodes that join later or a retry
+    on other nodes read it there. Without one, each node downloads into its own emptyDir, again
+    on every attempt (status says so in its SharedCache condition)."""
+
+
+STREAMING_STEPS_RULE = cel_rule(
+    "!self.dataset.streaming || has(self.training.maxSteps)",
+    message="a streamed dataset (dataset.streaming) has no known length, so epochs cannot be counted: "
+    "set training.maxSteps instead of training.epochs",
+    field_path=".training.maxSteps",
+    reason="FieldValueRequired",
+)
+
+
 class TrainingJobConfig(ApiModel):
     """The part of the spec the trainer reads (mounted into every worker as JSON)."""
+
+    model_config = api_config(STREAMING_STEPS_RULE)
 
     model: ModelSpec
     """The pretrained model."""
@@ -778,11 +844,13 @@ class LlamaFineTuneSpec(TrainingJobConfig):
 
     model_config = api_config(
         HYBRID_GROUPS_RULE, HYBRID_DIVIDES_RULE, ELASTIC_HYBRID_RULE, LORA_FSDP1_RULE, HYBRID_WORLD_RULE,
-        METRICS_PORT_RULE, IMMUTABLE_BACKEND,
+        METRICS_PORT_RULE, IMMUTABLE_BACKEND, STREAMING_STEPS_RULE,
     )
 
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
     """Workers, GPUs, scheduling and the trainer image."""
+    cache: CacheSpec = Field(default_factory=CacheSpec)
+    """The shared download cache for model and dataset files."""
     rendezvous: RendezvousSpec = Field(default_factory=RendezvousSpec)
     """torchrun rendezvous."""
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
