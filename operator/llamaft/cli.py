@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from llamaft.api.spec import LlamaFineTuneSpec
+from llamaft.api.spec import BUILTIN_CHAT_TEMPLATES, LlamaFineTuneSpec
 from llamaft.api.validation import FieldError, SpecInvalid
 
 if TYPE_CHECKING:
@@ -214,8 +214,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from llamaft_trainer.tiny import build_tiny_llama
 
-    out = build_tiny_llama(Path(args.output), Path(args.dataset))
-    print(f"wrote a tiny random-init Llama and its tokenizer to {out}")
+    out = build_tiny_llama(Path(args.output), Path(args.dataset), chat_template=args.chat_template)
+    chat = f" (chat template {args.chat_template})" if args.chat_template else ""
+    print(f"wrote a tiny random-init Llama and its tokenizer{chat} to {out}")
     return 0
 
 
@@ -363,6 +364,10 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("make-tiny-model", help="build a tiny random-init Llama + tokenizer (no downloads)")
     tiny.add_argument("output", help="directory to write (save_pretrained layout)")
     tiny.add_argument("--dataset", default="examples/data/samsum-tiny.jsonl", help="JSONL text to train the tokenizer on")
+    tiny.add_argument(
+        "--chat-template", choices=BUILTIN_CHAT_TEMPLATES, default=None,
+        help="give the tokenizer this built-in chat template and its special tokens (for dataset.format: chat)",
+    )
     tiny.set_defaults(func=_cmd_make_tiny_model)
     return parser
 
