@@ -42,3 +42,7 @@ def need_binary(name: str, package: str) -> str:
 
 def need_etcd() -> str:
     return need_binary("etcd", "etcd-server")
+
+
+# The Hugging Face Hub API server on loopback (tests/hub): `hub_server` (session) and `hub_env`.
+from tests.hub.fixture import hub_env, hub_server  # noqa: E402, F401
