@@ -68,7 +68,7 @@ def test_missing_record_field_is_a_config_error() -> None:
         fmt.check({"dialogue": "x", "summary": None}, "data.jsonl line 4")  # null is as good as missing
 
 
-def test_a_bad_record_is_named_by_its_file_line_before_any_shuffle(tmp_path: Path) -> None:
+def test_a_bad_record_is_named_by_its_file_line_before_any_shuffle(tok, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """File line 5 (blank lines count, as in an editor) is reported as line 5, whatever the seeded
     train/validation split does with it."""
     path = tmp_path / "data.jsonl"
@@ -77,21 +77,9 @@ def test_a_bad_record_is_named_by_its_file_line_before_any_shuffle(tmp_path: Pat
     numbered = d.read_numbered(spec(source=str(path)))
     assert [where for where, _ in numbered] == [f"{path} line {n}" for n in (1, 2, 4, 5, 6)]
     with pytest.raises(ConfigError, match=rf"{path} line 5 has no field\(s\) \['summary'\]"):
-        d.check_records(numbered, spec(source=str(path)))
-
-
-def test_packing_fills_blocks_and_drops_the_remainder() -> None:
-    exs = [d.Example([1, 2, 3], [-100, 2, 3]), d.Example([4, 5, 6, 7], [-100, -100, 6, 7])]
-    packed = d.pack(exs, 3)
-    assert [r[0] for r in packed.rows] == [[1, 2, 3], [4, 5, 6]]
-    assert [r[1] for r in packed.rows] == [[-100, 2, 3], [-100, -100, 6]]
-    assert all(r[2] == [1, 1, 1] for r in packed.rows)
-
-
-def test_padding_masks_attention_and_loss() -> None:
-    padded = d.pad([d.Example([1, 2], [-100, 2])], 4, pad_id=0)
-    ids, labels, mask = padded.rows[0]
-    assert ids == [1, 2, 0, 0] and labels == [-100, 2, -100, -100] and mask == [1, 1, 0, 0]
+        d.Encoder(spec(source=str(path)), tok).check(numbered)
+    with pytest.raises(ConfigError, match=rf"{path} line 5 has no field\(s\) \['summary'\]"):
+        d.build_store(spec(source=str(path), validationSplit=0.5), tok, 0, tmp_path / "store")
 
 
 def test_split_is_deterministic_and_disjoint() -> None:
@@ -110,16 +98,20 @@ def test_sequence_length_over_the_model_limit() -> None:
 
 
 def test_reads_local_and_fsspec_sources(tmp_path: Path) -> None:
-    local = d.read_records(spec())
+    local = [r for _, r in d.read_numbered(spec())]
     assert len(local) == 320 and set(local[0]) == {"id", "dialogue", "summary"}
-    uri = d.read_records(spec(source=f"file://{DATASET}"))
+    uri = [r for _, r in d.read_numbered(spec(source=f"file://{DATASET}"))]
     assert uri == local
 
 
 def test_unreadable_and_malformed_sources(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="spec.dataset.source: cannot read"):
-        d.read_records(spec(source=str(tmp_path / "absent.jsonl")))
+        d.read_numbered(spec(source=str(tmp_path / "absent.jsonl")))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"dialogue": "a", "summary": "b"}\nnot json\n')
     with pytest.raises(ConfigError, match="line 2 is not JSON"):
-        d.read_records(spec(source=str(bad)))
+        d.read_numbered(spec(source=str(bad)))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(ConfigError, match="holds no records"):
+        d.read_numbered(spec(source=str(empty)))

@@ -110,8 +110,8 @@ def test_export_round_trips_through_from_pretrained_and_generates(runs: dict[str
     from llamaft_trainer.train import token_loss_sum
 
     cfg = TrainingJobConfig.model_validate(_config(tiny_model, runs["full_dir"]))
-    _, val_records = d.split_records(d.read_records(cfg.dataset), cfg.dataset.validation_split, cfg.training.seed)
-    val = d.to_sequences(val_records, cfg.dataset, tok)
+    store = d.build_store(cfg.dataset, tok, cfg.training.seed, runs["full_dir"] / "data")  # the run's own store: reused
+    val = d.PackedBlocks(store.validation, cfg.dataset.max_seq_length) if cfg.dataset.packing else d.PaddedExamples(store.validation)
     used = len(val) - len(val) % 2  # the 2-rank eval sampler drops an odd last sequence
     loss_sum, tokens = 0.0, 0
     with torch.no_grad():

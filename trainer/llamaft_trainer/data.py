@@ -1,27 +1,42 @@
-"""Data step: records -> prompt/response -> token ids with the prompt masked -> packed or padded
-sequences -> a distributed, seed-deterministic loader.
+"""Data step: records -> token ids with the loss masked -> a token store built once per run ->
+packed blocks or examples padded per batch -> a distributed, seed-deterministic, resumable loader.
 
-Loss is only taken on response tokens: prompt positions carry label -100. Records come from a
-local or PVC path, an fsspec URI (JSON Lines) or a hub dataset (`datasets`).
+What carries loss, by format: `samsum`, `alpaca` and `jsonl` render a prompt from the record and
+train on the response field only (prompt positions carry label -100); `chat` renders the turns
+with the tokenizer's chat template and trains on the assistant's turns (`trainOn`, chat.py).
+
+Records are read and tokenized in batches (the fast tokenizer's batch call) by one process and
+written to the token store (store.py) beside the checkpoints, keyed by everything that changes
+the tokens; every rank then maps it read-only, and a later attempt reuses it. Padding happens per
+batch (to the longest example in it), never in storage. `dataset.streaming` skips the store and
+tokenizes while training (streaming.py).
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import os
 import random
 import string
+import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-from llamaft.api.sources import SourceKind, parse_source
-from llamaft.api.spec import DatasetFormat, DatasetSpec
+import torch.distributed as dist
+from llamaft.api.spec import DatasetFormat, DatasetSpec, TrainOn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from llamaft_trainer import store as store_mod
 from llamaft_trainer.errors import ConfigError
+from llamaft_trainer.metrics import log_json
+from llamaft_trainer.records import BATCH, Numbered, RecordSource, digest, read_numbered
+from llamaft_trainer.runtime import Runtime
 
 IGNORE_INDEX = -100
 
@@ -38,6 +53,10 @@ ALPACA_NO_INPUT_TEMPLATE = (
     "### Instruction:\n{instruction}\n\n### Response:\n"
 )
 DEFAULT_RESPONSE = {DatasetFormat.SAMSUM: "summary", DatasetFormat.ALPACA: "output", DatasetFormat.JSONL: "output"}
+BUILD_TIMEOUT = timedelta(hours=12)
+"""How long the other ranks wait for the store's builder (a 10^6-record set takes minutes)."""
+
+__all__ = ["IGNORE_INDEX", "Data", "build_data", "read_numbered"]
 
 
 @dataclass(frozen=True)
@@ -46,55 +65,9 @@ class Example:
     labels: list[int]
 
 
-# ------------------------------------------------------------------------------- reading
-def read_records(spec: DatasetSpec) -> list[dict[str, Any]]:
-    """All records of the dataset source, in file order."""
-    return [record for _, record in read_numbered(spec)]
-
-
-def read_numbered(spec: DatasetSpec) -> list[tuple[str, dict[str, Any]]]:
-    """(where, record) for every record, in file order: `where` is what a person can find, the
-    file and its line number (`data.jsonl line 5`), or a hub dataset's split and row."""
-    src = parse_source(spec.source)
-    try:
-        if src.kind is SourceKind.HUB:
-            import datasets
-
-            rows = datasets.load_dataset(src.location, split=spec.split)
-            return [(f"{spec.source} ({spec.split} row {i})", dict(r)) for i, r in enumerate(rows)]
-        if src.kind is SourceKind.URI:
-            import fsspec
-
-            with fsspec.open(src.location, "rt", encoding="utf-8") as f:
-                return _parse_jsonl(f, spec.source)
-        with Path(src.location).expanduser().open(encoding="utf-8") as f:
-            return _parse_jsonl(f, spec.source)
-    except ConfigError:
-        raise
-    except Exception as exc:
-        raise ConfigError(f"spec.dataset.source: cannot read {spec.source}: {type(exc).__name__}: {exc}") from exc
-
-
-def _parse_jsonl(lines: Any, name: str) -> list[tuple[str, dict[str, Any]]]:
-    records = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"spec.dataset.source: {name} line {number} is not JSON: {exc}") from exc
-        if not isinstance(record, dict):
-            raise ConfigError(f"spec.dataset.source: {name} line {number} is not a JSON object")
-        records.append((f"{name} line {number}", record))
-    if not records:
-        raise ConfigError(f"spec.dataset.source: {name} holds no records (an empty file); point spec.dataset.source at the data")
-    return records
-
-
 # ---------------------------------------------------------------------------- formatting
 def _template_fields(template: str) -> list[str]:
-    return [field for _, field, _, _ in string.Formatter().parse(template) if field]
+    return [name for _, name, _, _ in string.Formatter().parse(template) if name]
 
 
 class Formatter:
@@ -138,7 +111,8 @@ class Formatter:
 
 
 def tokenize(prompt: str, response: str, tok: PreTrainedTokenizerBase, max_len: int) -> Example:
-    """<bos> prompt response <eos>, prompt positions masked out of the loss, truncated to max_len."""
+    """<bos> prompt response <eos>, prompt positions masked out of the loss, truncated to max_len.
+    One record at a time: the reference the batched encoder (Encoder) is tested against."""
     prompt_ids = tok.encode(prompt, add_special_tokens=False)
     response_ids = tok.encode(response, add_special_tokens=False)
     bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
@@ -148,92 +122,92 @@ def tokenize(prompt: str, response: str, tok: PreTrainedTokenizerBase, max_len: 
     return Example(input_ids[:max_len], labels[:max_len])
 
 
-# ------------------------------------------------------------------------- packing/padding
-class SequenceDataset(Dataset[dict[str, torch.Tensor]]):
-    """Fixed-length sequences (input_ids, labels, attention_mask), all `max_len` long."""
-
-    def __init__(self, rows: list[tuple[list[int], list[int], list[int]]]) -> None:
-        self.rows = rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        ids, labels, mask = self.rows[index]
-        return {
-            "input_ids": torch.tensor(ids, dtype=torch.long),
-            "labels": torch.tensor(labels, dtype=torch.long),
-            "attention_mask": torch.tensor(mask, dtype=torch.long),
-        }
+def _encode_texts(tok: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
+    """Token ids of many texts in one call (no special tokens added): the Rust tokenizer's batch
+    entry point when there is one (twice as fast as the Python wrapper's, same ids)."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "encode_batch_fast"):
+        return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+    ids: list[list[int]] = tok(texts, add_special_tokens=False)["input_ids"]
+    return ids
 
 
-def pack(examples: Sequence[Example], max_len: int) -> SequenceDataset:
-    """Concatenate examples and cut into full `max_len` blocks (the last partial block is dropped)."""
-    ids: list[int] = []
-    labels: list[int] = []
-    for ex in examples:
-        ids.extend(ex.input_ids)
-        labels.extend(ex.labels)
-    rows = [
-        (ids[i : i + max_len], labels[i : i + max_len], [1] * max_len)
-        for i in range(0, len(ids) - max_len + 1, max_len)
-    ]
-    return SequenceDataset(rows)
+class Encoder:
+    """Records -> (input_ids, labels), a batch at a time, for every format; each record is
+    checked first and a bad one is named by `where` (file and line)."""
+
+    def __init__(self, spec: DatasetSpec, tok: PreTrainedTokenizerBase) -> None:
+        self.spec = spec
+        self.tok = tok
+        self.max_len = spec.max_seq_length
+        self.chat: Any = None
+        self.formatter: Formatter | None = None
+        if spec.format is DatasetFormat.CHAT:
+            from llamaft_trainer import chat
+
+            self.template: str | None = chat.resolve_template(spec, tok)
+            self.chat = chat.ChatEncoder(tok, self.template, spec.train_on or TrainOn.ASSISTANT, spec.max_seq_length)
+        else:
+            self.template = None
+            self.formatter = Formatter(spec)
+
+    def identity(self) -> dict[str, Any]:
+        """What the tokens depend on besides the records (part of the store's key)."""
+        return {"template": self.template, "tokenizer": tokenizer_fingerprint(self.tok)}
+
+    def check(self, numbered: Sequence[Numbered]) -> None:
+        if self.formatter is not None:
+            for where, record in numbered:
+                self.formatter.check(record, where)
+
+    def encode(self, numbered: Sequence[Numbered]) -> list[tuple[list[int], list[int]]]:
+        if self.chat is not None:
+            from llamaft_trainer import chat
+
+            field_name = self.spec.field_mapping.messages
+            conversations = [chat.conversation(record, field_name, where) for where, record in numbered]
+            encoded: list[tuple[list[int], list[int]]] = self.chat.encode(conversations, where=[w for w, _ in numbered])
+            return encoded
+        assert self.formatter is not None
+        self.check(numbered)
+        pairs = [self.formatter(record) for _, record in numbered]
+        prompts = _encode_texts(self.tok, [p for p, _ in pairs])
+        responses = _encode_texts(self.tok, [r for _, r in pairs])
+        bos = [self.tok.bos_token_id] if self.tok.bos_token_id is not None else []
+        eos = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else []
+        out = []
+        for prompt_ids, response_ids in zip(prompts, responses, strict=True):
+            ids = bos + prompt_ids + response_ids + eos
+            labels = [IGNORE_INDEX] * (len(bos) + len(prompt_ids)) + response_ids + eos
+            out.append((ids[: self.max_len], labels[: self.max_len]))
+        return out
 
 
-def pad(examples: Sequence[Example], max_len: int, pad_id: int) -> SequenceDataset:
-    """Right-pad every example to `max_len`; padding is masked from attention and loss."""
-    rows = []
-    for ex in examples:
-        n = len(ex.input_ids)
-        rows.append(
-            (
-                ex.input_ids + [pad_id] * (max_len - n),
-                ex.labels + [IGNORE_INDEX] * (max_len - n),
-                [1] * n + [0] * (max_len - n),
-            )
-        )
-    return SequenceDataset(rows)
+def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
+    """The tokenizer's vocabulary, merges, normalisation and special tokens, hashed."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else f"{tok.name_or_path}:{len(tok)}"
+    return digest(body, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, getattr(tok, "chat_template", None))
 
 
-# ------------------------------------------------------------------------------- loaders
-@dataclass
-class Data:
-    train: SequenceDataset
-    validation: SequenceDataset | None
-    sampler: DistributedSampler[Any]
-    loader: DataLoader[dict[str, torch.Tensor]]
-    validation_loader: DataLoader[dict[str, torch.Tensor]] | None
-
-
-def split_records(records: list[dict[str, Any]], fraction: float, seed: int) -> tuple[list[Any], list[Any]]:
+# ------------------------------------------------------------------------------- splitting
+def split_records(records: list[Any], fraction: float, seed: int) -> tuple[list[Any], list[Any]]:
     """A seed-deterministic train/validation split (at least one validation record when fraction > 0)."""
-    order = list(range(len(records)))
-    random.Random(seed).shuffle(order)
-    n_val = 0 if fraction == 0 else max(1, round(len(records) * fraction))
-    n_val = min(n_val, len(records) - 1)
-    val = [records[i] for i in sorted(order[:n_val])]
-    train = [records[i] for i in sorted(order[n_val:])]
+    held_out = validation_mask(len(records), fraction, seed)
+    val = [r for r, v in zip(records, held_out, strict=True) if v]
+    train = [r for r, v in zip(records, held_out, strict=True) if not v]
     return train, val
 
 
-def check_records(numbered: list[tuple[str, dict[str, Any]]], spec: DatasetSpec) -> None:
-    """Every record has what the format needs; the first that does not is named by file and line
-    (checked in file order, before any split or shuffle)."""
-    fmt = Formatter(spec)
-    for where, record in numbered:
-        fmt.check(record, where)
-
-
-def to_sequences(records: list[dict[str, Any]], spec: DatasetSpec, tok: PreTrainedTokenizerBase) -> SequenceDataset:
-    fmt = Formatter(spec)
-    examples = []
-    for index, record in enumerate(records):
-        fmt.check(record, f"record {index} (after the train/validation split) of {spec.source}")
-        examples.append(tokenize(*fmt(record), tok, spec.max_seq_length))
-    if spec.packing:
-        return pack(examples, spec.max_seq_length)
-    return pad(examples, spec.max_seq_length, int(tok.pad_token_id))
+def validation_mask(n: int, fraction: float, seed: int) -> np.ndarray[Any, np.dtype[np.bool_]]:
+    """True for the records held out for validation (the same ones at any scale and world size)."""
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    n_val = 0 if fraction == 0 else max(1, round(n * fraction))
+    n_val = min(n_val, n - 1)
+    mask = np.zeros(n, dtype=np.bool_)
+    mask[order[:n_val]] = True
+    return mask
 
 
 def check_sequence_length(spec: DatasetSpec, max_positions: int | None) -> None:
@@ -244,46 +218,275 @@ def check_sequence_length(spec: DatasetSpec, max_positions: int | None) -> None:
         )
 
 
-def build_data(
-    spec: DatasetSpec, tok: PreTrainedTokenizerBase, batch_size: int, seed: int, rank: int, world: int
-) -> Data:
-    """Train and validation loaders; every rank sees a disjoint, seed-determined shard per epoch."""
-    numbered = read_numbered(spec)
-    check_records(numbered, spec)
-    records = [record for _, record in numbered]
-    train_records, val_records = split_records(records, spec.validation_split, seed)
-    train = to_sequences(train_records, spec, tok)
-    if len(train) < world * batch_size:
-        raise ConfigError(
-            f"spec.dataset: {len(train)} training sequences cannot give {world} ranks a batch of {batch_size}; "
-            "use more data, a smaller perDeviceBatchSize or padding instead of packing"
-        )
-    validation = to_sequences(val_records, spec, tok) if val_records else None
-    sampler: DistributedSampler[Any] = DistributedSampler(
-        train, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True
+# ----------------------------------------------------------------------------- the store
+def store_key(spec: DatasetSpec, encoder: Encoder, fingerprint: str, seed: int) -> str:
+    """Everything that changes the stored tokens; another value builds another store."""
+    fields = spec.model_dump(
+        by_alias=True, include={"format", "source", "revision", "split", "prompt_template", "field_mapping",
+                                "chat_template", "train_on", "max_seq_length", "packing", "validation_split"},
     )
+    return digest(store_mod.VERSION, fields, fingerprint, encoder.identity(), seed)
+
+
+@contextlib.contextmanager
+def _parallel_tokenizer() -> Iterator[None]:
+    """The builder is the one process tokenizing: let the Rust tokenizer use every core. (The
+    pods set TOKENIZERS_PARALLELISM=false for the training processes, which never fork after it.)"""
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+
+
+def build_store(spec: DatasetSpec, tok: PreTrainedTokenizerBase, seed: int, root: Path) -> store_mod.Store:
+    """The store of this dataset under `root`: reused when complete, else built here."""
+    source = RecordSource(spec)
+    encoder = Encoder(spec, tok)
+    key = store_key(spec, encoder, source.fingerprint(), seed)
+    path = root / key
+    found = store_mod.open_store(path)
+    if found is not None:
+        log_json("data", store=str(path), reused=True, train_examples=len(found.train),
+                 validation_examples=len(found.validation))
+        return found
+    root.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    n = source.count()
+    held_out = validation_mask(n, spec.validation_split, seed)
+    builder = store_mod.StoreBuilder(path)
+    index = 0
+    last_log = time.monotonic()
+    try:
+        with _parallel_tokenizer():
+            for batch in source.batches(BATCH):
+                encoded = encoder.encode(batch)
+                flags = held_out[index : index + len(batch)]
+                builder.parts["train"].add((e for e, v in zip(encoded, flags, strict=True) if not v), IGNORE_INDEX)
+                builder.parts["validation"].add((e for e, v in zip(encoded, flags, strict=True) if v), IGNORE_INDEX)
+                index += len(batch)
+                if time.monotonic() - last_log > 10:
+                    last_log = time.monotonic()
+                    log_json("data_progress", records=index, total=n,
+                             records_per_second=round(index / (time.perf_counter() - started)))
+        built = builder.commit({"key": key, "source": spec.source, "records": n})
+    except BaseException:
+        builder.abandon()
+        raise
+    seconds = time.perf_counter() - started
+    log_json("data", store=str(path), reused=False, records=n, train_examples=len(built.train),
+             validation_examples=len(built.validation), seconds=round(seconds, 2),
+             records_per_second=round(n / max(seconds, 1e-9)))
+    return built
+
+
+def store_root(checkpoint_directory: str) -> tuple[Path, bool]:
+    """(where stores go, whether every node sees it): beside the checkpoints when they are on a
+    filesystem (a volume every worker mounts), else in the download cache (shared when the
+    operator mounted spec.cache.volumeClaim there: LLAMAFT_CACHE_SHARED=1)."""
+    if "://" not in checkpoint_directory:
+        return Path(checkpoint_directory).expanduser() / "data", True
+    from llamaft_trainer.model import CACHE_ROOT
+
+    return CACHE_ROOT / "data", os.environ.get("LLAMAFT_CACHE_SHARED") == "1"
+
+
+def prepared_store(spec: DatasetSpec, tok: PreTrainedTokenizerBase, seed: int, rt: Runtime, root: Path, shared: bool) -> store_mod.Store:
+    """Build the store in one process (global rank 0, or each node's first rank when `root` is
+    not shared) while the others wait; a ConfigError in the builder is every rank's ConfigError."""
+    builder = rt.is_leader if shared else rt.is_local_leader
+    if rt.world_size == 1 or not dist.is_initialized():
+        return build_store(spec, tok, seed, root)
+    outcome: tuple[str, str] | None = None
+    error: BaseException | None = None
+    if builder:
+        try:
+            outcome = ("ok", str(build_store(spec, tok, seed, root).path))
+        except ConfigError as exc:
+            outcome, error = ("config", str(exc)), exc
+        except Exception as exc:
+            outcome, error = ("error", f"{type(exc).__name__}: {exc}"), exc
+    group = dist.new_group(backend="gloo", timeout=BUILD_TIMEOUT)
+    gathered: list[Any] = [None] * rt.world_size
+    dist.all_gather_object(gathered, outcome, group=group)
+    dist.destroy_process_group(group)
+    if error is not None:
+        raise error
+    mine = next((g for g in gathered if g is not None and g[0] != "ok"), None)
+    if mine is not None:
+        if mine[0] == "config":
+            raise ConfigError(mine[1])
+        raise RuntimeError(f"building the token store failed on another rank: {mine[1]}")
+    leader = gathered[0] if shared else gathered[rt.rank - rt.local_rank]
+    assert leader is not None
+    found = store_mod.open_store(Path(leader[1]))
+    if found is None:
+        raise ConfigError(
+            f"spec.checkpointing.directory: the token store {leader[1]} that rank {0 if shared else rt.rank - rt.local_rank} "
+            "built is not visible here: every worker must mount the same checkpoint volume"
+        )
+    return found
+
+
+# ------------------------------------------------------------------------------ batching
+class PaddedExamples(Dataset[dict[str, torch.Tensor]]):
+    """One example per item, unpadded: `collate` pads each batch to its longest example."""
+
+    def __init__(self, part: store_mod.Part) -> None:
+        self.part = part
+
+    def __len__(self) -> int:
+        return len(self.part)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        tokens, loss = self.part.example(index)
+        return _item(tokens, loss)
+
+
+class PackedBlocks(Dataset[dict[str, torch.Tensor]]):
+    """The examples back to back, cut into full `max_len` blocks (the last partial block is
+    dropped): no padding at all."""
+
+    def __init__(self, part: store_mod.Part, max_len: int) -> None:
+        self.part = part
+        self.max_len = max_len
+
+    def __len__(self) -> int:
+        return self.part.total_tokens // self.max_len
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        tokens, loss = self.part.span(index * self.max_len, (index + 1) * self.max_len)
+        return _item(tokens, loss)
+
+
+def _item(tokens: np.ndarray[Any, Any], loss: np.ndarray[Any, Any]) -> dict[str, torch.Tensor]:
+    ids = torch.from_numpy(np.array(tokens, dtype=np.int64))
+    labels = torch.where(torch.from_numpy(np.array(loss, dtype=np.bool_)), ids, IGNORE_INDEX)
+    return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
+
+
+class Collate:
+    """Right-pad a batch to its longest sequence; padding is masked from attention and loss."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        width = max(int(item["input_ids"].shape[0]) for item in items)
+        fill = {"input_ids": self.pad_id, "labels": IGNORE_INDEX, "attention_mask": 0}
+        out: dict[str, torch.Tensor] = {}
+        for name, value in fill.items():
+            batch = torch.full((len(items), width), value, dtype=torch.long)
+            for row, item in enumerate(items):
+                batch[row, : item[name].shape[0]] = item[name]
+            out[name] = batch
+        return out
+
+
+class ResumableSampler(DistributedSampler[Any]):
+    """DistributedSampler's order (seed + epoch, this rank's share), started `start` items in:
+    a resumed run continues mid-epoch without reading the batches it already trained on."""
+
+    start: int = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        indices = list(super().__iter__())
+        return iter(indices[self.start :])
+
+    def __len__(self) -> int:
+        return max(0, super().__len__() - self.start)
+
+
+@dataclass
+class Data:
+    """The run's training and validation batches. `batches(epoch, skip)` yields the epoch's
+    micro-batches from the `skip`-th on; `batches_per_epoch` is None for a stream of unknown length."""
+
+    train: Dataset[dict[str, torch.Tensor]] | None
+    """None for a stream."""
+    validation: Dataset[dict[str, torch.Tensor]] | None
+    loader: DataLoader[dict[str, torch.Tensor]] | None
+    """None for a stream (no known length)."""
+    validation_loader: DataLoader[dict[str, torch.Tensor]] | Any | None
+    sampler: ResumableSampler | None = None
+    batch_size: int = 1
+    store_path: Path | None = None
+    stream: Any = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def batches_per_epoch(self) -> int | None:
+        return None if self.loader is None else len(self.loader)
+
+    def batches(self, epoch: int, skip: int) -> Iterator[dict[str, torch.Tensor]]:
+        if self.stream is not None:
+            yield from self.stream.batches(epoch, skip)
+            return
+        assert self.sampler is not None and self.loader is not None
+        self.sampler.set_epoch(epoch)
+        self.sampler.start = skip * self.batch_size
+        try:
+            yield from self.loader
+        finally:
+            self.sampler.start = 0
+
+
+def _generator(seed: int) -> torch.Generator:
     # Each loader gets its own generator: creating an iterator draws a base seed (for worker
     # processes, unused with num_workers=0) from the loader's generator, by default the *global*
     # one that dropout draws from. A resumed run creates its iterator at another point of the RNG
     # stream than an uninterrupted one, so that draw shifted every dropout mask after a resume.
-    loader = DataLoader(train, batch_size=batch_size, sampler=sampler, drop_last=True, generator=_loader_generator(seed))
-    val_loader = None
-    if validation is not None and len(validation) >= world:
-        val_sampler: DistributedSampler[Any] = DistributedSampler(
-            validation, num_replicas=world, rank=rank, shuffle=False, drop_last=True
-        )
-        val_loader = DataLoader(validation, batch_size=batch_size, sampler=val_sampler, generator=_loader_generator(seed))
-    return Data(train, validation, sampler, loader, val_loader)
-
-
-def _loader_generator(seed: int) -> torch.Generator:
     generator = torch.Generator()
     generator.manual_seed(seed)
     return generator
 
 
-def batches_from(loader: DataLoader[dict[str, torch.Tensor]], skip: int) -> Iterator[dict[str, torch.Tensor]]:
-    """The loader's batches, skipping the first `skip` (resume mid-epoch at the same position)."""
-    for index, batch in enumerate(loader):
-        if index >= skip:
-            yield batch
+def loaders(store: store_mod.Store, spec: DatasetSpec, pad_id: int, batch_size: int, seed: int, rank: int, world: int) -> Data:
+    """Loaders over a store: every rank sees a disjoint, seed-determined share per epoch."""
+    train: Dataset[dict[str, torch.Tensor]]
+    if spec.packing:
+        train = PackedBlocks(store.train, spec.max_seq_length)
+        validation: Dataset[dict[str, torch.Tensor]] | None = PackedBlocks(store.validation, spec.max_seq_length)
+    else:
+        train = PaddedExamples(store.train)
+        validation = PaddedExamples(store.validation)
+    n_train = len(train)  # type: ignore[arg-type]
+    if n_train < world * batch_size:
+        raise ConfigError(
+            f"spec.dataset: {n_train} training sequences cannot give {world} ranks a batch of {batch_size}; "
+            "use more data, a smaller perDeviceBatchSize or padding instead of packing"
+        )
+    collate = Collate(pad_id)
+    sampler = ResumableSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    loader = DataLoader(train, batch_size=batch_size, sampler=sampler, drop_last=True, collate_fn=collate,
+                        generator=_generator(seed))
+    val_loader = None
+    if validation is not None and len(validation) >= world:  # type: ignore[arg-type]
+        val_sampler: DistributedSampler[Any] = DistributedSampler(validation, num_replicas=world, rank=rank, shuffle=False, drop_last=True)
+        val_loader = DataLoader(validation, batch_size=batch_size, sampler=val_sampler, collate_fn=collate,
+                                generator=_generator(seed))
+    elif validation is not None and len(validation) == 0:  # type: ignore[arg-type]
+        validation = None
+    return Data(train, validation, loader, val_loader, sampler, batch_size, store.path,
+                info={"train_sequences": n_train})
+
+
+def build_data(
+    spec: DatasetSpec, tok: PreTrainedTokenizerBase, batch_size: int, seed: int, rt: Runtime, checkpoint_directory: str,
+) -> Data:
+    """The run's data: from the token store (built once, reused by later attempts), or a stream."""
+    pad_id = int(tok.pad_token_id)
+    root, shared = store_root(checkpoint_directory)
+    if spec.streaming:
+        from llamaft_trainer.streaming import streaming_data
+
+        return streaming_data(spec, tok, batch_size, seed, rt, root if shared or rt.world_size == 1 else None)
+    started = time.perf_counter()
+    store = prepared_store(spec, tok, seed, rt, root, shared)
+    data = loaders(store, spec, pad_id, batch_size, seed, rt.rank, rt.world_size)
+    data.info["data_seconds"] = round(time.perf_counter() - started, 3)
+    return data

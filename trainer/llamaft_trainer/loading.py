@@ -201,10 +201,12 @@ class Weights:
     def kind(self) -> SourceKind:
         return parse_source(self.spec.source).kind
 
-    def names(self) -> set[str] | None:
-        """The files at the source, or None where they cannot be listed (hub ids)."""
+    def names(self) -> set[str]:
+        """The files at the source (a hub id: its repo info's file list at the revision)."""
         if self.kind is SourceKind.HUB:
-            return None
+            from llamaft_trainer import hub
+
+            return hub.repo_files(self.spec.source, "model", self.spec.revision, "spec.model.source")
         if self.kind is SourceKind.URI:
             return set(model_step.remote_files(self.spec.source, "spec.model.source"))
         where = Path(model_step.resolve(self.spec.source, self.rt, "spec.model.source"))
@@ -222,22 +224,16 @@ class Weights:
         if self.kind is SourceKind.HUB:
             from huggingface_hub import hf_hub_download
 
-            return Path(hf_hub_download(source, name, revision=self.spec.revision, token=model_step._hf_token()))
+            try:
+                return Path(hf_hub_download(source, name, revision=self.spec.revision, token=model_step._hf_token()))
+            except Exception as exc:
+                model_step._raise_hub_error(exc, "spec.model.source", source, self.spec.revision)
+                raise
         return Path(model_step.resolve(source, self.rt, "spec.model.source")) / name
 
     def layout(self) -> dict[str, str] | None:
         """Checkpoint key -> file name, or None when the source has no safetensors checkpoint."""
         names = self.names()
-        if names is None:  # a hub id: try the single file, then the index
-            for candidate in (SINGLE, INDEX):
-                try:
-                    self.path(candidate)
-                except Exception:
-                    continue
-                names = {candidate}
-                break
-            else:
-                return None
         if SINGLE in names:  # from_pretrained's order: the single file first
             return dict.fromkeys(self.header(SINGLE), SINGLE)
         if INDEX in names:

@@ -135,10 +135,15 @@ def setup(cfg: TrainingJobConfig, rt: Runtime) -> Session:
     tokenizer = model_step.load_tokenizer(cfg.model, rt)
     model_config = model_step.load_config(cfg.model, rt)
     data_step.check_sequence_length(cfg.dataset, getattr(model_config, "max_position_embeddings", None))
-    data = data_step.build_data(cfg.dataset, tokenizer, cfg.training.per_device_batch_size, cfg.training.seed, rt.rank, rt.world_size)
+    data = data_step.build_data(
+        cfg.dataset, tokenizer, cfg.training.per_device_batch_size, cfg.training.seed, rt, cfg.checkpointing.directory,
+    )
     model, n_params = build_model(cfg, rt, model_config)
     optimizer = build_optimizer(model, cfg)
-    steps = total_steps(cfg, len(data.loader))
+    per_epoch = data.batches_per_epoch
+    if per_epoch is None and cfg.training.max_steps is None:
+        raise ConfigError("spec.training.epochs: a streamed dataset has no known length: set training.maxSteps instead")
+    steps = total_steps(cfg, per_epoch or 0)
     scheduler = build_scheduler(optimizer, cfg, steps)
     fpt = flops_per_token(model_config, n_params, cfg.dataset.max_seq_length)
     return Session(cfg, rt, model, tokenizer, model_config, data, optimizer, scheduler, steps, fpt, n_params)
@@ -158,7 +163,7 @@ def run(
             "setup", parameters=s.n_params, world_size=rt.world_size, device=str(rt.device),
             strategy=cfg.fsdp.sharding_strategy.value, precision=cfg.fsdp.mixed_precision.value,
             activation_checkpointing=cfg.fsdp.activation_checkpointing.mode.value,
-            train_sequences=len(s.data.train), total_steps=s.steps, seconds=round(time.perf_counter() - started, 2),
+            **s.data.info, total_steps=s.steps, seconds=round(time.perf_counter() - started, 2),
         )
     if progress is not None:
         progress.total_steps.set(s.steps)

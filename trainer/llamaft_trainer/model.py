@@ -54,6 +54,21 @@ def _hf_token() -> str | None:
     return os.environ.get("HF_TOKEN") or None
 
 
+def _raise_hub_error(exc: BaseException, what: str, source: str, revision: str | None) -> None:
+    """A Hub id that cannot be read for good (gated, missing repo, revision or file): the Hub's
+    answer in the spec's terms (hub.hub_error); a transient failure is re-raised as it is, for the
+    retry policy."""
+    if parse_source(source).kind is not SourceKind.HUB:
+        return
+    from llamaft_trainer import hub
+
+    error = hub.hub_error(exc, what=what, source=source, revision=revision)
+    if error is not None:
+        raise error from exc
+    if hub.is_transient(exc):
+        raise exc
+
+
 def is_weight_file(name: str) -> bool:
     return name.endswith(WEIGHT_SUFFIXES)
 
@@ -169,6 +184,7 @@ def load_tokenizer(spec: ModelSpec, rt: Runtime) -> PreTrainedTokenizerBase:
     try:
         tok = AutoTokenizer.from_pretrained(where, revision=spec.revision, token=_hf_token())
     except Exception as exc:
+        _raise_hub_error(exc, what, spec.tokenizer or spec.source, spec.revision)
         raise ConfigError(
             f"spec.model: no usable tokenizer at {where} ({type(exc).__name__}: {exc}); "
             "set spec.model.tokenizer to a location holding tokenizer files"
@@ -184,6 +200,7 @@ def load_config(spec: ModelSpec, rt: Runtime) -> PretrainedConfig:
         config: PretrainedConfig = AutoConfig.from_pretrained(where, revision=spec.revision, token=_hf_token())
         return config
     except Exception as exc:
+        _raise_hub_error(exc, "spec.model.source", spec.source, spec.revision)
         raise ConfigError(f"spec.model.source: cannot read a model config at {where}: {exc}") from exc
 def master_dtype(precision: MixedPrecision) -> torch.dtype:
     """dtype of the sharded parameters the optimizer updates."""
@@ -221,6 +238,7 @@ def read_full_state_dict(spec: ModelSpec, rt: Runtime, dtype: torch.dtype, lora:
             attn_implementation=spec.attn_implementation.value,
         )
     except Exception as exc:
+        _raise_hub_error(exc, "spec.model.source", spec.source, spec.revision)
         raise ConfigError(f"spec.model.source: cannot load weights from {where}: {exc}") from exc
     if lora is not None and lora.enabled:
         torch.manual_seed(seed)

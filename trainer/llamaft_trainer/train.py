@@ -44,7 +44,7 @@ from transformers import get_scheduler
 
 from llamaft_trainer import profiling
 from llamaft_trainer.checkpoint import Checkpointer, TrainState
-from llamaft_trainer.data import IGNORE_INDEX, Data, batches_from
+from llamaft_trainer.data import IGNORE_INDEX, Data
 from llamaft_trainer.metrics import Progress, log_json, peak_memory_bytes
 from llamaft_trainer.preemption import (
     EXIT_RESERVE_S,
@@ -182,9 +182,8 @@ def evaluate(model: nn.Module, data: Data, rt: Runtime) -> float | None:
 def _micro_batches(data: Data, state: TrainState, accum: int) -> Iterator[list[dict[str, torch.Tensor]]]:
     """Groups of `accum` micro-batches, continuing from the saved epoch and position forever."""
     while True:
-        data.sampler.set_epoch(state.epoch)
         group: list[dict[str, torch.Tensor]] = []
-        for batch in batches_from(data.loader, state.batches_in_epoch):
+        for batch in data.batches(state.epoch, state.batches_in_epoch):
             group.append(batch)
             if len(group) == accum:
                 yield group

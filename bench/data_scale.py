@@ -1,0 +1,194 @@
+"""Data preparation at scale: per-rank memory and time to the first batch for a large dataset,
+the token store (built once, mapped by every rank, reused by a resumed attempt) and the streamed
+mode beside the previous data step (every rank tokenizing record by record into padded Python
+lists), in one run, on synthetic samsum-style records and the tiny tokenizer.
+
+    .venv/bin/python bench/data_scale.py                      # 1,000,000 records, 2 ranks
+    .venv/bin/python bench/data_scale.py --records 200000     # quicker
+
+Per rank, from just before the data step to the first batch: `rss` is the growth of the resident
+set (anonymous memory and the store's mapped pages the rank touched), `peak` the growth of its
+peak (ru_maxrss: the builder's batches while it tokenizes), `seconds` the time. The previous code
+cannot hold 10^6 records on this machine (it needs ~18 GiB per rank at maxSeqLength 512), so it
+runs on --baseline-records in one process and its memory is scaled to --records linearly (it holds
+every sequence padded, so it is linear). Targets (issue 21): data RSS per rank <= 1 GiB at 10^6
+records whatever maxSeqLength; a resumed attempt's data preparation <= 10% of the first's;
+preparation >= 5x the previous code's records/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+SAMSUM = REPO / "examples" / "data" / "samsum-tiny.jsonl"
+
+
+def rss_mb() -> float:
+    import psutil
+
+    return float(psutil.Process().memory_info().rss) / 2**20
+
+
+def peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def synthetic(path: Path, n: int, seed: int = 0) -> None:
+    """`n` samsum-style records: each dialogue 3-12 lines drawn from the shipped set's dialogues,
+    each summary one of its summaries (realistic text for the tokenizer, no two records alike)."""
+    base = [json.loads(line) for line in SAMSUM.read_text().splitlines() if line.strip()]
+    lines = [line for r in base for line in r["dialogue"].splitlines() if line.strip()]
+    summaries = [r["summary"] for r in base]
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for i in range(n):
+            dialogue = "\n".join(rng.choice(lines) for _ in range(rng.randint(3, 12)))
+            f.write(json.dumps({"id": str(i), "dialogue": dialogue, "summary": rng.choice(summaries)}) + "\n")
+
+
+def spec_dict(source: Path, seq: int, streaming: bool) -> dict[str, Any]:
+    return {"format": "samsum", "source": str(source), "maxSeqLength": seq, "packing": False,
+            "validationSplit": 0.01, "streaming": streaming}
+
+
+# ------------------------------------------------------------------------------------- workers
+def baseline_worker(cfg: dict[str, Any], out: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    import _baseline_data
+    from llamaft.api.spec import DatasetSpec
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(cfg["model"])
+    spec = DatasetSpec.model_validate(cfg["dataset"])
+    rss0, peak0, started = rss_mb(), peak_mb(), time.perf_counter()
+    train, _ = _baseline_data.prepare(spec, tok, 0)
+    out.write_text(json.dumps({"seconds": time.perf_counter() - started, "rss_mb": rss_mb() - rss0,
+                               "peak_mb": peak_mb() - peak0, "sequences": len(train)}))
+
+
+def store_worker(cfg: dict[str, Any], out: Path) -> None:
+    """One rank under torchrun: build_data (the trainer's call) and the first batch of the epoch at
+    `skip` micro-batches in (a resumed attempt starts mid-epoch)."""
+    import torch.distributed as dist
+    from llamaft.api.spec import DatasetSpec
+    from llamaft_trainer import data as d
+    from llamaft_trainer.runtime import init_runtime
+    from llamaft_trainer.shutdown import exit_process, teardown
+    from transformers import AutoTokenizer
+
+    rt = init_runtime()
+    tok = AutoTokenizer.from_pretrained(cfg["model"])
+    spec = DatasetSpec.model_validate(cfg["dataset"])
+    dist.barrier()
+    rss0, peak0, started = rss_mb(), peak_mb(), time.perf_counter()
+    data = d.build_data(spec, tok, 4, 0, rt, cfg["checkpoints"])
+    prepared = time.perf_counter() - started
+    next(iter(data.batches(epoch=0, skip=cfg["skip"])))
+    result = {"rank": rt.rank, "prepare_s": prepared, "seconds": time.perf_counter() - started,
+              "rss_mb": rss_mb() - rss0, "peak_mb": peak_mb() - peak0}
+    gathered: list[Any] = [None] * rt.world_size
+    dist.all_gather_object(gathered, result)
+    if rt.is_leader:
+        out.write_text(json.dumps(gathered))
+    teardown(rt, None, healthy=True)
+    exit_process(0)
+
+
+# ------------------------------------------------------------------------------------ launches
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "operator"), str(REPO / "trainer")])
+    return env
+
+
+def launch(ranks: int, mode: str, cfg: dict[str, Any], tmp: Path, tag: str) -> Any:
+    from llamaft_trainer.local_etcd import free_port
+
+    cfg_path, out = tmp / f"{tag}.json", tmp / f"{tag}.out.json"
+    cfg_path.write_text(json.dumps(cfg))
+    prefix = [sys.executable] if mode == "baseline" else [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(ranks),
+        "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}"]
+    proc = subprocess.run([*prefix, __file__, "--worker", mode, str(cfg_path), str(out)], env=_env(),
+                          capture_output=True, text=True, cwd=REPO)
+    if proc.returncode != 0:
+        raise SystemExit(proc.stdout[-3000:] + proc.stderr[-5000:])
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--records", type=int, default=1_000_000)
+    parser.add_argument("--baseline-records", type=int, default=50_000)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--seq", type=int, nargs="+", default=[512, 4096])
+    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        mode, cfg_path, out = args.worker
+        cfg = json.loads(Path(cfg_path).read_text())
+        (baseline_worker if mode == "baseline" else store_worker)(cfg, Path(out))
+        return
+
+    with tempfile.TemporaryDirectory(prefix="data-scale-") as tmp_name:
+        tmp = Path(tmp_name)
+        t0 = time.perf_counter()
+        model = tmp / "tiny"
+        subprocess.run([sys.executable, "-m", "llamaft.cli", "make-tiny-model", str(model)], env=_env(), check=True,
+                       capture_output=True)
+        big, small = tmp / "big.jsonl", tmp / "small.jsonl"
+        synthetic(big, args.records)
+        synthetic(small, args.baseline_records)
+        print(f"{args.records:,} synthetic records ({big.stat().st_size / 2**20:,.0f} MiB), "
+              f"baseline on {args.baseline_records:,}; {args.ranks} ranks; set up in {time.perf_counter() - t0:.0f} s",
+              flush=True)
+        scale = args.records / args.baseline_records
+        rows = []
+        for seq in args.seq:
+            base = launch(1, "baseline", {"model": str(model), "dataset": spec_dict(small, seq, False)}, tmp, f"base-{seq}")
+            base_rate = args.baseline_records / base["seconds"]
+            rows.append((f"previous, maxSeqLength {seq}", f"{base['rss_mb'] * scale:,.0f} (scaled)",
+                         f"{base['peak_mb'] * scale:,.0f} (scaled)", f"{args.records / base_rate:,.1f} (scaled)",
+                         f"{base_rate:,.0f}"))
+            ckpt = tmp / f"ckpt-{seq}"
+            cfg = {"model": str(model), "dataset": spec_dict(big, seq, False), "checkpoints": str(ckpt), "skip": 0}
+            first = launch(args.ranks, "store", cfg, tmp, f"first-{seq}")
+            rate = args.records / max(r["prepare_s"] for r in first)
+            rows.append((f"store, first attempt, {seq}", _ranks(first, "rss_mb"), _ranks(first, "peak_mb"),
+                         _ranks(first, "seconds"), f"{rate:,.0f} ({rate / base_rate:.1f}x)"))
+            resumed = launch(args.ranks, "store", {**cfg, "skip": args.records // (8 * args.ranks * 4)}, tmp, f"again-{seq}")
+            ratio = max(r["seconds"] for r in resumed) / max(r["seconds"] for r in first)
+            rows.append((f"store, resumed mid-epoch, {seq}", _ranks(resumed, "rss_mb"), _ranks(resumed, "peak_mb"),
+                         _ranks(resumed, "seconds"), f"{ratio:.1%} of the first's time"))
+            stream_cfg = {**cfg, "dataset": spec_dict(big, seq, True), "checkpoints": str(tmp / f"stream-{seq}")}
+            streamed = launch(args.ranks, "store", stream_cfg, tmp, f"stream-{seq}")
+            rows.append((f"streaming, {seq}", _ranks(streamed, "rss_mb"), _ranks(streamed, "peak_mb"),
+                         _ranks(streamed, "seconds"), "-"))
+            resumed_stream = launch(args.ranks, "store", {**stream_cfg, "skip": args.records // (2 * args.ranks * 4)},
+                                    tmp, f"stream-again-{seq}")
+            rows.append((f"streaming, resumed half-way, {seq}", _ranks(resumed_stream, "rss_mb"),
+                         _ranks(resumed_stream, "peak_mb"), _ranks(resumed_stream, "seconds"), "-"))
+        header = ("run", "rss MiB per rank", "peak MiB per rank", "seconds per rank", "records/s")
+        widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(5)]
+        for row in [header, *rows]:
+            print("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)))
+        print(f"total {time.perf_counter() - t0:.0f} s")
+
+
+def _ranks(results: list[dict[str, Any]], key: str) -> str:
+    return " / ".join(f"{r[key]:,.1f}" if key == "seconds" else f"{r[key]:,.0f}" for r in sorted(results, key=lambda r: r["rank"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""The token store: a run's tokenized data on disk, built once and memory-mapped by every rank.
+
+Tokenizing in every rank, on every attempt, into Python lists padded to maxSeqLength made data
+cost grow with records x maxSeqLength x ranks. The store holds each example once, unpadded, as
+flat arrays that every rank maps read-only (the page cache shares one copy per node):
+
+    <root>/<key>/train/tokens.bin   int32, every example's token ids back to back
+    <root>/<key>/train/loss.bin     uint8, 1 where the token carries loss (its label is itself)
+    <root>/<key>/train/offsets.bin  int64, example i is tokens[offsets[i]:offsets[i + 1]]
+    <root>/<key>/validation/...     the same for the held-out examples
+    <root>/<key>/meta.json          what was built and from what (written last: the store is complete)
+
+The key hashes everything that changes the tokens (store_key in data.py): the source and its
+fingerprint, the format and its templates, the tokenizer, maxSeqLength, packing, the split. The
+root is beside the checkpoints, so a later attempt of the run (on any node) reuses the store and a
+changed spec builds a new one. A store is built under a temporary name and renamed into place, so
+a crash mid-build leaves nothing a reader would take for complete.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+VERSION = 1
+TOKENS, LOSS, OFFSETS, META = "tokens.bin", "loss.bin", "offsets.bin", "meta.json"
+PARTS = ("train", "validation")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One memory-mapped part (train or validation): examples as slices of flat arrays."""
+
+    tokens: np.ndarray[Any, np.dtype[np.int32]]
+    loss: np.ndarray[Any, np.dtype[np.uint8]]
+    offsets: np.ndarray[Any, np.dtype[np.int64]]
+
+    def __len__(self) -> int:
+        return int(self.offsets.shape[0]) - 1
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    def example(self, index: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        start, end = int(self.offsets[index]), int(self.offsets[index + 1])
+        return self.tokens[start:end], self.loss[start:end]
+
+    def span(self, start: int, end: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        """Tokens [start, end) of the whole part, across example boundaries (packing)."""
+        return self.tokens[start:end], self.loss[start:end]
+
+
+def _map(path: Path, dtype: Any) -> np.ndarray[Any, Any]:
+    if path.stat().st_size == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def open_part(folder: Path) -> Part:
+    return Part(_map(folder / TOKENS, np.int32), _map(folder / LOSS, np.uint8), _map(folder / OFFSETS, np.int64))
+
+
+@dataclass(frozen=True)
+class Store:
+    path: Path
+    meta: dict[str, Any]
+    train: Part
+    validation: Part
+
+
+def open_store(path: Path) -> Store | None:
+    """The complete store at `path`, or None when there is none (or an older format)."""
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, ValueError):
+        return None
+    if meta.get("version") != VERSION:
+        return None
+    return Store(path, meta, open_part(path / "train"), open_part(path / "validation"))
+
+
+class PartWriter:
+    """Appends examples to one part's files as they are encoded (memory stays one batch)."""
+
+    def __init__(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder = folder
+        self._tokens: BinaryIO = open(folder / TOKENS, "wb")
+        self._loss: BinaryIO = open(folder / LOSS, "wb")
+        self._offsets: BinaryIO = open(folder / OFFSETS, "wb")
+        self._offsets.write(np.zeros(1, dtype=np.int64).tobytes())
+        self.examples = 0
+        self.tokens = 0
+        self.loss_tokens = 0
+
+    def add(self, examples: Iterable[tuple[list[int], list[int]]], ignore_index: int) -> None:
+        """(input_ids, labels) pairs; a label is either the token itself or `ignore_index`. One
+        array conversion per batch, not per example (the builder's cost is the tokenizer's)."""
+        kept = [(ids, labels) for ids, labels in examples if ids]
+        if not kept:
+            return
+        lengths = np.fromiter((len(ids) for ids, _ in kept), dtype=np.int64, count=len(kept))
+        total = int(lengths.sum())
+        tokens = np.fromiter(itertools.chain.from_iterable(ids for ids, _ in kept), dtype=np.int32, count=total)
+        labels = np.fromiter(itertools.chain.from_iterable(lab for _, lab in kept), dtype=np.int64, count=total)
+        loss = labels != ignore_index
+        self._tokens.write(tokens.tobytes())
+        self._loss.write(loss.astype(np.uint8).tobytes())
+        self._offsets.write((np.cumsum(lengths) + self.tokens).tobytes())
+        self.tokens += total
+        self.loss_tokens += int(loss.sum())
+        self.examples += len(kept)
+
+    def close(self) -> dict[str, int]:
+        for f in (self._tokens, self._loss, self._offsets):
+            f.close()
+        return {"examples": self.examples, "tokens": self.tokens, "lossTokens": self.loss_tokens}
+
+
+class StoreBuilder:
+    """Builds a store under a temporary name; `commit` renames it into place."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.partial = path.with_name(f".{path.name}.partial-{os.getpid()}-{time.monotonic_ns()}")
+        self.parts = {name: PartWriter(self.partial / name) for name in PARTS}
+        self.started = time.perf_counter()
+
+    def commit(self, meta: dict[str, Any]) -> Store:
+        sizes = {name: writer.close() for name, writer in self.parts.items()}
+        meta = {"version": VERSION, **meta, "parts": sizes, "buildSeconds": round(time.perf_counter() - self.started, 2)}
+        (self.partial / META).write_text(json.dumps(meta, indent=1, sort_keys=True))
+        try:
+            os.rename(self.partial, self.path)
+        except OSError:
+            # Another builder finished first (the same key: the same content); keep theirs.
+            shutil.rmtree(self.partial, ignore_errors=True)
+        store = open_store(self.path)
+        if store is None:
+            raise RuntimeError(f"token store {self.path} is unreadable right after it was written")
+        return store
+
+    def abandon(self) -> None:
+        for writer in self.parts.values():
+            try:
+                writer.close()
+            except OSError:
+                pass
+        shutil.rmtree(self.partial, ignore_errors=True)

@@ -1,0 +1,188 @@
+"""`dataset.streaming`: tokenize while training, for sets too large to prepare up front.
+
+The order is one global stream that every rank computes alike: records in file order, cut into
+windows of WINDOW records, each window shuffled by (seed, epoch, window). Micro-batch m of an
+epoch is the stream's items [m*G, (m+1)*G) with G = world x batch size, and rank r takes its
+`batch size` of them; an epoch ends where the stream cannot fill a whole micro-batch, on every
+rank at once. Without packing the items are records, and a rank tokenizes only its own; with
+packing they are `maxSeqLength` blocks of the concatenated token stream, which every rank
+tokenizes (block boundaries depend on every record before them).
+
+A resumed run continues at its exact position from the checkpoint's (epoch, micro-batches done):
+without packing it skips whole windows unparsed and starts inside the window; with packing it
+jumps by a small index of each window's token count (`windows.json` beside the token stores,
+written as windows are first read: counts do not depend on the epoch's shuffle) and tokenizes
+only the window it resumes in. The first `validation_split x WINDOW` records (at most
+MAX_VALIDATION) are held out for evaluation and never trained on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from llamaft.api.spec import DatasetSpec
+from torch.utils.data import DataLoader, DistributedSampler
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from llamaft_trainer import data as data_mod
+from llamaft_trainer import store as store_mod
+from llamaft_trainer.records import Numbered, RecordSource
+from llamaft_trainer.runtime import Runtime
+
+WINDOW = 8192
+"""Records shuffled together: the stream's shuffle buffer (and what a rank holds at once)."""
+MAX_VALIDATION = 2048
+
+
+def validation_count(spec: DatasetSpec) -> int:
+    if spec.validation_split == 0:
+        return 0
+    return min(MAX_VALIDATION, max(1, round(spec.validation_split * WINDOW)))
+
+
+def in_memory_part(encoded: list[tuple[list[int], list[int]]]) -> store_mod.Part:
+    ids = [t for e, _ in encoded for t in e]
+    loss = [label != data_mod.IGNORE_INDEX for _, labels in encoded for label in labels]
+    offsets = np.cumsum([0] + [len(e) for e, _ in encoded], dtype=np.int64)
+    return store_mod.Part(np.asarray(ids, dtype=np.int32), np.asarray(loss, dtype=np.uint8), offsets)
+
+
+class Stream:
+    """The training stream of one rank (see the module docstring)."""
+
+    def __init__(self, spec: DatasetSpec, tok: PreTrainedTokenizerBase, batch_size: int, seed: int, rt: Runtime,
+                 index_path: Path | None) -> None:
+        self.spec = spec
+        self.source = RecordSource(spec)
+        self.encoder = data_mod.Encoder(spec, tok)
+        self.collate = data_mod.Collate(int(tok.pad_token_id))
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rank, self.world = rt.rank, rt.world_size
+        self.skip_records = validation_count(spec)
+        self.index_path = index_path
+        self.window_tokens: list[int] = self._read_index()
+        self.write_index = rt.is_leader
+
+    # -------------------------------------------------------------------- the window index
+    def _read_index(self) -> list[int]:
+        if self.index_path is None:
+            return []
+        try:
+            counts = json.loads(self.index_path.read_text())
+            return [int(c) for c in counts]
+        except (OSError, ValueError, TypeError):
+            return []
+
+    def _learn(self, window: int, tokens: int) -> None:
+        if window != len(self.window_tokens):
+            return
+        self.window_tokens.append(tokens)
+        if self.write_index and self.index_path is not None:
+            self.index_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.index_path.with_suffix(f".tmp-{os.getpid()}")
+            tmp.write_text(json.dumps(self.window_tokens))
+            os.replace(tmp, self.index_path)
+
+    # ------------------------------------------------------------------------ the order
+    def _windows(self, epoch: int, first: int) -> Iterator[tuple[int, list[Numbered]]]:
+        start = self.skip_records + first * WINDOW
+        for offset, batch in enumerate(self.source.batches(WINDOW, start=start)):
+            window = first + offset
+            order = list(range(len(batch)))
+            random.Random(f"{self.seed}/{epoch}/{window}").shuffle(order)
+            yield window, [batch[i] for i in order]
+
+    def batches(self, epoch: int, skip: int) -> Iterator[dict[str, torch.Tensor]]:
+        if self.spec.packing:
+            yield from self._packed(epoch, skip)
+        else:
+            yield from self._records(epoch, skip)
+
+    def _records(self, epoch: int, skip: int) -> Iterator[dict[str, torch.Tensor]]:
+        group = self.world * self.batch_size
+        position = skip * group  # the first stream item still to train on
+        first, offset = divmod(position, WINDOW)
+        pending: list[Numbered] = []
+        for window, records in self._windows(epoch, first):
+            pending.extend(records[offset:] if window == first else records)
+            while len(pending) >= group:
+                mine = pending[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
+                pending = pending[group:]
+                yield self._batch(self.encoder.encode(mine))
+
+    def _packed(self, epoch: int, skip: int) -> Iterator[dict[str, torch.Tensor]]:
+        length = self.spec.max_seq_length
+        group = self.world * self.batch_size
+        target = skip * group * length  # tokens of this epoch already trained on
+        first, before = 0, 0
+        while first < len(self.window_tokens) and before + self.window_tokens[first] <= target:
+            before += self.window_tokens[first]
+            first += 1
+        drop = target - before  # tokens to skip inside the stream from window `first` on
+        ids = np.zeros(0, dtype=np.int32)
+        loss = np.zeros(0, dtype=np.bool_)
+        mine = slice(self.rank * self.batch_size * length, (self.rank + 1) * self.batch_size * length)
+        for window, records in self._windows(epoch, first):
+            part = in_memory_part(self.encoder.encode(records))
+            self._learn(window, part.total_tokens)
+            ids = np.concatenate([ids, part.tokens])
+            loss = np.concatenate([loss, part.loss.astype(np.bool_)])
+            if drop:
+                cut = min(drop, len(ids))
+                ids, loss = ids[cut:], loss[cut:]
+                drop -= cut
+            used = 0
+            while len(ids) - used >= group * length:
+                block_ids = ids[used:used + group * length][mine]
+                block_loss = loss[used:used + group * length][mine]
+                used += group * length
+                yield self.collate([
+                    data_mod._item(block_ids[i * length:(i + 1) * length], block_loss[i * length:(i + 1) * length])
+                    for i in range(self.batch_size)
+                ])
+            ids, loss = ids[used:], loss[used:]
+
+    def _batch(self, encoded: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
+        items = [data_mod._item(np.asarray(e), np.asarray([label != data_mod.IGNORE_INDEX for label in labels]))
+                 for e, labels in encoded]
+        return self.collate(items)
+
+    def validation(self) -> store_mod.Part | None:
+        n = self.skip_records
+        if n == 0:
+            return None
+        head: list[Numbered] = []
+        for batch in self.source.batches(n):
+            head.extend(batch)
+            if len(head) >= n:
+                break
+        return in_memory_part(self.encoder.encode(head[:n]))
+
+
+def streaming_data(spec: DatasetSpec, tok: PreTrainedTokenizerBase, batch_size: int, seed: int, rt: Runtime,
+                   index_root: Path | None = None) -> data_mod.Data:
+    """Data whose training batches come from a Stream; validation is the held-out head, in memory."""
+    key = data_mod.store_key(spec, data_mod.Encoder(spec, tok), RecordSource(spec).fingerprint(), seed)
+    index_path = index_root / f"stream-{key}" / "windows.json" if index_root is not None else None
+    stream = Stream(spec, tok, batch_size, seed, rt, index_path)
+    part = stream.validation()
+    validation: Any = None
+    val_loader = None
+    if part is not None and len(part):
+        validation = data_mod.PackedBlocks(part, spec.max_seq_length) if spec.packing else data_mod.PaddedExamples(part)
+        if len(validation) >= rt.world_size:
+            sampler: DistributedSampler[Any] = DistributedSampler(validation, num_replicas=rt.world_size, rank=rt.rank,
+                                                                  shuffle=False, drop_last=True)
+            val_loader = DataLoader(validation, batch_size=batch_size, sampler=sampler, collate_fn=stream.collate)
+    data = data_mod.Data(train=None, validation=validation, loader=None, validation_loader=val_loader,
+                         batch_size=batch_size, stream=stream)
+    data.info.update(streaming=True, window=WINDOW, validation_sequences=0 if validation is None else len(validation))
+    return data
