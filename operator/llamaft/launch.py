@@ -20,6 +20,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 CONTAINER = "pytorch"
@@ -91,17 +92,30 @@ class Localized:
     """What differs from the cluster's launch, name -> (cluster value, local value)."""
 
 
+def local_cache(environ: Mapping[str, str]) -> dict[str, str]:
+    """This machine's download caches: the user's own (HF_HOME, LLAMAFT_CACHE, else their
+    defaults under ~/.cache), which every local agent shares, instead of the pod's mount."""
+    root = Path(environ.get("XDG_CACHE_HOME") or Path(environ.get("HOME") or Path.home()) / ".cache")
+    return {
+        "LLAMAFT_CACHE": environ.get("LLAMAFT_CACHE") or str(root / "llamaft"),
+        "HF_HOME": environ.get("HF_HOME") or str(root / "huggingface"),
+        "LLAMAFT_CACHE_SHARED": "1",
+    }
+
+
 def localize(launch: Launch, *, rdzv_endpoint: str, config_path: str, nproc_per_node: int | None,
-             metrics_port: int, termination_log: str, cpu_only: bool) -> Localized:
+             metrics_port: int, termination_log: str, cpu_only: bool, cache: Mapping[str, str] | None = None) -> Localized:
     """The cluster launch on this machine: the rendezvous on a local address, the config file at
-    a local path, a free metrics port per agent, the termination message in a file, and (without
-    enough GPUs) one CPU process per worker; `torchrun` is this interpreter's torch.distributed.run."""
+    a local path, a free metrics port per agent, the termination message in a file, the local
+    download caches (`cache`: local_cache's values), and (without enough GPUs) one CPU process per
+    worker; `torchrun` is this interpreter's torch.distributed.run."""
     env = dict(launch.env)
     overrides = {
         "PET_RDZV_ENDPOINT": rdzv_endpoint,
         "LLAMAFT_CONFIG": config_path,
         "LLAMAFT_METRICS_PORT": str(metrics_port),
         "LLAMAFT_TERMINATION_LOG": termination_log,
+        **(cache or {}),
     }
     if nproc_per_node is not None:
         overrides["PET_NPROC_PER_NODE"] = str(nproc_per_node)

@@ -49,7 +49,7 @@ from llamaft_trainer.local_etcd import LocalEtcd, free_port, parent_death_signal
 
 from llamaft.api.sources import SourceKind, parse_source
 from llamaft.api.spec import LlamaFineTuneSpec, RendezvousBackend
-from llamaft.launch import Launch, Localized, localize, torchrun_launch
+from llamaft.launch import Launch, Localized, local_cache, localize, torchrun_launch
 from llamaft.manifests import load_finetune
 from llamaft.operator import desired
 from llamaft.operator.naming import CONFIG_FILE, Owner
@@ -117,7 +117,7 @@ def agent(p: LocalPlan, endpoint: str, index: int) -> Localized:
     """Agent (\"node\") `index` of the local run: the cluster's launch, localized."""
     return localize(p.launch, rdzv_endpoint=endpoint, config_path=str(p.config_path), nproc_per_node=p.nproc_per_worker,
                     metrics_port=free_port(), termination_log=str(p.run_dir / f"termination-{index}.json"),
-                    cpu_only=p.device == "cpu")
+                    cpu_only=p.device == "cpu", cache=local_cache(os.environ))
 
 
 @contextlib.contextmanager

@@ -14,9 +14,10 @@ that all "nodes" share this machine's network and filesystem:
   Jobs' pods, Trainer's PET_MASTER_ADDR), resolves to that pod's address; any other `*.svc` host
   (the managed etcd, an external `etcd.infra.svc`) is the one real local etcd the test passes in
   (env PET_RDZV_ENDPOINT and PET_MASTER_ADDR/PORT and torchrun's --rdzv-endpoint are resolved);
-- "mounts": configMap volumes are written under the pod's directory, and every command argument
-  and env value that starts with such a volume's mountPath is rewritten to point there; emptyDir
-  and PVC mounts are ignored (tests use absolute local paths).
+- "mounts": configMap volumes are written under the pod's directory, an emptyDir (not in memory)
+  is a folder of the pod's own, a claim the test declared (`claims`) is its shared folder, and
+  every command argument and env value that starts with such a mountPath is rewritten to point
+  there; other claims are ignored (tests use absolute local paths).
 
 The training operator is a port of training-operator v1.9's ReconcileJobs / ReconcilePods /
 UpdateJobStatus (pkg/controller.v1/common/{job,pod}.go, pytorch/pytorchjob_controller.go), its
@@ -317,8 +318,11 @@ class SimCluster:
     def __init__(self, api_url: str, etcd_endpoint: str, nodes: int = 2, workdir: Path | str | None = None, *,
                  tick: float = 0.2, etcd_ready_delay: float = 0.5, gpus_per_node: int = 0,
                  node_labels: dict[str, dict[str, str]] | None = None, restart_backoff: float = 1.0,
-                 final_delete_delay: float = 1.0, python: str = sys.executable) -> None:
+                 final_delete_delay: float = 1.0, python: str = sys.executable,
+                 claims: dict[str, Path] | None = None) -> None:
         """`node_labels`: extra labels per node name (e.g. {"node-1": {"gpu": "a100"}});
+        `claims`: PersistentVolumeClaims backed by a local folder, mounted where a pod mounts them
+        (every pod of every node sees the same folder, like a ReadWriteMany volume);
         `gpus_per_node`: allocatable nvidia.com/gpu (pods asking for more stay Pending);
         `restart_backoff`: seconds before a kubelet restarts a container in place (OnFailure/Always);
         `final_delete_delay`: seconds a deleted pod stays terminal before the kubelet removes it."""
@@ -327,6 +331,7 @@ class SimCluster:
         self.workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="simcluster-"))
         self.tick, self.etcd_ready_delay, self.gpus_per_node = tick, etcd_ready_delay, gpus_per_node
         self.node_labels = node_labels or {}
+        self.claims = {name: Path(path) for name, path in (claims or {}).items()}
         self.restart_backoff, self.final_delete_delay = restart_backoff, final_delete_delay
         self.python = python
         self.api = Api(api_url)
@@ -1411,9 +1416,20 @@ class SimCluster:
         volumes = {v.get("name"): v for v in spec.get("volumes") or []}
         for mount in container.get("volumeMounts") or []:
             volume = volumes.get(mount.get("name")) or {}
+            claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
+            if claim in self.claims:
+                self.claims[claim].mkdir(parents=True, exist_ok=True)
+                mounts[str(mount.get("mountPath")).rstrip("/")] = self.claims[claim]
+                continue
+            if "emptyDir" in volume and volume["emptyDir"].get("medium") != "Memory":
+                # The pod's own folder (a new pod, on any node, starts empty), e.g. the download cache.
+                target = run.dir / "volumes" / str(mount.get("name"))
+                target.mkdir(parents=True, exist_ok=True)
+                mounts[str(mount.get("mountPath")).rstrip("/")] = target
+                continue
             source = volume.get("configMap")
             if source is None:
-                continue  # emptyDir, PVCs, ...: tests use absolute local paths
+                continue  # /dev/shm, other claims, ...: tests use absolute local paths
             cm = self.api.get(f"/api/v1/namespaces/{meta['namespace']}/configmaps/{source.get('name')}")
             if cm is None:
                 if source.get("optional"):

@@ -64,10 +64,26 @@ def test_llama2_7b_job_wiring() -> None:
     assert volumes["checkpoints"]["persistentVolumeClaim"]["claimName"] == "fsx-checkpoints"
     assert volumes["config"]["configMap"]["name"] == "llama2-7b-samsum-config"
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-    assert mounts == {"dshm": "/dev/shm", "config": "/etc/llamaft", "checkpoints": "/checkpoints/llama2-7b-samsum"}
+    assert mounts == {"dshm": "/dev/shm", "config": "/etc/llamaft", "checkpoints": "/checkpoints/llama2-7b-samsum",
+                      "llamaft-cache": "/var/cache/llamaft"}
+    assert volumes["llamaft-cache"] == {"name": "llamaft-cache", "emptyDir": {}}, "no spec.cache: a node-local download cache"
+    assert (env["LLAMAFT_CACHE"], env["HF_HOME"], env["LLAMAFT_CACHE_SHARED"]) == (
+        "/var/cache/llamaft", "/var/cache/llamaft/huggingface", "0")
     assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "p4de.24xlarge"}
     labels = job["metadata"]["labels"]
     assert labels["llamaft.io/finetune"] == "llama2-7b-samsum" and labels["llamaft.io/attempt"] == "3"
+
+
+def test_a_cache_claim_is_the_shared_download_cache_and_the_condition_says_which() -> None:
+    spec = example("llama3-8b-chat.yaml")
+    job = desired.pytorch_job(OWNER, spec, 1)
+    pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["llamaft-cache"]["persistentVolumeClaim"] == {"claimName": "fsx-hf-cache"}
+    assert env_of(job)["LLAMAFT_CACHE_SHARED"] == "1"
+    assert desired.cache_condition(spec)[:2] == ("True", "VolumeClaim")
+    status, reason, message = desired.cache_condition(example("llama2-7b.yaml"))
+    assert (status, reason) == ("False", "NoVolumeClaim") and "spec.cache.volumeClaim" in message
 
 
 def test_efa_env_only_when_requested() -> None:

@@ -184,7 +184,8 @@ def test_llama2_7b_trainjob_wiring() -> None:
     pod = template["spec"]
     assert [c["name"] for c in pod["containers"]] == ["node"] and set(pod["containers"][0]) == {"name", "volumeMounts"}
     mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
-    assert mounts == {"dshm": "/dev/shm", "config": "/etc/llamaft", "checkpoints": "/checkpoints/llama2-7b-samsum"}
+    assert mounts == {"dshm": "/dev/shm", "config": "/etc/llamaft", "checkpoints": "/checkpoints/llama2-7b-samsum",
+                      "llamaft-cache": "/var/cache/llamaft"}
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
     assert volumes["config"]["configMap"]["name"] == "llama2-7b-samsum-config"

@@ -25,7 +25,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from llamaft.api.sources import PVC_MOUNT_ROOT, SourceKind, parse_source
+from llamaft.api.sources import CACHE_MOUNT, PVC_MOUNT_ROOT, SourceKind, parse_source
 from llamaft.api.spec import LlamaFineTuneSpec, RendezvousBackend
 from llamaft.operator.naming import (
     C10D_PORT,
@@ -155,6 +155,13 @@ def _env(spec: LlamaFineTuneSpec) -> list[Obj]:
             {"name": "FI_EFA_USE_DEVICE_RDMA", "value": "1"},
             {"name": "NCCL_SOCKET_IFNAME", "value": "^lo,docker"},
         ]
+    # The download cache (huggingface_hub's and datasets', and llamaft's own for fsspec URIs):
+    # on spec.cache.volumeClaim every node and attempt shares one copy; otherwise an emptyDir.
+    env += [
+        {"name": "LLAMAFT_CACHE", "value": CACHE_MOUNT},
+        {"name": "HF_HOME", "value": f"{CACHE_MOUNT}/huggingface"},
+        {"name": "LLAMAFT_CACHE_SHARED", "value": "1" if spec.cache.volume_claim else "0"},
+    ]
     secret = spec.model.hf_token_secret
     if secret is not None:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}})
@@ -184,6 +191,11 @@ def _volumes(owner: Owner, spec: LlamaFineTuneSpec) -> tuple[list[Obj], list[Obj
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
     ]
+    if spec.cache.volume_claim:
+        volumes.append({"name": "llamaft-cache", "persistentVolumeClaim": {"claimName": spec.cache.volume_claim}})
+    else:
+        volumes.append({"name": "llamaft-cache", "emptyDir": {}})
+    mounts.append({"name": "llamaft-cache", "mountPath": CACHE_MOUNT})
     if spec.checkpointing.volume_claim:
         volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": spec.checkpointing.volume_claim}})
         mounts.append({"name": "checkpoints", "mountPath": spec.checkpointing.directory})
@@ -198,6 +210,16 @@ def _volumes(owner: Owner, spec: LlamaFineTuneSpec) -> tuple[list[Obj], list[Obj
         volumes.append({"name": f"input-{index}", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": f"input-{index}", "mountPath": f"{PVC_MOUNT_ROOT}/{claim}", "readOnly": True})
     return volumes, mounts
+
+
+def cache_condition(spec: LlamaFineTuneSpec) -> tuple[str, str, str]:
+    """The SharedCache condition (status, reason, message): whether downloads happen once per run."""
+    if spec.cache.volume_claim:
+        return ("True", "VolumeClaim", f"model and dataset files are downloaded once per run into the claim "
+                f"{spec.cache.volume_claim} (mounted at {CACHE_MOUNT} on every worker)")
+    return ("False", "NoVolumeClaim", "each node downloads the model and dataset files into its own emptyDir, again on "
+            "every attempt (a retry moves to other nodes); set spec.cache.volumeClaim to a ReadWriteMany claim to "
+            "download them once per run")
 
 
 def _avoid_nodes(excluded: Sequence[str]) -> Obj:

@@ -336,6 +336,8 @@ class Step:
                 list(status.get("conditions", [])), "Valid", "True", "SpecValid", "the spec passed schema and CEL validation",
                 generation, lifecycle.iso(now()))
         capacity = self._capacity(obj, parsed, status, generation)
+        status["conditions"] = observe.set_condition(
+            list(status.get("conditions", [])), "SharedCache", *desired.cache_condition(parsed), generation, lifecycle.iso(now()))
         try:
             obs = self._observe(obj, owner, parsed, status, max(attempt, 1), generation)
         except ApiException as exc:
