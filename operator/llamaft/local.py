@@ -148,6 +148,11 @@ def format_event(event: dict[str, Any]) -> str | None:
             f"setup: {event['parameters']:,} parameters on {event['world_size']} rank(s) ({event['device']}), "
             f"{event['strategy']} {event['precision']}, {event['total_steps']} steps"
         )
+    if kind == "data":
+        if event.get("reused"):
+            return f"data: the token store {event['store']} again ({event['train_examples']:,} training examples)"
+        return (f"data: {event['records']:,} records tokenized into {event['store']} in {event['seconds']}s "
+                f"({event['train_examples']:,} training, {event['validation_examples']:,} validation examples)")
     if kind == "checkpoint":
         return f"checkpoint: {event['path']}"
     if kind == "resume":

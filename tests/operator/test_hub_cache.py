@@ -1,0 +1,150 @@
+"""The download cache on a simulated cluster: a LlamaFineTune whose model and dataset are Hub ids
+(served by the Hub server on loopback, tests/hub) runs with the real operator and trainer; its first
+attempt dies with the nodes it ran on and the second runs on two other nodes.
+
+- With `spec.cache.volumeClaim` (a folder every pod of every node mounts, like a ReadWriteMany
+  claim) each model and dataset file is fetched from the Hub exactly once for the whole run: by
+  one of the two ranks racing for it in attempt 1, and never again by attempt 2's new pods.
+- Without it every pod has an emptyDir cache of its own, so each pod of each attempt fetches the
+  files again, and the SharedCache condition says so.
+
+The checkpoints go to a `file://` URI, as a run that checkpoints to an object store would: the
+token store then lives in the download cache too (data.store_root), so without a claim each node
+tokenizes, and fetches the dataset, again.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from llamaft_trainer.local_etcd import LocalEtcd, free_port
+
+from tests.hub.fixture import HubServer
+from tests.operator.conftest import Cluster, Operator, wait_for
+from tests.operator.emulator import EmulatorThread, write_kubeconfig
+from tests.operator.sim import SimCluster
+from tests.operator.sim_fixtures import (  # noqa: F401 (the *_fixture imports register pytest fixtures)
+    DATASET,
+    make_sim_fixture,
+    sim_emulator_fixture,
+    sim_etcd_fixture,
+    tiny_finetune,
+)
+from tests.operator.test_runs import OPERATOR_ENV, phase, steps_of
+
+pytestmark = pytest.mark.slow
+CLAIM = "hf-cache"
+STEPS = 60
+"""A tiny-model step takes ~50 ms here: the window in which attempt 1 has fetched everything and
+trains, and the fault hits it."""
+ESSENTIAL = {"config.json", "model.safetensors", "tokenizer.json", "data/train.jsonl"}
+"""Files every attempt needs from the Hub (the model's config, weights and tokenizer, the data)."""
+
+
+@pytest.fixture
+def hub_operator(sim_emulator: EmulatorThread, sim_etcd: LocalEtcd, tmp_path: Path) -> Iterator[Cluster]:
+    """The real operator on this test's emulator; a client for it."""
+    from kubernetes import client
+
+    config = client.Configuration()
+    config.host = sim_emulator.url
+    kubeconfig = write_kubeconfig(sim_emulator.url, tmp_path / "kubeconfig")
+    op = Operator(kubeconfig, tmp_path / "operator.log", cli=True, LLAMAFT_RENDEZVOUS_ADDRESS_OVERRIDE=sim_etcd.endpoint,
+                  **OPERATOR_ENV).start()
+    try:
+        yield Cluster(client.ApiClient(config))
+    finally:
+        op.stop()
+
+
+def hub_spec(hub: HubServer, model: str, dataset: str, workdir: Path, name: str, **overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = tiny_finetune(
+        name, Path(), workdir,
+        dataset={"source": dataset},
+        training={"maxSteps": STEPS},
+        checkpointing={"directory": f"file://{workdir / name / 'checkpoints'}"},
+        cluster={"env": [{"name": "HF_ENDPOINT", "value": hub.endpoint}, {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}],
+                 "terminationGracePeriodSeconds": 5},
+        rendezvous={"maxRestarts": 0},
+        monitoring={"metricsPort": free_port()},
+        runPolicy={"retryBudget": 2, "startupGraceSeconds": 120},
+        **overrides,
+    )["spec"]
+    spec["model"]["source"] = model
+    return spec
+
+
+def scheduled(sim: SimCluster, job: str) -> dict[str, str]:
+    """Pod -> node, once every pod of the job is bound."""
+    return wait_for(f"{job}'s pods scheduled", lambda: (pods := sim.pods(job)) and all(p["spec"].get("nodeName") for p in pods)
+                    and {p["metadata"]["name"]: p["spec"]["nodeName"] for p in pods}, timeout=60)
+
+
+def trained(sim: SimCluster, pods: list[str]) -> bool:
+    return any(line.get("event") == "step" for pod in pods for line in steps_of(sim.logs(pod)))
+
+
+def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next(c for c in status.get("conditions") or [] if c["type"] == kind)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["volumeClaim", "emptyDir"])
+def test_hub_files_are_fetched_once_per_run_with_a_shared_cache(
+    hub_server: HubServer, hub_operator: Cluster, make_sim: Callable[..., SimCluster], tiny_model: Path, tmp_path: Path,
+    shared: bool,
+) -> None:
+    case = "claim" if shared else "nocl"
+    model, dataset = f"cache-{case}/tiny-llama", f"cache-{case}/samsum-tiny"
+    hub_server.add_model(model, tiny_model)
+    hub_server.add_dataset(dataset, {"data/train.jsonl": DATASET})
+    hub_server.reset_counts()
+    cluster = hub_operator
+    sim = make_sim(nodes=4, claims={CLAIM: tmp_path / "claim"})
+    name = f"hub-{case}"
+    cache = {"cache": {"volumeClaim": CLAIM}} if shared else {}
+    started = time.monotonic()
+    cluster.create(name, hub_spec(hub_server, model, dataset, tmp_path, name, **cache))
+
+    # Attempt 1 fetches, trains; then both of its nodes are lost.
+    first = wait_for("attempt 1's job", lambda: cluster.attempt_job(name, 1), timeout=60)["metadata"]["name"]
+    print("T", 'nodes_1 = scheduled(', round(time.monotonic()-started,1))
+    nodes_1 = scheduled(sim, first)
+    print("T", 'wait_for("attempt 1 ', round(time.monotonic()-started,1))
+    wait_for("attempt 1 training", lambda: trained(sim, list(nodes_1)), timeout=120, interval=0.1)
+    for node in sorted(set(nodes_1.values())):
+        sim.lose_node(node)
+    print("T", 'status = wait_for("a', round(time.monotonic()-started,1))
+    status = wait_for("attempt 2", lambda: (s := cluster.status(name)).get("attempt") == 2 and s, timeout=60)
+    assert status["failures"][0]["reason"] == "NodeLost", status["failures"]
+    assert set(status["excludedNodes"]) & set(nodes_1.values()), status.get("excludedNodes")
+
+    # Attempt 2 runs on the two other nodes and to the end.
+    print("T", 'second = wait_for(', round(time.monotonic()-started,1))
+    second = wait_for("attempt 2's job", lambda: cluster.attempt_job(name, 2), timeout=60)["metadata"]["name"]
+    print("T", 'nodes_2 = scheduled(', round(time.monotonic()-started,1))
+    nodes_2 = scheduled(sim, second)
+    assert not set(nodes_2.values()) & set(nodes_1.values()), (nodes_1, nodes_2)
+    print("T", 'status = phase(clust', round(time.monotonic()-started,1))
+    status = phase(cluster, name, "Succeeded", "Failed", timeout=180)
+    assert status["phase"] == "Succeeded" and status["attempt"] == 2, json.dumps(status, indent=1)[:4000]
+    assert trained(sim, list(nodes_2)), "attempt 2 trained from its own fetch or the shared cache"
+    took = time.monotonic() - started
+
+    ours = {(repo, file): n for (repo, file), n in hub_server.downloads().items() if repo in (model, dataset)}
+    fetched = Counter({file: n for (_, file), n in ours.items()})
+    assert ESSENTIAL <= set(fetched), f"files fetched: {dict(fetched)}"
+    cond = condition(status, "SharedCache")
+    if shared:
+        assert dict(fetched) == dict.fromkeys(fetched, 1), f"one GET per file for the whole run: {dict(fetched)}"
+        assert (cond["status"], cond["reason"]) == ("True", "VolumeClaim"), cond
+    else:
+        # Each pod's own emptyDir: at least one fetch per attempt (in fact one per pod).
+        assert all(n >= 2 for n in fetched.values()), f"each attempt fetched again: {dict(fetched)}"
+        assert (cond["status"], cond["reason"]) == ("False", "NoVolumeClaim"), cond
+    print(f"{case}: downloads per file {dict(sorted(fetched.items()))}; nodes {nodes_1} -> {nodes_2}; {took:.1f}s")
