@@ -122,6 +122,11 @@ MODES: dict[str, dict[str, Any]] = {
     "full-no-shard-selective-ac": {"fsdp": {"shardingStrategy": "NO_SHARD",
                                             "activationCheckpointing": {"mode": "selective", "everyNLayers": 2}}},
     "full-fsdp1-accumulation": {"fsdp": {"implementation": "fsdp1"}, "training": {"gradientAccumulationSteps": 2}},
+    # dataset.streaming: the position is (epoch, micro-batch) of one global stream; packing, and an
+    # epoch boundary after the checkpoint with padding (the 40-record file)
+    "streaming-packing": {"dataset": {"streaming": True}},
+    "streaming-padding-epochs": {"dataset": {"streaming": True, "packing": False, "source": "SMALL"},
+                                 "training": {"lora": LORA, "perDeviceBatchSize": 4}},
 }
 
 

@@ -52,8 +52,8 @@ def rows(batches: Any) -> list[list[int]]:
 
 def test_ranks_share_one_order_and_take_disjoint_records(tok: Any) -> None:
     s = spec()
-    held_out = streaming.validation_count(s)
-    assert held_out == 5
+    held_out = streaming.validation_count(s, 50)
+    assert held_out == 5 and streaming.validation_count(s, 7) == 1 and streaming.validation_count(spec(validationSplit=0.5), 2) == 1
     records = [r for _, r in d.read_numbered(s)][held_out:]
     expected = {tuple(ids) for ids, _ in d.Encoder(s, tok).encode([("x", r) for r in records])}
     per_rank = [rows(stream(s, tok, r).batches(epoch=0, skip=0)) for r in (0, 1)]

@@ -12,8 +12,8 @@ A resumed run continues at its exact position from the checkpoint's (epoch, micr
 without packing it skips whole windows unparsed and starts inside the window; with packing it
 jumps by a small index of each window's token count (`windows.json` beside the token stores,
 written as windows are first read: counts do not depend on the epoch's shuffle) and tokenizes
-only the window it resumes in. The first `validation_split x WINDOW` records (at most
-MAX_VALIDATION) are held out for evaluation and never trained on.
+only the window it resumes in. The first `validation_split` of the first window's records (at most MAX_VALIDATION)
+are held out for evaluation and never trained on.
 """
 
 from __future__ import annotations
@@ -41,10 +41,16 @@ WINDOW = 8192
 MAX_VALIDATION = 2048
 
 
-def validation_count(spec: DatasetSpec) -> int:
-    if spec.validation_split == 0:
+def validation_count(spec: DatasetSpec, first_window: int) -> int:
+    """Records held out from the head of the file: validationSplit of the first window (whose
+    size is known without reading the rest), at most MAX_VALIDATION, leaving one to train on."""
+    if spec.validation_split == 0 or first_window < 2:
         return 0
-    return min(MAX_VALIDATION, max(1, round(spec.validation_split * WINDOW)))
+    return min(MAX_VALIDATION, max(1, round(spec.validation_split * first_window)), first_window - 1)
+
+
+def _first_window(source: RecordSource) -> int:
+    return len(next(iter(source.batches(WINDOW)), []))
 
 
 def in_memory_part(encoded: list[tuple[list[int], list[int]]]) -> store_mod.Part:
@@ -66,7 +72,7 @@ class Stream:
         self.batch_size = batch_size
         self.seed = seed
         self.rank, self.world = rt.rank, rt.world_size
-        self.skip_records = validation_count(spec)
+        self.skip_records = validation_count(spec, _first_window(self.source))
         self.index_path = index_path
         self.window_tokens: list[int] = self._read_index()
         self.write_index = rt.is_leader

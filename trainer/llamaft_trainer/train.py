@@ -45,6 +45,7 @@ from transformers import get_scheduler
 from llamaft_trainer import profiling
 from llamaft_trainer.checkpoint import Checkpointer, TrainState
 from llamaft_trainer.data import IGNORE_INDEX, Data
+from llamaft_trainer.errors import ConfigError
 from llamaft_trainer.metrics import Progress, log_json, peak_memory_bytes
 from llamaft_trainer.preemption import (
     EXIT_RESERVE_S,
@@ -183,11 +184,19 @@ def _micro_batches(data: Data, state: TrainState, accum: int) -> Iterator[list[d
     """Groups of `accum` micro-batches, continuing from the saved epoch and position forever."""
     while True:
         group: list[dict[str, torch.Tensor]] = []
+        produced = False
         for batch in data.batches(state.epoch, state.batches_in_epoch):
             group.append(batch)
             if len(group) == accum:
+                produced = True
                 yield group
                 group = []
+        if not produced and state.batches_in_epoch == 0:
+            # A stream of unknown length can turn out too short; an epoch without a step never ends.
+            raise ConfigError(
+                f"spec.dataset: one epoch of the data gives fewer than gradientAccumulationSteps ({accum}) "
+                "micro-batches per rank: use more data, a smaller perDeviceBatchSize or fewer accumulation steps"
+            )
         state.epoch += 1
         state.batches_in_epoch = 0
 
