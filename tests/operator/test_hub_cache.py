@@ -16,8 +16,6 @@ tokenizes, and fetches the dataset, again.
 from __future__ import annotations
 
 import json
-import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,12 +34,12 @@ from tests.operator.sim_fixtures import (  # noqa: F401 (the *_fixture imports r
     sim_etcd_fixture,
     tiny_finetune,
 )
-from tests.operator.test_runs import OPERATOR_ENV, phase, steps_of
+from tests.operator.test_runs import phase, steps_of
 
 pytestmark = pytest.mark.slow
 CLAIM = "hf-cache"
-STEPS = 60
-"""A tiny-model step takes ~50 ms here: the window in which attempt 1 has fetched everything and
+STEPS = 30
+"""A tiny-model step takes ~0.1 s here (2 ranks on 2 cores): the window in which attempt 1 has fetched everything and
 trains, and the fault hits it."""
 ESSENTIAL = {"config.json", "model.safetensors", "tokenizer.json", "data/train.jsonl"}
 """Files every attempt needs from the Hub (the model's config, weights and tokenizer, the data)."""
@@ -55,8 +53,7 @@ def hub_operator(sim_emulator: EmulatorThread, sim_etcd: LocalEtcd, tmp_path: Pa
     config = client.Configuration()
     config.host = sim_emulator.url
     kubeconfig = write_kubeconfig(sim_emulator.url, tmp_path / "kubeconfig")
-    op = Operator(kubeconfig, tmp_path / "operator.log", cli=True, LLAMAFT_RENDEZVOUS_ADDRESS_OVERRIDE=sim_etcd.endpoint,
-                  **OPERATOR_ENV).start()
+    op = Operator(kubeconfig, tmp_path / "operator.log", cli=True, LLAMAFT_RENDEZVOUS_ADDRESS_OVERRIDE=sim_etcd.endpoint).start()
     try:
         yield Cluster(client.ApiClient(config))
     finally:
@@ -103,48 +100,37 @@ def test_hub_files_are_fetched_once_per_run_with_a_shared_cache(
     model, dataset = f"cache-{case}/tiny-llama", f"cache-{case}/samsum-tiny"
     hub_server.add_model(model, tiny_model)
     hub_server.add_dataset(dataset, {"data/train.jsonl": DATASET})
-    hub_server.reset_counts()
     cluster = hub_operator
     sim = make_sim(nodes=4, claims={CLAIM: tmp_path / "claim"})
     name = f"hub-{case}"
     cache = {"cache": {"volumeClaim": CLAIM}} if shared else {}
-    started = time.monotonic()
     cluster.create(name, hub_spec(hub_server, model, dataset, tmp_path, name, **cache))
 
     # Attempt 1 fetches, trains; then both of its nodes are lost.
     first = wait_for("attempt 1's job", lambda: cluster.attempt_job(name, 1), timeout=60)["metadata"]["name"]
-    print("T", 'nodes_1 = scheduled(', round(time.monotonic()-started,1))
     nodes_1 = scheduled(sim, first)
-    print("T", 'wait_for("attempt 1 ', round(time.monotonic()-started,1))
     wait_for("attempt 1 training", lambda: trained(sim, list(nodes_1)), timeout=120, interval=0.1)
     for node in sorted(set(nodes_1.values())):
         sim.lose_node(node)
-    print("T", 'status = wait_for("a', round(time.monotonic()-started,1))
     status = wait_for("attempt 2", lambda: (s := cluster.status(name)).get("attempt") == 2 and s, timeout=60)
     assert status["failures"][0]["reason"] == "NodeLost", status["failures"]
     assert set(status["excludedNodes"]) & set(nodes_1.values()), status.get("excludedNodes")
 
     # Attempt 2 runs on the two other nodes and to the end.
-    print("T", 'second = wait_for(', round(time.monotonic()-started,1))
     second = wait_for("attempt 2's job", lambda: cluster.attempt_job(name, 2), timeout=60)["metadata"]["name"]
-    print("T", 'nodes_2 = scheduled(', round(time.monotonic()-started,1))
     nodes_2 = scheduled(sim, second)
     assert not set(nodes_2.values()) & set(nodes_1.values()), (nodes_1, nodes_2)
-    print("T", 'status = phase(clust', round(time.monotonic()-started,1))
     status = phase(cluster, name, "Succeeded", "Failed", timeout=180)
     assert status["phase"] == "Succeeded" and status["attempt"] == 2, json.dumps(status, indent=1)[:4000]
     assert trained(sim, list(nodes_2)), "attempt 2 trained from its own fetch or the shared cache"
-    took = time.monotonic() - started
 
-    ours = {(repo, file): n for (repo, file), n in hub_server.downloads().items() if repo in (model, dataset)}
-    fetched = Counter({file: n for (_, file), n in ours.items()})
-    assert ESSENTIAL <= set(fetched), f"files fetched: {dict(fetched)}"
+    fetched = {(repo, file): n for (repo, file), n in hub_server.downloads().items() if repo in (model, dataset)}
+    assert ESSENTIAL <= {file for _, file in fetched}, f"files fetched: {fetched}"
     cond = condition(status, "SharedCache")
     if shared:
-        assert dict(fetched) == dict.fromkeys(fetched, 1), f"one GET per file for the whole run: {dict(fetched)}"
+        assert fetched == dict.fromkeys(fetched, 1), f"one GET per file for the whole run: {fetched}"
         assert (cond["status"], cond["reason"]) == ("True", "VolumeClaim"), cond
     else:
-        # Each pod's own emptyDir: at least one fetch per attempt (in fact one per pod).
-        assert all(n >= 2 for n in fetched.values()), f"each attempt fetched again: {dict(fetched)}"
+        # Each pod's own emptyDir: every attempt fetches again (in fact every pod: 2 x 2).
+        assert all(n >= 2 for n in fetched.values()), f"each attempt fetched again: {fetched}"
         assert (cond["status"], cond["reason"]) == ("False", "NoVolumeClaim"), cond
-    print(f"{case}: downloads per file {dict(sorted(fetched.items()))}; nodes {nodes_1} -> {nodes_2}; {took:.1f}s")

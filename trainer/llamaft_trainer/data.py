@@ -15,6 +15,7 @@ tokenizes while training (streaming.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import string
@@ -70,6 +71,12 @@ def _template_fields(template: str) -> list[str]:
     return [name for _, name, _, _ in string.Formatter().parse(template) if name]
 
 
+@functools.lru_cache(maxsize=64)
+def _required(template: str, response_field: str) -> list[str]:
+    """The fields a record needs (parsed once per template, not once per record)."""
+    return [*_template_fields(template), response_field]
+
+
 class Formatter:
     """Turns one record into (prompt, response) text, per the spec's format and mapping."""
 
@@ -84,12 +91,12 @@ class Formatter:
 
     def required_fields(self, record: dict[str, Any]) -> list[str]:
         if self.template is not None:
-            fields = _template_fields(self.template)
+            template = self.template
         elif record.get("input"):
-            fields = _template_fields(ALPACA_TEMPLATE)
+            template = ALPACA_TEMPLATE
         else:
-            fields = _template_fields(ALPACA_NO_INPUT_TEMPLATE)
-        return [*fields, self.response_field]
+            template = ALPACA_NO_INPUT_TEMPLATE
+        return _required(template, self.response_field)
 
     def check(self, record: dict[str, Any], where: str) -> None:
         """`where`: the record's place in the source, as a person finds it (file and line)."""
@@ -171,8 +178,8 @@ class Encoder:
         assert self.formatter is not None
         self.check(numbered)
         pairs = [self.formatter(record) for _, record in numbered]
-        prompts = _encode_texts(self.tok, [p for p, _ in pairs])
-        responses = _encode_texts(self.tok, [r for _, r in pairs])
+        both = _encode_texts(self.tok, [p for p, _ in pairs] + [r for _, r in pairs])
+        prompts, responses = both[: len(pairs)], both[len(pairs):]
         bos = [self.tok.bos_token_id] if self.tok.bos_token_id is not None else []
         eos = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else []
         out = []
