@@ -40,6 +40,15 @@ def rss_mb() -> float:
     return float(psutil.Process().memory_info().rss) / 2**20
 
 
+def anon_mb() -> float:
+    """Anonymous resident memory (RssAnon): what the rank holds itself, without the store's
+    file-backed pages, which the page cache shares between a node's ranks and can drop."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -91,12 +100,17 @@ def store_worker(cfg: dict[str, Any], out: Path) -> None:
     tok = AutoTokenizer.from_pretrained(cfg["model"])
     spec = DatasetSpec.model_validate(cfg["dataset"])
     dist.barrier()
-    rss0, peak0, started = rss_mb(), peak_mb(), time.perf_counter()
+    rss0, anon0, peak0, started = rss_mb(), anon_mb(), peak_mb(), time.perf_counter()
     data = d.build_data(spec, tok, 4, 0, rt, cfg["checkpoints"])
     prepared = time.perf_counter() - started
-    next(iter(data.batches(epoch=0, skip=cfg["skip"])))
-    result = {"rank": rt.rank, "prepare_s": prepared, "seconds": time.perf_counter() - started,
-              "rss_mb": rss_mb() - rss0, "peak_mb": peak_mb() - peak0}
+    batches = data.batches(epoch=0, skip=cfg["skip"])
+    next(batches)
+    seconds = time.perf_counter() - started
+    rss, anon = rss_mb() - rss0, anon_mb() - anon0
+    for _ in range(cfg["then"]):  # a stretch of training's reads: the pages it touches stay shared
+        next(batches)
+    result = {"rank": rt.rank, "prepare_s": prepared, "seconds": seconds, "rss_mb": rss, "anon_mb": anon,
+              "peak_mb": peak_mb() - peak0, "later_rss_mb": rss_mb() - rss0, "later_anon_mb": anon_mb() - anon0}
     gathered: list[Any] = [None] * rt.world_size
     dist.all_gather_object(gathered, result)
     if rt.is_leader:
@@ -133,6 +147,7 @@ def main() -> None:
     parser.add_argument("--baseline-records", type=int, default=50_000)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--seq", type=int, nargs="+", default=[512, 4096])
+    parser.add_argument("--then", type=int, default=2000, help="batches read after the first (memory while training)")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -155,34 +170,36 @@ def main() -> None:
               flush=True)
         scale = args.records / args.baseline_records
         rows = []
+
+        def row(name: str, results: list[dict[str, Any]], note: str) -> None:
+            rows.append((name, *(_ranks(results, k) for k in ("rss_mb", "anon_mb", "peak_mb", "later_rss_mb",
+                                                               "later_anon_mb", "seconds")), note))
+
         for seq in args.seq:
             base = launch(1, "baseline", {"model": str(model), "dataset": spec_dict(small, seq, False)}, tmp, f"base-{seq}")
             base_rate = args.baseline_records / base["seconds"]
-            rows.append((f"previous, maxSeqLength {seq}", f"{base['rss_mb'] * scale:,.0f} (scaled)",
-                         f"{base['peak_mb'] * scale:,.0f} (scaled)", f"{args.records / base_rate:,.1f} (scaled)",
-                         f"{base_rate:,.0f}"))
+            rows.append((f"previous, maxSeqLength {seq}", f"{base['rss_mb'] * scale:,.0f}*", "-", f"{base['peak_mb'] * scale:,.0f}*",
+                         "-", "-", f"{args.records / base_rate:,.1f}*", f"{base_rate:,.0f} records/s"))
             ckpt = tmp / f"ckpt-{seq}"
-            cfg = {"model": str(model), "dataset": spec_dict(big, seq, False), "checkpoints": str(ckpt), "skip": 0}
+            cfg = {"model": str(model), "dataset": spec_dict(big, seq, False), "checkpoints": str(ckpt), "skip": 0,
+                   "then": args.then}
             first = launch(args.ranks, "store", cfg, tmp, f"first-{seq}")
             rate = args.records / max(r["prepare_s"] for r in first)
-            rows.append((f"store, first attempt, {seq}", _ranks(first, "rss_mb"), _ranks(first, "peak_mb"),
-                         _ranks(first, "seconds"), f"{rate:,.0f} ({rate / base_rate:.1f}x)"))
+            row(f"store, first attempt, {seq}", first, f"{rate:,.0f} records/s ({rate / base_rate:.1f}x)")
             resumed = launch(args.ranks, "store", {**cfg, "skip": args.records // (8 * args.ranks * 4)}, tmp, f"again-{seq}")
             ratio = max(r["seconds"] for r in resumed) / max(r["seconds"] for r in first)
-            rows.append((f"store, resumed mid-epoch, {seq}", _ranks(resumed, "rss_mb"), _ranks(resumed, "peak_mb"),
-                         _ranks(resumed, "seconds"), f"{ratio:.1%} of the first's time"))
+            row(f"store, resumed mid-epoch, {seq}", resumed, f"{ratio:.1%} of the first's time")
             stream_cfg = {**cfg, "dataset": spec_dict(big, seq, True), "checkpoints": str(tmp / f"stream-{seq}")}
-            streamed = launch(args.ranks, "store", stream_cfg, tmp, f"stream-{seq}")
-            rows.append((f"streaming, {seq}", _ranks(streamed, "rss_mb"), _ranks(streamed, "peak_mb"),
-                         _ranks(streamed, "seconds"), "-"))
+            row(f"streaming, {seq}", launch(args.ranks, "store", stream_cfg, tmp, f"stream-{seq}"), "-")
             resumed_stream = launch(args.ranks, "store", {**stream_cfg, "skip": args.records // (2 * args.ranks * 4)},
                                     tmp, f"stream-again-{seq}")
-            rows.append((f"streaming, resumed half-way, {seq}", _ranks(resumed_stream, "rss_mb"),
-                         _ranks(resumed_stream, "peak_mb"), _ranks(resumed_stream, "seconds"), "-"))
-        header = ("run", "rss MiB per rank", "peak MiB per rank", "seconds per rank", "records/s")
-        widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(5)]
-        for row in [header, *rows]:
-            print("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)))
+            row(f"streaming, resumed half-way, {seq}", resumed_stream, "-")
+        header = ("run", "rss", "anon", "peak", f"rss +{args.then}", f"anon +{args.then}", "seconds", "")
+        widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+        for line in [header, *rows]:
+            print("  ".join(str(v).ljust(w) for v, w in zip(line, widths, strict=True)))
+        print(f"MiB per rank (rank 0 / rank 1), seconds to the first batch; * the previous code on "
+              f"{args.baseline_records:,} records scaled to {args.records:,}; +{args.then}: after {args.then} more batches")
         print(f"total {time.perf_counter() - t0:.0f} s")
 
 

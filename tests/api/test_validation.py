@@ -89,6 +89,17 @@ BROKEN: list[tuple[str, dict[str, Any], str, str]] = [
     ("negative retry budget", with_("spec.runPolicy", {"retryBudget": -1}), "spec.runPolicy.retryBudget", "greater than or equal to 0"),
     ("bad volume claim", with_("spec.checkpointing", {"volumeClaim": "My Claim"}), "spec.checkpointing.volumeClaim", "must be a DNS-1123 subdomain"),
     ("keep zero checkpoints", with_("spec.checkpointing", {"keepLast": 0}), "spec.checkpointing.keepLast", "greater than or equal to 1"),
+    # issue 21: chat data, streaming, the download cache
+    ("trainOn without chat", with_("spec.dataset.trainOn", "assistant"), "spec.dataset.format", "apply to format chat only"),
+    ("chatTemplate without chat", with_("spec.dataset.chatTemplate", "llama3"), "spec.dataset.format", "apply to format chat only"),
+    ("chat with a promptTemplate", with_("spec.dataset", {"format": "chat", "source": "o/d", "promptTemplate": "{x}"}),
+     "spec.dataset.promptTemplate", "remove promptTemplate"),
+    ("unknown trainOn", with_("spec.dataset", {"format": "chat", "source": "o/d", "trainOn": "assistants"}),
+     "spec.dataset.trainOn", "assistant, lastAssistant, all"),
+    ("streaming with epochs", with_("spec.dataset.streaming", True), "spec.training.maxSteps", "set training.maxSteps instead"),
+    ("bad cache claim", with_("spec.cache", {"volumeClaim": "HF Cache"}), "spec.cache.volumeClaim", "must be a DNS-1123 subdomain"),
+    ("checkpoints on the download cache", with_("spec.checkpointing", {"volumeClaim": "c", "directory": "/var/cache/llamaft/x"}),
+     "spec.checkpointing.directory", "the download cache at /var/cache/llamaft"),
 ]
 _lora_fsdp1 = with_("spec.training", {"epochs": 1, "lora": {}})
 _lora_fsdp1["spec"]["fsdp"] = {"implementation": "fsdp1"}

@@ -1,6 +1,6 @@
 """The token store: batched encoding gives the same tokens as the one-record reference, a store is
 built once and reused, its key changes with everything that changes the tokens, packing and
-per-batch padding over the memory-mapped store, and one builder among ranks."""
+per-batch padding over the memory-mapped store, and the ranks building one store together."""
 
 from __future__ import annotations
 
@@ -167,39 +167,45 @@ def _rank(rank: int, port: int, root: str, sources: list[str], model: str, out: 
     dist.init_process_group("gloo", rank=rank, world_size=2)
     rt = Runtime(rank=rank, local_rank=rank, world_size=2, local_world_size=2, device=torch.device("cpu"))
     tok = AutoTokenizer.from_pretrained(model)
-    built: list[int] = []
-    original = d.build_store
+    encoded: list[int] = []
+    original = d.Encoder.encode
 
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        built.append(rank)
-        return original(*args, **kwargs)
+    def counting(self: Any, numbered: Any) -> Any:
+        encoded.append(len(numbered))
+        return original(self, numbered)
 
-    d.build_store = counting  # type: ignore[assignment]
+    d.Encoder.encode = counting  # type: ignore[method-assign]
     results = []
     for source in sources:
-        built.clear()
+        encoded.clear()
         try:
             store = d.prepared_store(spec(source=source), tok, 0, rt, Path(root), shared=True)
-            results.append({"path": str(store.path), "built": list(built), "n": len(store.train)})
+            results.append({"path": str(store.path), "encoded": list(encoded), "train": stored(store.train)})
         except ConfigError as exc:
-            results.append({"error": str(exc), "built": list(built)})
+            results.append({"error": str(exc), "encoded": list(encoded)})
     Path(out, f"{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_one_rank_builds_and_every_rank_maps_it_or_gets_its_error(
-    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_the_ranks_build_one_store_together_or_all_get_the_first_bad_record(
+    tok: Any, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Each rank tokenizes every other batch and rank 0 merges: the store is the one a single
+    process builds; a bad record in either rank's batches is every rank's error, the first in
+    file order (line 1500, in rank 1's second batch, not line 2500 in rank 0's third)."""
     from llamaft_trainer.local_etcd import free_port
 
     for path in reversed(trainer_env()["PYTHONPATH"].split(os.pathsep)):
         monkeypatch.syspath_prepend(path)  # spawned ranks take the parent's sys.path and import this module
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"dialogue": "x", "summary": "y"}) + "\n" + json.dumps({"dialogue": "only"}) + "\n")
+    records = [r for _, r in d.read_numbered(spec())]
+    many = write_jsonl(tmp_path / "many.jsonl", [records[i % len(records)] for i in range(3000)])
+    bad_records = [dict(records[i % len(records)]) for i in range(3000)]
+    for line in (1500, 2500):
+        bad_records[line - 1] = {"dialogue": "only"}
+    bad = write_jsonl(tmp_path / "bad.jsonl", bad_records)
     ctx = multiprocessing.get_context("spawn")
-    port = free_port()
-    args = (port, str(tmp_path / "root"), [str(DATASET), str(bad)], str(tiny_model), str(tmp_path))
+    args = (free_port(), str(tmp_path / "root"), [str(many), str(bad)], str(tiny_model), str(tmp_path))
     procs = [ctx.Process(target=_rank, args=(r, *args)) for r in (0, 1)]
     for p in procs:
         p.start()
@@ -207,6 +213,8 @@ def test_one_rank_builds_and_every_rank_maps_it_or_gets_its_error(
         p.join(120)
         assert p.exitcode == 0
     (good0, bad0), (good1, bad1) = (json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1))
-    assert good0["built"] == [0] and good1["built"] == [], "one builder"
-    assert good0["path"] == good1["path"] and good0["n"] == good1["n"] > 0
-    assert all("line 2 has no field(s) ['summary']" in r["error"] for r in (bad0, bad1)), (bad0, bad1)
+    assert good0["encoded"] == [1024, 952] and good1["encoded"] == [1024], "every other batch: one tokenization"
+    assert good0["path"] == good1["path"] and good0["train"] == good1["train"]
+    alone = d.build_store(spec(source=str(many)), tok, 0, tmp_path / "alone")
+    assert [list(map(list, e)) for e in stored(alone.train)] == good0["train"], "the same store as one process builds"
+    assert all(f"{bad} line 1500 has no field(s) ['summary']" in r["error"] for r in (bad0, bad1)), (bad0, bad1)

@@ -5,9 +5,10 @@ What carries loss, by format: `samsum`, `alpaca` and `jsonl` render a prompt fro
 train on the response field only (prompt positions carry label -100); `chat` renders the turns
 with the tokenizer's chat template and trains on the assistant's turns (`trainOn`, chat.py).
 
-Records are read and tokenized in batches (the fast tokenizer's batch call) by one process and
-written to the token store (store.py) beside the checkpoints, keyed by everything that changes
-the tokens; every rank then maps it read-only, and a later attempt reuses it. Padding happens per
+Records are read and tokenized in batches (the fast tokenizer's batch call), each batch by one
+rank, and merged into the token store (store.py) beside the checkpoints, keyed by everything that
+changes the tokens: once per run, not per rank and not per attempt; every rank then maps it
+read-only, and a later attempt reuses it. Padding happens per
 batch (to the longest example in it), never in storage. `dataset.streaming` skips the store and
 tokenizes while training (streaming.py).
 """
@@ -18,9 +19,10 @@ import contextlib
 import functools
 import os
 import random
+import shutil
 import string
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -236,9 +238,11 @@ def store_key(spec: DatasetSpec, encoder: Encoder, fingerprint: str, seed: int) 
 
 
 @contextlib.contextmanager
-def _parallel_tokenizer() -> Iterator[None]:
-    """The builder is the one process tokenizing: let the Rust tokenizer use every core. (The
-    pods set TOKENIZERS_PARALLELISM=false for the training processes, which never fork after it.)"""
+def _parallel_tokenizer(builders_per_node: int) -> Iterator[None]:
+    """While the store is built, let the Rust tokenizer's threads share the node's cores among its
+    builders (the pods set TOKENIZERS_PARALLELISM=false for training, which never forks after
+    this). RAYON_NUM_THREADS sizes the pool when the tokenizer first starts it."""
+    os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(builders_per_node, 1))))
     before = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "true"
     try:
@@ -250,45 +254,156 @@ def _parallel_tokenizer() -> Iterator[None]:
             os.environ["TOKENIZERS_PARALLELISM"] = before
 
 
-def build_store(spec: DatasetSpec, tok: PreTrainedTokenizerBase, seed: int, root: Path) -> store_mod.Store:
-    """The store of this dataset under `root`: reused when complete, else built here."""
+@dataclass(frozen=True)
+class Team:
+    """The processes that build one store together: member `me` of `size` tokenizes every
+    `size`-th batch, member 0 merges. `gather(value)` returns every member's value, in member
+    order (an all-gather among them; each call must be made by every member)."""
+
+    me: int = 0
+    size: int = 1
+    per_node: int = 1
+    """Members on this node (they share its cores)."""
+    gather: Callable[[Any], list[Any]] = field(default=lambda value: [value])
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """An exception of one member, passed to the others (they must not wait for it forever)."""
+
+    config: bool
+    message: str
+
+    def exception(self) -> Exception:
+        return ConfigError(self.message) if self.config else RuntimeError(f"building the token store failed: {self.message}")
+
+
+def _failure(exc: Exception) -> _Failure:
+    return _Failure(isinstance(exc, ConfigError), str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}")
+
+
+@dataclass
+class _Shard:
+    """One member's share of a build: the examples of its batches, in its own part files."""
+
+    folder: str
+    batches: list[tuple[int, int, int]] = field(default_factory=list)
+    """(batch index, training examples, validation examples) in the order written."""
+    error: tuple[int, str] | None = None
+    """(batch index, message) of the first bad record it met."""
+
+
+def build_store(spec: DatasetSpec, tok: PreTrainedTokenizerBase, seed: int, root: Path, team: Team = Team()) -> store_mod.Store:
+    """The store of this dataset under `root`: reused when complete, else built by `team` (this
+    process alone by default). Every member makes the same calls to `team.gather`, whatever the
+    outcome, so members never wait on each other at different points."""
     source = RecordSource(spec)
-    encoder = Encoder(spec, tok)
-    key = store_key(spec, encoder, source.fingerprint(), seed)
+    plan: Any = None
+    if team.me == 0:
+        try:
+            encoder = Encoder(spec, tok)
+            key = store_key(spec, encoder, source.fingerprint(), seed)
+            exists = store_mod.open_store(root / key) is not None
+            plan = (key, 0 if exists else source.count(), exists)
+        except Exception as exc:
+            plan = _failure(exc)
+    plan = team.gather(plan)[0]
+    if isinstance(plan, _Failure):
+        raise plan.exception()
+    key, n, exists = plan
     path = root / key
-    found = store_mod.open_store(path)
-    if found is not None:
-        log_json("data", store=str(path), reused=True, train_examples=len(found.train),
-                 validation_examples=len(found.validation))
-        return found
-    root.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    n = source.count()
-    held_out = validation_mask(n, spec.validation_split, seed)
-    builder = store_mod.StoreBuilder(path)
-    index = 0
-    last_log = time.monotonic()
+    shard: _Shard | _Failure | None = None
+    if not exists:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shard = _encode_shard(source, Encoder(spec, tok), validation_mask(n, spec.validation_split, seed), path, team)
+        except Exception as exc:
+            shard = _failure(exc)
+    shards: list[_Shard | _Failure | None] = team.gather(shard)
+    crashed = next((s for s in shards if isinstance(s, _Failure)), None)
+    failed = sorted(s.error for s in shards if isinstance(s, _Shard) and s.error is not None)
+    built: Any = None
+    if crashed is None and not failed and not exists and team.me == 0:
+        try:
+            built = str(_merge([s for s in shards if isinstance(s, _Shard)], path,
+                               {"key": key, "source": spec.source, "records": n}).path)
+        except Exception as exc:
+            built = _failure(exc)
+    merged = team.gather(built)[0]  # the store is complete (or was already) before anyone opens it
+    if isinstance(shard, _Shard):
+        shutil.rmtree(shard.folder, ignore_errors=True)  # after the merge read it
+    for problem in (crashed, merged):
+        if isinstance(problem, _Failure):
+            raise problem.exception()
+    if failed:
+        raise ConfigError(failed[0][1])
+    found = store_mod.open_store(path)
+    if found is None:
+        raise ConfigError(
+            f"spec.checkpointing.directory: the token store {path} is not visible to this rank: every worker "
+            "must mount the same checkpoint volume"
+        )
+    seconds = time.perf_counter() - started
+    if team.me == 0:
+        log_json("data", store=str(path), reused=exists, records=found.meta.get("records"), train_examples=len(found.train),
+                 validation_examples=len(found.validation), seconds=round(seconds, 2), builders=team.size,
+                 records_per_second=None if exists else round(n / max(seconds, 1e-9)))
+    return found
+
+
+def _encode_shard(source: RecordSource, encoder: Encoder, held_out: np.ndarray[Any, Any], path: Path, team: Team) -> _Shard:
+    folder = path.with_name(f".{path.name}.shard-{team.me}-{os.getpid()}-{time.monotonic_ns()}")
+    parts = {name: store_mod.PartWriter(folder / name) for name in store_mod.PARTS}
+    shard = _Shard(str(folder))
+    started, last_log, index = time.perf_counter(), time.monotonic(), 0
     try:
-        with _parallel_tokenizer():
-            for batch in source.batches(BATCH):
-                encoded = encoder.encode(batch)
-                flags = held_out[index : index + len(batch)]
-                builder.parts["train"].add((e for e, v in zip(encoded, flags, strict=True) if not v), IGNORE_INDEX)
-                builder.parts["validation"].add((e for e, v in zip(encoded, flags, strict=True) if v), IGNORE_INDEX)
-                index += len(batch)
-                if time.monotonic() - last_log > 10:
+        with _parallel_tokenizer(team.per_node):
+            batches = source.some_batches(BATCH, keep=lambda number: number % team.size == team.me)
+            for number, (count, batch) in enumerate(batches):
+                first, index = index, index + count
+                if batch is None:
+                    continue  # another member's
+                try:
+                    encoded = encoder.encode(batch)
+                except ConfigError as exc:
+                    shard.error = (number, str(exc))  # the first in file order wins among the members
+                    break
+                flags = held_out[first:index]
+                train = [e for e, v in zip(encoded, flags, strict=True) if not v]
+                validation = [e for e, v in zip(encoded, flags, strict=True) if v]
+                parts["train"].add(train, IGNORE_INDEX)
+                parts["validation"].add(validation, IGNORE_INDEX)
+                shard.batches.append((number, len([e for e in train if e[0]]), len([e for e in validation if e[0]])))
+                if team.me == 0 and time.monotonic() - last_log > 10:
                     last_log = time.monotonic()
-                    log_json("data_progress", records=index, total=n,
+                    log_json("data_progress", records=index, total=len(held_out),
                              records_per_second=round(index / (time.perf_counter() - started)))
-        built = builder.commit({"key": key, "source": spec.source, "records": n})
+    finally:
+        for writer in parts.values():
+            writer.close()
+    return shard
+
+
+def _merge(shards: list[_Shard], path: Path, meta: dict[str, Any]) -> store_mod.Store:
+    """The members' shards, batch by batch in file order, as one store (a sequential copy)."""
+    builder = store_mod.StoreBuilder(path)
+    try:
+        order = sorted((number, k, train, val) for k, s in enumerate(shards) for number, train, val in s.batches)
+        for name, column in (("train", 2), ("validation", 3)):
+            folders = [Path(s.folder) / name for s in shards]
+            offsets = [np.fromfile(folder / store_mod.OFFSETS, dtype=np.int64) for folder in folders]
+            cursor = [0] * len(shards)
+            writer = builder.parts[name]
+            for row in order:
+                k, count = row[1], row[column]
+                if count:
+                    writer.append(folders[k], offsets[k], cursor[k], cursor[k] + count)
+                    cursor[k] += count
+        return builder.commit(meta)
     except BaseException:
         builder.abandon()
         raise
-    seconds = time.perf_counter() - started
-    log_json("data", store=str(path), reused=False, records=n, train_examples=len(built.train),
-             validation_examples=len(built.validation), seconds=round(seconds, 2),
-             records_per_second=round(n / max(seconds, 1e-9)))
-    return built
 
 
 def store_root(checkpoint_directory: str) -> tuple[Path, bool]:
@@ -303,40 +418,25 @@ def store_root(checkpoint_directory: str) -> tuple[Path, bool]:
 
 
 def prepared_store(spec: DatasetSpec, tok: PreTrainedTokenizerBase, seed: int, rt: Runtime, root: Path, shared: bool) -> store_mod.Store:
-    """Build the store in one process (global rank 0, or each node's first rank when `root` is
-    not shared) while the others wait; a ConfigError in the builder is every rank's ConfigError."""
-    builder = rt.is_leader if shared else rt.is_local_leader
+    """The store, built once: by every rank together when `root` is shared (each tokenizes every
+    world-size-th batch, rank 0 merges), else by the ranks of each node for that node; the others'
+    wait is bounded by BUILD_TIMEOUT, not the collective timeout. A bad record is every rank's
+    ConfigError, the first in file order."""
     if rt.world_size == 1 or not dist.is_initialized():
         return build_store(spec, tok, seed, root)
-    outcome: tuple[str, str] | None = None
-    error: BaseException | None = None
-    if builder:
-        try:
-            outcome = ("ok", str(build_store(spec, tok, seed, root).path))
-        except ConfigError as exc:
-            outcome, error = ("config", str(exc)), exc
-        except Exception as exc:
-            outcome, error = ("error", f"{type(exc).__name__}: {exc}"), exc
     group = dist.new_group(backend="gloo", timeout=BUILD_TIMEOUT)
-    gathered: list[Any] = [None] * rt.world_size
-    dist.all_gather_object(gathered, outcome, group=group)
-    dist.destroy_process_group(group)
-    if error is not None:
-        raise error
-    mine = next((g for g in gathered if g is not None and g[0] != "ok"), None)
-    if mine is not None:
-        if mine[0] == "config":
-            raise ConfigError(mine[1])
-        raise RuntimeError(f"building the token store failed on another rank: {mine[1]}")
-    leader = gathered[0] if shared else gathered[rt.rank - rt.local_rank]
-    assert leader is not None
-    found = store_mod.open_store(Path(leader[1]))
-    if found is None:
-        raise ConfigError(
-            f"spec.checkpointing.directory: the token store {leader[1]} that rank {0 if shared else rt.rank - rt.local_rank} "
-            "built is not visible here: every worker must mount the same checkpoint volume"
-        )
-    return found
+    first = 0 if shared else rt.rank - rt.local_rank  # torchrun numbers a node's ranks contiguously
+    size = rt.world_size if shared else rt.local_world_size
+
+    def gather(value: Any) -> list[Any]:
+        everyone: list[Any] = [None] * rt.world_size
+        dist.all_gather_object(everyone, value, group=group)
+        return everyone[first:first + size]
+
+    try:
+        return build_store(spec, tok, seed, root, Team(rt.rank - first, size, rt.local_world_size, gather))
+    finally:
+        dist.destroy_process_group(group)
 
 
 # ------------------------------------------------------------------------------ batching

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -101,11 +101,21 @@ class RecordSource:
     def batches(self, size: int = BATCH, start: int = 0) -> Iterator[list[Numbered]]:
         """Every record from the `start`-th on (0-based, blank lines not counted), in file order,
         `size` at a time. An empty source is a ConfigError."""
+        for _, batch in self.some_batches(size, start):
+            assert batch is not None
+            yield batch
+
+    def some_batches(
+        self, size: int = BATCH, start: int = 0, keep: Callable[[int], bool] | None = None,
+    ) -> Iterator[tuple[int, list[Numbered] | None]]:
+        """(records in the batch, the batch) for batch 0, 1, ... from the `start`-th record; a
+        batch whose number `keep` refuses comes as (count, None), its records read but not
+        parsed (a builder's share of a store: the other builders parse those)."""
         seen = False
         try:
-            for batch in self._batches(size, start):
-                seen = seen or bool(batch)
-                yield batch
+            for count, batch in self._batches(size, start, keep):
+                seen = True
+                yield count, batch
         except ConfigError:
             raise
         except Exception as exc:
@@ -115,20 +125,20 @@ class RecordSource:
                 f"spec.dataset.source: {self.spec.source} holds no records (an empty file); point spec.dataset.source at the data"
             )
 
-    def _batches(self, size: int, start: int) -> Iterator[list[Numbered]]:
+    def _batches(self, size: int, start: int, keep: Callable[[int], bool] | None) -> Iterator[tuple[int, list[Numbered] | None]]:
         if self.kind is SourceKind.HUB:
-            yield from self._hub_batches(size, start)
+            yield from self._hub_batches(size, start, keep)
             return
         if self.kind is SourceKind.URI:
             import fsspec
 
             with fsspec.open(self.location, "rt", encoding="utf-8") as f:
-                yield from _jsonl_batches(f, self.spec.source, size, start)
+                yield from _jsonl_batches(f, self.spec.source, size, start, keep)
             return
         with Path(self.location).expanduser().open(encoding="utf-8") as f:
-            yield from _jsonl_batches(f, self.spec.source, size, start)
+            yield from _jsonl_batches(f, self.spec.source, size, start, keep)
 
-    def _hub_batches(self, size: int, start: int) -> Iterator[list[Numbered]]:
+    def _hub_batches(self, size: int, start: int, keep: Callable[[int], bool] | None) -> Iterator[tuple[int, list[Numbered] | None]]:
         from llamaft_trainer import hub
 
         rows = hub.load_dataset(self.location, split=self.spec.split, revision=self.hub_commit,
@@ -136,38 +146,47 @@ class RecordSource:
         if start:
             rows = rows.skip(start) if self.spec.streaming else rows.select(range(min(start, len(rows)), len(rows)))
         index = start
-        for batch in rows.iter(batch_size=size):
+        for number, batch in enumerate(rows.iter(batch_size=size)):
             columns = list(batch)
             n = len(batch[columns[0]]) if columns else 0
-            out = [(f"{self.spec.source} ({self.spec.split} row {index + i})", {c: batch[c][i] for c in columns}) for i in range(n)]
+            if keep is not None and not keep(number):
+                yield n, None
+            else:
+                where = f"{self.spec.source} ({self.spec.split} row "
+                yield n, [(f"{where}{index + i})", {c: batch[c][i] for c in columns}) for i in range(n)]
             index += n
-            yield out
 
     def _unreadable(self, exc: BaseException) -> ConfigError:
         return ConfigError(f"spec.dataset.source: cannot read {self.spec.source}: {type(exc).__name__}: {exc}")
 
 
-def _jsonl_batches(lines: Any, name: str, size: int, start: int) -> Iterator[list[Numbered]]:
+def _jsonl_batches(
+    lines: Any, name: str, size: int, start: int, keep: Callable[[int], bool] | None,
+) -> Iterator[tuple[int, list[Numbered] | None]]:
     batch: list[Numbered] = []
-    index = 0
-    for number, line in enumerate(lines, start=1):
+    index = count = number = 0
+    wanted = keep is None or keep(0)
+    for line_number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         index += 1
         if index <= start:
             continue  # skipped unparsed: a resumed stream seeks at the speed of reading lines
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"spec.dataset.source: {name} line {number} is not JSON: {exc}") from exc
-        if not isinstance(record, dict):
-            raise ConfigError(f"spec.dataset.source: {name} line {number} is not a JSON object")
-        batch.append((f"{name} line {number}", record))
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+        count += 1
+        if wanted:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"spec.dataset.source: {name} line {line_number} is not JSON: {exc}") from exc
+            if not isinstance(record, dict):
+                raise ConfigError(f"spec.dataset.source: {name} line {line_number} is not a JSON object")
+            batch.append((f"{name} line {line_number}", record))
+        if count == size:
+            yield count, batch if wanted else None
+            batch, count, number = [], 0, number + 1
+            wanted = keep is None or keep(number)
+    if count:
+        yield count, batch if wanted else None
 
 
 def read_numbered(spec: DatasetSpec) -> list[Numbered]:

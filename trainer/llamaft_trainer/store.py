@@ -121,6 +121,20 @@ class PartWriter:
         self.loss_tokens += int(loss.sum())
         self.examples += len(kept)
 
+    def append(self, folder: Path, offsets: np.ndarray[Any, Any], start: int, end: int) -> None:
+        """Examples [start, end) of the part in `folder` (its `offsets`), copied as they are (the
+        builders' merge). Read with plain file reads, not a map: a merge of 10^6 examples must not
+        leave the merging rank holding every page it copied."""
+        first, last = int(offsets[start]), int(offsets[end])
+        tokens = np.fromfile(folder / TOKENS, dtype=np.int32, count=last - first, offset=first * 4)
+        loss = np.fromfile(folder / LOSS, dtype=np.uint8, count=last - first, offset=first)
+        self._tokens.write(tokens.tobytes())
+        self._loss.write(loss.tobytes())
+        self._offsets.write((np.asarray(offsets[start + 1:end + 1]) - first + self.tokens).astype(np.int64).tobytes())
+        self.tokens += last - first
+        self.loss_tokens += int(loss.sum())
+        self.examples += end - start
+
     def close(self) -> dict[str, int]:
         for f in (self._tokens, self._loss, self._offsets):
             f.close()

@@ -190,5 +190,5 @@ def streaming_data(spec: DatasetSpec, tok: PreTrainedTokenizerBase, batch_size: 
             val_loader = DataLoader(validation, batch_size=batch_size, sampler=sampler, collate_fn=stream.collate)
     data = data_mod.Data(train=None, validation=validation, loader=None, validation_loader=val_loader,
                          batch_size=batch_size, stream=stream)
-    data.info.update(streaming=True, window=WINDOW, validation_sequences=0 if validation is None else len(validation))
+    data.info.update(train_sequences=None, streaming=True, window=WINDOW, validation_sequences=0 if validation is None else len(validation))
     return data
