@@ -7,11 +7,13 @@ lists), in one run, on synthetic samsum-style records and the tiny tokenizer.
     .venv/bin/python bench/data_scale.py --records 200000     # quicker
 
 Per rank, from just before the data step to the first batch: `rss` is the growth of the resident
-set (anonymous memory and the store's mapped pages the rank touched), `peak` the growth of its
-peak (ru_maxrss: the builder's batches while it tokenizes), `seconds` the time. The previous code
-cannot hold 10^6 records on this machine (it needs ~18 GiB per rank at maxSeqLength 512), so it
-runs on --baseline-records in one process and its memory is scaled to --records linearly (it holds
-every sequence padded, so it is linear). Targets (issue 21): data RSS per rank <= 1 GiB at 10^6
+set, `anon` of its anonymous part (what the rank holds itself), `peak` of its peak (ru_maxrss: a
+builder's batches while it tokenizes), `seconds` the time; `+N`: the same after N more batches
+(training's reads). The previous code cannot hold 10^6 records on this machine (~16 GiB per rank
+at maxSeqLength 512), so it runs on --baseline-records, once in one process alone and once as
+every rank of the same --ranks launch (each rank preparing the whole set, as it did), and its
+memory and time are scaled to --records linearly (it holds every sequence padded: linear). Its
+records/s is the records over the slowest rank's time, as the store's is. Targets (issue 21): data RSS per rank <= 1 GiB at 10^6
 records whatever maxSeqLength; a resumed attempt's data preparation <= 10% of the first's;
 preparation >= 5x the previous code's records/s.
 """
@@ -73,17 +75,29 @@ def spec_dict(source: Path, seq: int, streaming: bool) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------- workers
 def baseline_worker(cfg: dict[str, Any], out: Path) -> None:
+    """One rank of the previous code under torchrun: every rank prepares the whole set itself."""
     sys.path.insert(0, str(Path(__file__).parent))
     import _baseline_data
+    import torch.distributed as dist
     from llamaft.api.spec import DatasetSpec
+    from llamaft_trainer.runtime import init_runtime
+    from llamaft_trainer.shutdown import exit_process, teardown
     from transformers import AutoTokenizer
 
+    rt = init_runtime()
     tok = AutoTokenizer.from_pretrained(cfg["model"])
     spec = DatasetSpec.model_validate(cfg["dataset"])
+    dist.barrier()
     rss0, peak0, started = rss_mb(), peak_mb(), time.perf_counter()
     train, _ = _baseline_data.prepare(spec, tok, 0)
-    out.write_text(json.dumps({"seconds": time.perf_counter() - started, "rss_mb": rss_mb() - rss0,
-                               "peak_mb": peak_mb() - peak0, "sequences": len(train)}))
+    result = {"rank": rt.rank, "seconds": time.perf_counter() - started, "rss_mb": rss_mb() - rss0,
+              "peak_mb": peak_mb() - peak0, "sequences": len(train)}
+    gathered: list[Any] = [None] * rt.world_size
+    dist.all_gather_object(gathered, result)
+    if rt.is_leader:
+        out.write_text(json.dumps(gathered))
+    teardown(rt, None, healthy=True)
+    exit_process(0)
 
 
 def store_worker(cfg: dict[str, Any], out: Path) -> None:
@@ -131,9 +145,8 @@ def launch(ranks: int, mode: str, cfg: dict[str, Any], tmp: Path, tag: str) -> A
 
     cfg_path, out = tmp / f"{tag}.json", tmp / f"{tag}.out.json"
     cfg_path.write_text(json.dumps(cfg))
-    prefix = [sys.executable] if mode == "baseline" else [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(ranks),
-        "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}"]
+    prefix = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(ranks),
+              "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}"]
     proc = subprocess.run([*prefix, __file__, "--worker", mode, str(cfg_path), str(out)], env=_env(),
                           capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:
@@ -176,16 +189,24 @@ def main() -> None:
                                                                "later_anon_mb", "seconds")), note))
 
         for seq in args.seq:
-            base = launch(1, "baseline", {"model": str(model), "dataset": spec_dict(small, seq, False)}, tmp, f"base-{seq}")
-            base_rate = args.baseline_records / base["seconds"]
-            rows.append((f"previous, maxSeqLength {seq}", f"{base['rss_mb'] * scale:,.0f}*", "-", f"{base['peak_mb'] * scale:,.0f}*",
-                         "-", "-", f"{args.records / base_rate:,.1f}*", f"{base_rate:,.0f} records/s"))
+            base_cfg = {"model": str(model), "dataset": spec_dict(small, seq, False)}
+            alone = launch(1, "baseline", base_cfg, tmp, f"base1-{seq}")[0]
+            alone_rate = args.baseline_records / alone["seconds"]
+            rows.append((f"previous, 1 process alone, {seq}", f"{alone['rss_mb'] * scale:,.0f}*", "-",
+                         f"{alone['peak_mb'] * scale:,.0f}*", "-", "-", f"{args.records / alone_rate:,.1f}*",
+                         f"{alone_rate:,.0f} records/s"))
+            base = launch(args.ranks, "baseline", base_cfg, tmp, f"base-{seq}")
+            base_rate = args.baseline_records / max(r["seconds"] for r in base)
+            rows.append((f"previous, {args.ranks} ranks, {seq}", *(" / ".join(f"{r[k] * scale:,.0f}*" for r in base) if k else "-"
+                                                                  for k in ("rss_mb", None, "peak_mb", None, None)),
+                         f"{args.records / base_rate:,.1f}*", f"{base_rate:,.0f} records/s"))
             ckpt = tmp / f"ckpt-{seq}"
             cfg = {"model": str(model), "dataset": spec_dict(big, seq, False), "checkpoints": str(ckpt), "skip": 0,
                    "then": args.then}
             first = launch(args.ranks, "store", cfg, tmp, f"first-{seq}")
             rate = args.records / max(r["prepare_s"] for r in first)
-            row(f"store, first attempt, {seq}", first, f"{rate:,.0f} records/s ({rate / base_rate:.1f}x)")
+            row(f"store, first attempt, {seq}", first,
+                f"{rate:,.0f} records/s ({rate / base_rate:.1f}x {args.ranks} ranks, {rate / alone_rate:.1f}x 1 alone)")
             resumed = launch(args.ranks, "store", {**cfg, "skip": args.records // (8 * args.ranks * 4)}, tmp, f"again-{seq}")
             ratio = max(r["seconds"] for r in resumed) / max(r["seconds"] for r in first)
             row(f"store, resumed mid-epoch, {seq}", resumed, f"{ratio:.1%} of the first's time")

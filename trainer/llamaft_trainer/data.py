@@ -7,8 +7,8 @@ with the tokenizer's chat template and trains on the assistant's turns (`trainOn
 
 Records are read and tokenized in batches (the fast tokenizer's batch call), each batch by one
 rank, and merged into the token store (store.py) beside the checkpoints, keyed by everything that
-changes the tokens: once per run, not per rank and not per attempt; every rank then maps it
-read-only, and a later attempt reuses it. Padding happens per
+changes the tokens: once per run, not per rank and not per attempt; every rank then reads it
+in place, and a later attempt reuses it. Padding happens per
 batch (to the longest example in it), never in storage. `dataset.streaming` skips the store and
 tokenizes while training (streaming.py).
 """

@@ -1,8 +1,8 @@
-"""The token store: a run's tokenized data on disk, built once and memory-mapped by every rank.
+"""The token store: a run's tokenized data on disk, built once and read in place by every rank.
 
 Tokenizing in every rank, on every attempt, into Python lists padded to maxSeqLength made data
 cost grow with records x maxSeqLength x ranks. The store holds each example once, unpadded, as
-flat arrays that every rank maps read-only (the page cache shares one copy per node):
+flat arrays that every rank reads in place by position (the page cache shares one copy per node):
 
     <root>/<key>/train/tokens.bin   int32, every example's token ids back to back
     <root>/<key>/train/loss.bin     uint8, 1 where the token carries loss (its label is itself)
@@ -36,13 +36,52 @@ TOKENS, LOSS, OFFSETS, META = "tokens.bin", "loss.bin", "offsets.bin", "meta.jso
 PARTS = ("train", "validation")
 
 
+class FileArray:
+    """A read-only 1-D array in a file, read by position (pread), never mapped: the pages a rank
+    reads stay in the node's page cache, shared and reclaimable, instead of piling up in the
+    rank's resident set as a map's pages do over an epoch of random reads."""
+
+    def __init__(self, path: Path, dtype: Any) -> None:
+        self.path = path
+        self.dtype = np.dtype(dtype)
+        self.length = path.stat().st_size // self.dtype.itemsize
+        self._fd: int | None = None
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, key: slice) -> np.ndarray[Any, Any]:
+        start, stop, step = key.indices(self.length)
+        if step != 1:
+            raise IndexError("FileArray reads contiguous slices only")
+        if stop <= start:
+            return np.zeros(0, dtype=self.dtype)
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        size = self.dtype.itemsize
+        data = os.pread(self._fd, (stop - start) * size, start * size)
+        return np.frombuffer(data, dtype=self.dtype)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_fd": None}  # a descriptor is this process's own
+
+    def __del__(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+
+
+Array = np.ndarray[Any, Any] | FileArray
+
+
 @dataclass(frozen=True)
 class Part:
-    """One memory-mapped part (train or validation): examples as slices of flat arrays."""
+    """One part (train or validation): examples as slices of flat token and loss arrays, in the
+    store's files (FileArray) or in memory (a stream's validation head)."""
 
-    tokens: np.ndarray[Any, np.dtype[np.int32]]
-    loss: np.ndarray[Any, np.dtype[np.uint8]]
+    tokens: Array
+    loss: Array
     offsets: np.ndarray[Any, np.dtype[np.int64]]
+    """In memory: 8 bytes per example."""
 
     def __len__(self) -> int:
         return int(self.offsets.shape[0]) - 1
@@ -60,14 +99,9 @@ class Part:
         return self.tokens[start:end], self.loss[start:end]
 
 
-def _map(path: Path, dtype: Any) -> np.ndarray[Any, Any]:
-    if path.stat().st_size == 0:
-        return np.zeros(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r")
-
-
 def open_part(folder: Path) -> Part:
-    return Part(_map(folder / TOKENS, np.int32), _map(folder / LOSS, np.uint8), _map(folder / OFFSETS, np.int64))
+    return Part(FileArray(folder / TOKENS, np.int32), FileArray(folder / LOSS, np.uint8),
+                np.fromfile(folder / OFFSETS, dtype=np.int64))
 
 
 @dataclass(frozen=True)
