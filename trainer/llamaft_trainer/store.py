@@ -44,7 +44,7 @@ class FileArray:
     def __init__(self, path: Path, dtype: Any) -> None:
         self.path = path
         self.dtype = np.dtype(dtype)
-        self.length = path.stat().st_size // self.dtype.itemsize
+        self.length = int(path.stat().st_size) // int(self.dtype.itemsize)
         self._fd: int | None = None
 
     def __len__(self) -> int:

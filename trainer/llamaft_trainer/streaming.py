@@ -139,8 +139,9 @@ class Stream:
         for window, records in self._windows(epoch, first):
             part = in_memory_part(self.encoder.encode(records))
             self._learn(window, part.total_tokens)
-            ids = np.concatenate([ids, part.tokens])
-            loss = np.concatenate([loss, part.loss.astype(np.bool_)])
+            tokens, flags = part.span(0, part.total_tokens)
+            ids = np.concatenate([ids, tokens])
+            loss = np.concatenate([loss, flags.astype(np.bool_)])
             if drop:
                 cut = min(drop, len(ids))
                 ids, loss = ids[cut:], loss[cut:]
