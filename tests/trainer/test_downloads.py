@@ -95,29 +95,6 @@ def test_full_resolve_fetches_everything_and_bad_uris_are_config_errors(source: 
         model_step.fetch_file(uri, "absent.safetensors", SOLO, WHAT)
 
 
-def test_hub_ids_are_fetched_file_by_file(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A hub id: model.safetensors if there is one, else the index, through hf_hub_download (its
-    cache, its locks); a repository without either falls back to from_pretrained."""
-    import huggingface_hub
-    from llamaft.api.spec import TrainingJobConfig
-
-    asked: list[str] = []
-
-    def download(repo_id: str, filename: str, revision: str | None = None, token: str | None = None) -> str:
-        asked.append(filename)
-        if not (tiny_model / filename).exists():
-            raise FileNotFoundError(filename)  # EntryNotFoundError on the hub
-        return str(tiny_model / filename)
-
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
-    spec = TrainingJobConfig.model_validate(base_config(tiny_model, tmp_path)).model.model_copy(update={"source": "org/tiny"})
-    layout = loading.Weights(spec, SOLO).layout()
-    assert layout is not None and set(layout.values()) == {"model.safetensors"} and "model.norm.weight" in layout
-    assert asked == ["model.safetensors"]
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *a, **k: (_ for _ in ()).throw(OSError("offline")))
-    assert loading.Weights(spec, SOLO).layout() is None
-
-
 def test_a_rank_reads_only_files_holding_rows_it_owns() -> None:
     """A rank whose part of a tensor is empty (fewer rows than ranks) needs not fetch its file."""
     items = {"a": loading.Item("a", "one.safetensors"), "b": loading.Item("b", "two.safetensors")}
