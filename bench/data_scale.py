@@ -81,7 +81,6 @@ def baseline_worker(cfg: dict[str, Any], out: Path) -> None:
     import torch.distributed as dist
     from llamaft.api.spec import DatasetSpec
     from llamaft_trainer.runtime import init_runtime
-    from llamaft_trainer.shutdown import exit_process, teardown
     from transformers import AutoTokenizer
 
     rt = init_runtime()
@@ -92,12 +91,7 @@ def baseline_worker(cfg: dict[str, Any], out: Path) -> None:
     train, _ = _baseline_data.prepare(spec, tok, 0)
     result = {"rank": rt.rank, "seconds": time.perf_counter() - started, "rss_mb": rss_mb() - rss0,
               "peak_mb": peak_mb() - peak0, "sequences": len(train)}
-    gathered: list[Any] = [None] * rt.world_size
-    dist.all_gather_object(gathered, result)
-    if rt.is_leader:
-        out.write_text(json.dumps(gathered))
-    teardown(rt, None, healthy=True)
-    exit_process(0)
+    _finish(rt, result, out)
 
 
 def store_worker(cfg: dict[str, Any], out: Path) -> None:
@@ -107,7 +101,6 @@ def store_worker(cfg: dict[str, Any], out: Path) -> None:
     from llamaft.api.spec import DatasetSpec
     from llamaft_trainer import data as d
     from llamaft_trainer.runtime import init_runtime
-    from llamaft_trainer.shutdown import exit_process, teardown
     from transformers import AutoTokenizer
 
     rt = init_runtime()
@@ -125,6 +118,15 @@ def store_worker(cfg: dict[str, Any], out: Path) -> None:
         next(batches)
     result = {"rank": rt.rank, "prepare_s": prepared, "seconds": seconds, "rss_mb": rss, "anon_mb": anon,
               "peak_mb": peak_mb() - peak0, "later_rss_mb": rss_mb() - rss0, "later_anon_mb": anon_mb() - anon0}
+    _finish(rt, result, out)
+
+
+def _finish(rt: Any, result: dict[str, Any], out: Path) -> None:
+    """Every rank's figures to rank 0's file, then leave as the trainer does (exit_process: gloo's
+    threads can abort a process that finalizes the interpreter)."""
+    import torch.distributed as dist
+    from llamaft_trainer.shutdown import exit_process, teardown
+
     gathered: list[Any] = [None] * rt.world_size
     dist.all_gather_object(gathered, result)
     if rt.is_leader:
