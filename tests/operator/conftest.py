@@ -184,6 +184,12 @@ class Cluster:
         plain = [self.api.sanitize_for_serialization(e) for e in out.items]
         return [e for e in plain if e.get("involvedObject", {}).get("name") == involved]
 
+    def wait_reasons(self, involved: str, *reasons: str, timeout: float = 10) -> set[str]:
+        """The event reasons of `involved` once they include `reasons`. kopf posts events from a
+        background queue, so the status patch of the same handler can land before its events."""
+        return wait_for(f"events {reasons} of {involved}",
+                        lambda: (seen := {e["reason"] for e in self.events(involved)}) >= set(reasons) and seen, timeout=timeout)
+
     def exists(self, kind: str, name: str) -> bool:
         read = {"ConfigMap": self.core.read_namespaced_config_map, "Service": self.core.read_namespaced_service,
                 "Deployment": self.apps.read_namespaced_deployment}[kind]

@@ -40,8 +40,7 @@ def test_create_running_succeeded(cluster: Cluster, operator: Operator) -> None:
     monitors = cluster.custom.list_namespaced_custom_object("monitoring.coreos.com", "v1", "default", "podmonitors")["items"]
     assert [m["metadata"]["name"] for m in monitors if m["metadata"]["name"].startswith("happy")] == ["happy-trainer"]
     assert cluster.exists("ConfigMap", "happy-dashboard")
-    reasons = [e["reason"] for e in cluster.events("happy")]
-    assert {"JobCreated", "Running", "Succeeded"} <= set(reasons), reasons
+    cluster.wait_reasons("happy", "JobCreated", "Running", "Succeeded")
 
 
 def test_invalid_spec_names_the_field_in_status_and_events(cluster: Cluster, operator: Operator) -> None:

@@ -154,7 +154,6 @@ def test_a_hardware_xid_fails_the_attempt_and_the_next_avoids_the_node(prometheu
         affinity = second["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["affinity"]
         assert affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
             "matchExpressions"][0] == {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["node-7"]}
-        reasons = {e["reason"] for e in cluster.events(NAME)}
-        assert {"XidError", "GPUXid", "NodeExcluded"} <= reasons
+        cluster.wait_reasons(NAME, "XidError", "GPUXid", "NodeExcluded")
     finally:
         op.stop()

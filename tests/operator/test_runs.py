@@ -259,7 +259,7 @@ def test_fresh_run(cluster: Cluster, sim: SimCluster, operator: Operator, tiny_m
     cluster.create("fresh", run_spec(tiny_model, tmp_path / "ckpt"))
     status = finish(cluster, sim, "fresh", attempts=1)
     assert status.get("retriesUsed", 0) == 0 and not status.get("failures")
-    assert {"JobCreated", "Running", "Succeeded"} <= {e["reason"] for e in cluster.events("fresh")}
+    cluster.wait_reasons("fresh", "JobCreated", "Running", "Succeeded")
     delete_and_assert_no_orphans(cluster, sim, "fresh")
 
 
@@ -364,7 +364,7 @@ def test_fault_recovers_from_the_checkpoint(cluster: Cluster, sim: SimCluster, o
         assert noticed < 15, f"a failure is noticed from the pod's events, not a timer ({noticed:.1f}s)"
     status = finish(cluster, sim, name, attempts=2)
     assert status["retriesUsed"] == 1
-    assert record["reason"] in {e["reason"] for e in cluster.events(name)}
+    cluster.wait_reasons(name, record["reason"])
     delete_and_assert_no_orphans(cluster, sim, name)
 
 
@@ -390,7 +390,7 @@ def test_gpu_xid_restarts_without_the_node(cluster: Cluster, sim: SimCluster, op
     pods = wait_for("attempt 2 scheduled", lambda: (p := sim.pods(job)) and all(x["spec"].get("nodeName") for x in p) and p)
     assert all(p["spec"]["nodeName"] != node for p in pods)
     finish(cluster, sim, "xid", attempts=2)
-    assert {"XidError", "GPUXid", "NodeExcluded"} <= {e["reason"] for e in cluster.events("xid")}
+    cluster.wait_reasons("xid", "XidError", "GPUXid", "NodeExcluded")
     delete_and_assert_no_orphans(cluster, sim, "xid")
 
 
@@ -410,7 +410,7 @@ def test_closed_rendezvous_is_reset_and_retried(cluster: Cluster, sim: SimCluste
         assert status["failures"][0]["reason"] == "RendezvousClosed"
         status = phase(cluster, "closed", "Succeeded", "Failed")
         assert status["phase"] == "Succeeded" and status["attempt"] == 2
-        assert {"RendezvousClosed", "RendezvousReset"} <= {e["reason"] for e in cluster.events("closed")}
+        cluster.wait_reasons("closed", "RendezvousClosed", "RendezvousReset")
         delete_and_assert_no_orphans(cluster, sim, "closed")
     finally:
         for node in nodes:
@@ -429,7 +429,8 @@ def test_budget_used_up_fails_with_the_history(cluster: Cluster, sim: SimCluster
     status = phase(cluster, "broke", "Failed", "Succeeded")
     assert status["phase"] == "Failed" and "retry budget (1) is used up" in status["message"]
     assert [(f["attempt"], f["reason"]) for f in status["failures"]] == [(1, "Killed"), (2, "Killed")]
-    assert status["retriesUsed"] == 1 and "RetryBudgetExhausted" in {e["reason"] for e in cluster.events("broke")}
+    assert status["retriesUsed"] == 1
+    cluster.wait_reasons("broke", "RetryBudgetExhausted")
     time.sleep(2)
     assert cluster.status("broke")["phase"] == "Failed" and cluster.attempt_job("broke", 3) is None
     delete_and_assert_no_orphans(cluster, sim, "broke")
