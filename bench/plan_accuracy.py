@@ -23,8 +23,8 @@ stated allowance and are excluded here). RSS would not be comparable: it include
 heap, shared libraries and freed-but-cached pages. Steady state: the peak is reset after the first
 optimizer step (AdamW creates its state lazily), so it covers a step with optimizer state, as
 every step after the first is. The estimate is asked for with `device="cpu"`, which differs from
-the CUDA estimate in three documented ways (no forward all-gather prefetch, no foreach AdamW
-temporary, no reduce-scatter buffer held across units: all consequences of CUDA streams), plus
+the CUDA estimate in two documented ways (no forward all-gather prefetch, no reduce-scatter
+buffer held across units: both consequences of CUDA streams), plus
 the CPU sdpa kernel's extra output copy. The tracker supports FSDP2 only, so `fsdp1` is not
 measured. `bench/gpu_plan_check.py` does the same on a GPU with torch.cuda.max_memory_allocated.
 """

@@ -30,8 +30,8 @@ What it follows (FSDP2, `fully_shard` per decoder layer plus the root, as parall
   * logits and loss: train.py computes `logits[:, :-1].float()` and cross-entropy: bf16 logits,
     an fp32 copy and log-softmax's fp32 output in forward; in backward the saved log-softmax plus
     two fp32 gradients (12 bytes per vocabulary entry per token at the peak).
-  * optimizer step: AdamW's foreach implementation (CUDA) allocates one temporary the size of the
-    trainable shard (sqrt of exp_avg_sq).
+  * optimizer step: AdamW's foreach implementation (the trainer asks for it on every device)
+    allocates one temporary the size of the trainable shard (sqrt of exp_avg_sq).
   * CPU offload: parameters, gradients and optimizer state live in host memory (and the step runs
     there); the GPU keeps the gathered units, activations and reduction buffers.
 
@@ -102,7 +102,7 @@ class Setup:
     wrap_min_params: int | None = None
     """None: one unit per decoder layer; else only layers with at least this many parameters."""
     device: str = "cuda"
-    """`cuda` (streams overlap: forward prefetch, foreach AdamW) or `cpu` (what the CPU bench runs)."""
+    """`cuda` (streams overlap: forward prefetch) or `cpu` (what the CPU bench runs)."""
     sync_between_micro_steps: bool = False
     """False: as train.py does today, gradient sync is off on all but the last micro-step, so FSDP2
     keeps unsharded gradients between micro-steps. True: a trainer that reduce-scatters every
@@ -580,7 +580,7 @@ def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
         tl.sub("activations", shared)
         if not (sync and step):
             return
-        if cuda and not offload:
+        if not offload:
             tl.add("optimizer_temporaries", m * shard_trainable, "optimizer:AdamW step")
             tl.sub("optimizer_temporaries", m * shard_trainable)
         tl.mark("optimizer:step done")
