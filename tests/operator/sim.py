@@ -7,7 +7,9 @@ process tree on this machine. Plus faults on demand (kill, OOM, hang, eviction, 
 Everything talks to the emulator through its HTTP API, as the real components do, so the operator
 under test sees exactly the objects and transitions a cluster would show it; the one shortcut is
 that all "nodes" share this machine's network and filesystem:
-- each pod gets its own loopback address 127.0.0.<k> (status.podIP), the trainer is told to bind its
+- each pod gets its own loopback address 127.<w>.<k // 250>.<k> (status.podIP; w: the pytest-xdist
+  worker's block, 0 without xdist, so simulated clusters in parallel workers never share an
+  address and port), the trainer is told to bind its
   metrics server there (LLAMAFT_METRICS_HOST), and a port that a Service of a training pod names is
   mapped to a free local port (pods share one port space here);
 - "DNS": an endpoint host that names a Service of a pod, or a pod's `hostname.subdomain` (Indexed
@@ -74,6 +76,15 @@ OPERATOR_NAME = f"{GROUP_LABEL}/operator-name"
 CONTROLLER_NAME = "pytorchjob-controller"
 CONTAINER = "pytorch"
 DEFAULT_PORT_NAME, DEFAULT_PORT = "pytorchjob-port", 23456
+
+
+def _xdist_block() -> int:
+    """The second octet of this process's pod addresses: 1 + the pytest-xdist worker number
+    (PYTEST_XDIST_WORKER=gw<n>), 0 in a single-process run. Pods of parallel simulated clusters
+    bind the same well-known ports (the PyTorchJob master's 23456, Trainer's 29500) on their own
+    addresses, so each worker needs its own block of 127.0.0.0/8."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return 1 + int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
 RETRYABLE_UNKNOWN = 0xBEEF
 """The training operator's exit code for a failed pod without a terminated `pytorch` container."""
 TERMINATION_LOG_MAX = 4096
@@ -736,7 +747,8 @@ class SimCluster:
         if uid not in self._ips:
             k = self._next_ip
             self._next_ip += 1
-            self._ips[uid] = f"127.0.{k // 250}.{k % 250 + 2}" if k >= 250 else f"127.0.0.{k}"
+            block = _xdist_block()
+            self._ips[uid] = f"127.{block}.{k // 250}.{k % 250 + 2}" if k >= 250 or block else f"127.0.0.{k}"
         return self._ips[uid]
 
     # ------------------------------------------------------------------------------------ nodes

@@ -31,9 +31,9 @@ from tests.operator.sim import SimCluster
 
 pytestmark = pytest.mark.slow
 DATASET = REPO / "examples" / "data" / "samsum-tiny.jsonl"
-STEPS, EVERY = 120, 20
-"""A tiny-model step takes ~50 ms here: 120 steps leave a window of seconds to inject a fault after
-the first checkpoint (step 20) and before the end."""
+STEPS, EVERY = 60, 10
+"""A tiny-model step takes 50-100 ms here: 60 steps leave a window of seconds to inject a fault after
+the first checkpoint (step 10) and before the end; the faults land within a poll (0.1 s) of it."""
 LABEL = "llamaft.io/finetune"
 
 
