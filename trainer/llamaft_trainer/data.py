@@ -508,6 +508,35 @@ class ResumableSampler(DistributedSampler[Any]):
         return max(0, super().__len__() - self.start)
 
 
+class ValidationShare:
+    """This rank's share of the validation set, every sequence evaluated exactly once whatever the
+    world size: rank r takes items r, r + W, r + 2W, ... (no padding with repeats, no dropped
+    tail, unlike DistributedSampler). Every rank yields the same number of batches, because under
+    FSDP each forward is a collective: a rank whose share ran out yields a filler batch (one of
+    the set's sequences with every label ignored), which adds no loss and no tokens."""
+
+    def __init__(self, dataset: Dataset[dict[str, torch.Tensor]], rank: int, world: int, batch_size: int,
+                 collate: Any) -> None:
+        self.dataset, self.rank, self.world, self.batch_size, self.collate = dataset, rank, world, batch_size, collate
+        self.size = len(dataset)  # type: ignore[arg-type]
+        self.indices = list(range(rank, self.size, world))
+
+    def __len__(self) -> int:
+        """Batches per rank: those of the largest share."""
+        largest_share = -(-self.size // self.world)
+        return -(-largest_share // self.batch_size)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for start in range(0, len(self) * self.batch_size, self.batch_size):
+            chosen = self.indices[start : start + self.batch_size]
+            if chosen:
+                yield self.collate([self.dataset[i] for i in chosen])
+            else:
+                filler = self.collate([self.dataset[self.indices[0] if self.indices else 0]])
+                filler["labels"].fill_(IGNORE_INDEX)
+                yield filler
+
+
 @dataclass
 class Data:
     """The run's training and validation batches. `batches(epoch, skip)` yields the epoch's
@@ -518,7 +547,7 @@ class Data:
     validation: Dataset[dict[str, torch.Tensor]] | None
     loader: DataLoader[dict[str, torch.Tensor]] | None
     """None for a stream (no known length)."""
-    validation_loader: DataLoader[dict[str, torch.Tensor]] | Any | None
+    validation_loader: ValidationShare | None
     sampler: ResumableSampler | None = None
     batch_size: int = 1
     store_path: Path | None = None
@@ -572,11 +601,9 @@ def loaders(store: store_mod.Store, spec: DatasetSpec, pad_id: int, batch_size: 
     loader = DataLoader(train, batch_size=batch_size, sampler=sampler, drop_last=True, collate_fn=collate,
                         generator=_generator(seed))
     val_loader = None
-    if validation is not None and len(validation) >= world:  # type: ignore[arg-type]
-        val_sampler: DistributedSampler[Any] = DistributedSampler(validation, num_replicas=world, rank=rank, shuffle=False, drop_last=True)
-        val_loader = DataLoader(validation, batch_size=batch_size, sampler=val_sampler, collate_fn=collate,
-                                generator=_generator(seed))
-    elif validation is not None and len(validation) == 0:  # type: ignore[arg-type]
+    if validation is not None and len(validation) > 0:  # type: ignore[arg-type]
+        val_loader = ValidationShare(validation, rank, world, batch_size, collate)
+    else:
         validation = None
     return Data(train, validation, loader, val_loader, sampler, batch_size, store.path,
                 info={"train_sequences": n_train})

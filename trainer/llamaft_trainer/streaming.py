@@ -28,7 +28,6 @@ from typing import Any
 import numpy as np
 import torch
 from llamaft.api.spec import DatasetSpec
-from torch.utils.data import DataLoader, DistributedSampler
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from llamaft_trainer import data as data_mod
@@ -185,10 +184,10 @@ def streaming_data(spec: DatasetSpec, tok: PreTrainedTokenizerBase, batch_size: 
     val_loader = None
     if part is not None and len(part):
         validation = data_mod.PackedBlocks(part, spec.max_seq_length) if spec.packing else data_mod.PaddedExamples(part)
-        if len(validation) >= rt.world_size:
-            sampler: DistributedSampler[Any] = DistributedSampler(validation, num_replicas=rt.world_size, rank=rt.rank,
-                                                                  shuffle=False, drop_last=True)
-            val_loader = DataLoader(validation, batch_size=batch_size, sampler=sampler, collate_fn=stream.collate)
+        if len(validation):
+            val_loader = data_mod.ValidationShare(validation, rt.rank, rt.world_size, batch_size, stream.collate)
+        else:
+            validation = None
     data = data_mod.Data(train=None, validation=validation, loader=None, validation_loader=val_loader,
                          batch_size=batch_size, stream=stream)
     data.info.update(train_sequences=None, streaming=True, window=WINDOW, validation_sequences=0 if validation is None else len(validation))

@@ -266,7 +266,8 @@ def train_loop(
             scheduler.step()
         state.step += 1
         state.batches_in_epoch += accum
-        seq_tokens = sum(int(b["input_ids"].numel()) for b in group)
+        # Real tokens only: padding (per-batch, when packing is off) is neither work nor progress.
+        seq_tokens = sum(int(b["attention_mask"].sum()) for b in group)
         # The stop flag rides along: every rank gets the same sum, so all stop after this step.
         stop_vote = 1.0 if stop is not None and stop.requested else 0.0
         with profiling.phase("sync"):
