@@ -77,6 +77,13 @@ class LocalPlan:
         return str(self.launch.flag("rdzv_id"))
 
 
+def _visible_gpus() -> int:
+    """CUDA devices this process may use, as the trainers will see them (CUDA_VISIBLE_DEVICES)."""
+    import torch
+
+    return int(torch.cuda.device_count())
+
+
 def plan(path: str | Path, *, nproc_per_worker: int | None, run_dir: str | Path | None) -> tuple[LocalPlan, LlamaFineTuneSpec]:
     """The cluster's launch for this file, rendered exactly as the operator renders it (a fresh uid
     per run, so the rendezvous id is new and a rerun never meets a closed rendezvous)."""
@@ -88,10 +95,8 @@ def plan(path: str | Path, *, nproc_per_worker: int | None, run_dir: str | Path 
             f"spec.model.source: {spec.model.source} does not exist. For the tiny example, build it "
             f"first: llamaft make-tiny-model {spec.model.source}"
         )
-    import torch
-
-    gpus = torch.cuda.device_count()
     wanted = spec.cluster.gpus_per_worker
+    gpus = _visible_gpus() if wanted else 0  # a CPU spec never imports torch here (seconds, ~240 MB held)
     if wanted and gpus >= wanted * spec.cluster.workers:
         device, nproc = "cuda", wanted
     elif wanted and gpus >= spec.cluster.workers:
