@@ -175,7 +175,10 @@ def test_operator_killed_mid_reconcile_creates_no_duplicates(cluster: Cluster, k
         assert [j["metadata"]["name"] for j in cluster.jobs("llamaft.io/finetune=crash")] == [cluster.job_name("crash", 1)]
         deployments = cluster.apps.list_namespaced_deployment("default", label_selector="llamaft.io/finetune=crash").items
         assert len(deployments) == 1
-        assert [e for e in cluster.events("crash") if e["reason"] == "JobCreated"].__len__() == 1
+        # No duplicate decision: at most one JobCreated. kopf posts events from a background queue, so
+        # the operator killed right after creating the job may die before its event is posted; the
+        # third one finds the job and creates (and announces) nothing.
+        assert len([e for e in cluster.events("crash") if e["reason"] == "JobCreated"]) <= 1
         third.stop()
     finally:
         first.kill()
