@@ -478,8 +478,10 @@ def test_operator_killed_at_random_points(cluster: Cluster, sim: SimCluster, ope
         op = start()
         status = finish(cluster, sim, "chaos", attempts=2)
         assert [f["attempt"] for f in status["failures"]] == [1] and status["retriesUsed"] == 1
+        # No duplicate decision: at most one JobCreated per attempt. kopf posts events from a background
+        # queue, so an operator killed right after creating a job can die before announcing it.
         created = [e for e in cluster.events("chaos") if e["reason"] == "JobCreated"]
-        assert len(created) == 2, [e["message"] for e in created]
+        assert len(created) <= 2, [e["message"] for e in created]
         delete_and_assert_no_orphans(cluster, sim, "chaos")
     finally:
         for op in ops:
