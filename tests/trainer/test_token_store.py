@@ -49,16 +49,31 @@ def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
     return path
 
 
+@pytest.mark.parametrize("bos, eos", [(1, 2), (None, 2), (1, None), (None, None)])
+@pytest.mark.parametrize("max_len", [1, 2, 3, 5, 8, 64])
+def test_batch_assembly_is_the_one_record_layout(bos: int | None, eos: int | None, max_len: int) -> None:
+    """Every cut of <bos> prompt response <eos> (inside the prompt, the response, at the eos),
+    empty prompts and responses, with and without bos/eos: the array layout equals the lists'."""
+    prompts = [[10, 11, 12], [], [13], [14, 15], []]
+    responses = [[20, 21], [22, 23, 24], [], [25], []]
+    expected = []
+    for p, r in zip(prompts, responses, strict=True):
+        head, tail = ([bos] if bos is not None else []), ([eos] if eos is not None else [])
+        ids, labels = head + p + r + tail, [d.IGNORE_INDEX] * (len(head) + len(p)) + r + tail
+        expected.append((ids[:max_len], labels[:max_len]))
+    assert d.pairs_of(d._assemble(prompts, responses, bos, eos, max_len)) == expected
+
+
 def test_batched_encoding_equals_the_one_record_reference(tok: Any, tmp_path: Path) -> None:
     records = [r for _, r in d.read_numbered(spec())]
     samsum = spec()
-    assert d.Encoder(samsum, tok).encode([("x", r) for r in records]) == reference(records, samsum, tok)
+    assert d.pairs_of(d.Encoder(samsum, tok).encode([("x", r) for r in records])) == reference(records, samsum, tok)
     alpaca_records = [{"instruction": r["dialogue"][:40], "input": r["summary"] if i % 2 else "", "output": r["summary"]}
                       for i, r in enumerate(records)]
     alpaca = spec(format="alpaca", maxSeqLength=64)
-    assert d.Encoder(alpaca, tok).encode([("x", r) for r in alpaca_records]) == reference(alpaca_records, alpaca, tok)
+    assert d.pairs_of(d.Encoder(alpaca, tok).encode([("x", r) for r in alpaca_records])) == reference(alpaca_records, alpaca, tok)
     jsonl = spec(format="jsonl", promptTemplate="Q: {dialogue}\nA: ", fieldMapping={"response": "summary"}, maxSeqLength=2048)
-    assert d.Encoder(jsonl, tok).encode([("x", r) for r in records]) == reference(records, jsonl, tok)
+    assert d.pairs_of(d.Encoder(jsonl, tok).encode([("x", r) for r in records])) == reference(records, jsonl, tok)
 
 
 def test_the_store_holds_the_split_examples_in_file_order(tok: Any, tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import random
 import shutil
@@ -169,27 +170,67 @@ class Encoder:
             for where, record in numbered:
                 self.formatter.check(record, where)
 
-    def encode(self, numbered: Sequence[Numbered]) -> list[tuple[list[int], list[int]]]:
+    def encode(self, numbered: Sequence[Numbered]) -> store_mod.Part:
+        """The records as an in-memory part: each example <bos> prompt response <eos> (or the
+        rendered conversation), loss on what `tokenize` / `trainOn` label, cut to maxSeqLength."""
         if self.chat is not None:
             from llamaft_trainer import chat
 
             field_name = self.spec.field_mapping.messages
             conversations = [chat.conversation(record, field_name, where) for where, record in numbered]
-            encoded: list[tuple[list[int], list[int]]] = self.chat.encode(conversations, where=[w for w, _ in numbered])
-            return encoded
+            return part_of(self.chat.encode(conversations, where=[w for w, _ in numbered]))
         assert self.formatter is not None
         self.check(numbered)
         pairs = [self.formatter(record) for _, record in numbered]
         both = _encode_texts(self.tok, [p for p, _ in pairs] + [r for _, r in pairs])
-        prompts, responses = both[: len(pairs)], both[len(pairs):]
-        bos = [self.tok.bos_token_id] if self.tok.bos_token_id is not None else []
-        eos = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else []
-        out = []
-        for prompt_ids, response_ids in zip(prompts, responses, strict=True):
-            ids = bos + prompt_ids + response_ids + eos
-            labels = [IGNORE_INDEX] * (len(bos) + len(prompt_ids)) + response_ids + eos
-            out.append((ids[: self.max_len], labels[: self.max_len]))
-        return out
+        return _assemble(both[: len(pairs)], both[len(pairs):], self.tok.bos_token_id, self.tok.eos_token_id, self.max_len)
+
+
+def _assemble(prompts: list[list[int]], responses: list[list[int]], bos: int | None, eos: int | None,
+              max_len: int) -> store_mod.Part:
+    """[bos] + prompt + response + [eos] per example, cut to max_len, loss on response and eos:
+    `tokenize`'s examples, laid out with array operations over the whole batch (per-example
+    Python lists cost as much as the tokenizer did)."""
+    p = np.fromiter(map(len, prompts), dtype=np.int64, count=len(prompts))
+    r = np.fromiter(map(len, responses), dtype=np.int64, count=len(responses))
+    total_p = int(p.sum())
+    flat = np.fromiter(itertools.chain.from_iterable(prompts + responses), dtype=np.int32, count=total_p + int(r.sum()))
+    b, e = int(bos is not None), int(eos is not None)
+    lengths = np.minimum(b + p + r + e, max_len)
+    starts = np.cumsum(lengths) - lengths
+    example = np.repeat(np.arange(len(lengths)), lengths)
+    k = np.arange(int(lengths.sum())) - starts[example]  # position inside its example
+    pk = k - b  # position inside the prompt
+    rk = pk - p[example]  # position inside the response
+    in_prompt = (pk >= 0) & (rk < 0)
+    in_response = (rk >= 0) & (rk < r[example])
+    tokens = np.full(len(k), -1 if eos is None else eos, dtype=np.int32)
+    if bos is not None:
+        tokens[k == 0] = bos
+    prompt_at = (np.cumsum(p) - p)[example] + pk
+    response_at = total_p + (np.cumsum(r) - r)[example] + rk
+    tokens[in_prompt] = flat[prompt_at[in_prompt]]
+    tokens[in_response] = flat[response_at[in_response]]
+    return store_mod.in_memory(tokens, rk >= 0, lengths)
+
+
+def part_of(pairs: Sequence[tuple[list[int], list[int]]]) -> store_mod.Part:
+    """(input_ids, labels) pairs, a label either the token or IGNORE_INDEX, as an in-memory part."""
+    lengths = np.fromiter((len(ids) for ids, _ in pairs), dtype=np.int64, count=len(pairs))
+    total = int(lengths.sum())
+    tokens = np.fromiter(itertools.chain.from_iterable(ids for ids, _ in pairs), dtype=np.int32, count=total)
+    labels = np.fromiter(itertools.chain.from_iterable(lab for _, lab in pairs), dtype=np.int64, count=total)
+    return store_mod.in_memory(tokens, labels != IGNORE_INDEX, lengths)
+
+
+def pairs_of(part: store_mod.Part) -> list[tuple[list[int], list[int]]]:
+    """An in-memory part as (input_ids, labels) lists (tests and references compare these)."""
+    out = []
+    for i in range(len(part)):
+        tokens, loss = part.example(i)
+        ids = [int(t) for t in tokens]
+        out.append((ids, [t if flag else IGNORE_INDEX for t, flag in zip(ids, loss, strict=True)]))
+    return out
 
 
 def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
@@ -370,11 +411,10 @@ def _encode_shard(source: RecordSource, encoder: Encoder, held_out: np.ndarray[A
                     shard.error = (number, str(exc))  # the first in file order wins among the members
                     break
                 flags = held_out[first:index]
-                train = [e for e, v in zip(encoded, flags, strict=True) if not v]
-                validation = [e for e, v in zip(encoded, flags, strict=True) if v]
-                parts["train"].add(train, IGNORE_INDEX)
-                parts["validation"].add(validation, IGNORE_INDEX)
-                shard.batches.append((number, len([e for e in train if e[0]]), len([e for e in validation if e[0]])))
+                nonempty = encoded.lengths > 0
+                parts["train"].add(encoded.select(~flags))
+                parts["validation"].add(encoded.select(flags))
+                shard.batches.append((number, int(np.count_nonzero(nonempty & ~flags)), int(np.count_nonzero(nonempty & flags))))
                 if team.me == 0 and time.monotonic() - last_log > 10:
                     last_log = time.monotonic()
                     log_json("data_progress", records=index, total=len(held_out),

@@ -19,12 +19,10 @@ a crash mid-build leaves nothing a reader would take for complete.
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import shutil
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -98,6 +96,25 @@ class Part:
         """Tokens [start, end) of the whole part, across example boundaries (packing)."""
         return self.tokens[start:end], self.loss[start:end]
 
+    @property
+    def lengths(self) -> np.ndarray[Any, np.dtype[np.int64]]:
+        return np.diff(self.offsets)
+
+    def select(self, keep: np.ndarray[Any, np.dtype[np.bool_]]) -> Part:
+        """The examples where `keep` is true, in order (an in-memory part: a batch being stored)."""
+        lengths = self.lengths
+        tokens = np.asarray(self.tokens)
+        by_token = np.repeat(keep, lengths)
+        return Part(tokens[by_token], np.asarray(self.loss)[by_token],
+                    np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(lengths[keep], dtype=np.int64)]))
+
+
+def in_memory(tokens: np.ndarray[Any, Any], loss: np.ndarray[Any, Any], lengths: np.ndarray[Any, Any]) -> Part:
+    """A part held in memory: flat int32 tokens, flat loss flags, one length per example."""
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return Part(np.asarray(tokens, dtype=np.int32), np.asarray(loss, dtype=np.uint8), offsets)
+
 
 def open_part(folder: Path) -> Part:
     return Part(FileArray(folder / TOKENS, np.int32), FileArray(folder / LOSS, np.uint8),
@@ -137,23 +154,23 @@ class PartWriter:
         self.tokens = 0
         self.loss_tokens = 0
 
-    def add(self, examples: Iterable[tuple[list[int], list[int]]], ignore_index: int) -> None:
-        """(input_ids, labels) pairs; a label is either the token itself or `ignore_index`. One
-        array conversion per batch, not per example (the builder's cost is the tokenizer's)."""
-        kept = [(ids, labels) for ids, labels in examples if ids]
-        if not kept:
+    def add(self, batch: Part) -> None:
+        """The examples of an in-memory part (an encoded batch), empty ones left out: arrays
+        written as they are, nothing per example (the builder's cost is the tokenizer's)."""
+        lengths = batch.lengths
+        if not lengths.all():
+            batch = batch.select(lengths > 0)
+            lengths = batch.lengths
+        if not len(lengths):
             return
-        lengths = np.fromiter((len(ids) for ids, _ in kept), dtype=np.int64, count=len(kept))
-        total = int(lengths.sum())
-        tokens = np.fromiter(itertools.chain.from_iterable(ids for ids, _ in kept), dtype=np.int32, count=total)
-        labels = np.fromiter(itertools.chain.from_iterable(lab for _, lab in kept), dtype=np.int64, count=total)
-        loss = labels != ignore_index
-        self._tokens.write(tokens.tobytes())
-        self._loss.write(loss.astype(np.uint8).tobytes())
-        self._offsets.write((np.cumsum(lengths) + self.tokens).tobytes())
+        total = int(batch.offsets[-1])
+        loss = np.asarray(batch.loss, dtype=np.uint8)
+        self._tokens.write(np.asarray(batch.tokens, dtype=np.int32).tobytes())
+        self._loss.write(loss.tobytes())
+        self._offsets.write((batch.offsets[1:] + self.tokens).tobytes())
         self.tokens += total
-        self.loss_tokens += int(loss.sum())
-        self.examples += len(kept)
+        self.loss_tokens += int(np.count_nonzero(loss))
+        self.examples += len(lengths)
 
     def append(self, folder: Path, offsets: np.ndarray[Any, Any], start: int, end: int) -> None:
         """Examples [start, end) of the part in `folder` (its `offsets`), copied as they are (the

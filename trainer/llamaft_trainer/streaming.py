@@ -52,13 +52,6 @@ def _first_window(source: RecordSource) -> int:
     return len(next(iter(source.batches(WINDOW)), []))
 
 
-def in_memory_part(encoded: list[tuple[list[int], list[int]]]) -> store_mod.Part:
-    ids = [t for e, _ in encoded for t in e]
-    loss = [label != data_mod.IGNORE_INDEX for _, labels in encoded for label in labels]
-    offsets = np.cumsum([0] + [len(e) for e, _ in encoded], dtype=np.int64)
-    return store_mod.Part(np.asarray(ids, dtype=np.int32), np.asarray(loss, dtype=np.uint8), offsets)
-
-
 class Stream:
     """The training stream of one rank (see the module docstring)."""
 
@@ -136,7 +129,7 @@ class Stream:
         loss = np.zeros(0, dtype=np.bool_)
         mine = slice(self.rank * self.batch_size * length, (self.rank + 1) * self.batch_size * length)
         for window, records in self._windows(epoch, first):
-            part = in_memory_part(self.encoder.encode(records))
+            part = self.encoder.encode(records)
             self._learn(window, part.total_tokens)
             tokens, flags = part.span(0, part.total_tokens)
             ids = np.concatenate([ids, tokens])
@@ -156,10 +149,8 @@ class Stream:
                 ])
             ids, loss = ids[used:], loss[used:]
 
-    def _batch(self, encoded: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
-        items = [data_mod._item(np.asarray(e), np.asarray([label != data_mod.IGNORE_INDEX for label in labels]))
-                 for e, labels in encoded]
-        return self.collate(items)
+    def _batch(self, encoded: store_mod.Part) -> dict[str, torch.Tensor]:
+        return self.collate([data_mod._item(*encoded.example(i)) for i in range(len(encoded))])
 
     def validation(self) -> store_mod.Part | None:
         n = self.skip_records
@@ -170,7 +161,7 @@ class Stream:
             head.extend(batch)
             if len(head) >= n:
                 break
-        return in_memory_part(self.encoder.encode(head[:n]))
+        return self.encoder.encode(head[:n])
 
 
 def streaming_data(spec: DatasetSpec, tok: PreTrainedTokenizerBase, batch_size: int, seed: int, rt: Runtime,
