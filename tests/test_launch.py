@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 MACHINE_BOUND = {"PET_RDZV_ENDPOINT", "LLAMAFT_CONFIG", "LLAMAFT_METRICS_PORT", "LLAMAFT_TERMINATION_LOG",
                  "PET_NPROC_PER_NODE", "CUDA_VISIBLE_DEVICES",
-                 "LLAMAFT_CACHE", "HF_HOME", "LLAMAFT_CACHE_SHARED"}  # this machine's download caches (launch.local_cache)
+                 "LLAMAFT_CACHE", "HF_HOME", "LLAMAFT_CACHE_SHARED",  # this machine's download caches (launch.local_cache)
+                 "LLAMAFT_RUN_UID"}  # a local run is its checkpoint directory (LocalPlan.run_uid)
 
 
 def pod_env(job: dict) -> dict[str, str]:  # type: ignore[type-arg]

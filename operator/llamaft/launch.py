@@ -104,11 +104,13 @@ def local_cache(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def localize(launch: Launch, *, rdzv_endpoint: str, config_path: str, nproc_per_node: int | None,
-             metrics_port: int, termination_log: str, cpu_only: bool, cache: Mapping[str, str] | None = None) -> Localized:
+             metrics_port: int, termination_log: str, cpu_only: bool, cache: Mapping[str, str] | None = None,
+             run_uid: str | None = None) -> Localized:
     """The cluster launch on this machine: the rendezvous on a local address, the config file at
     a local path, a free metrics port per agent, the termination message in a file, the local
-    download caches (`cache`: local_cache's values), and (without enough GPUs) one CPU process per
-    worker; `torchrun` is this interpreter's torch.distributed.run."""
+    download caches (`cache`: local_cache's values), the run's identity for its trackers
+    (`run_uid`), and (without enough GPUs) one CPU process per worker; `torchrun` is this
+    interpreter's torch.distributed.run."""
     env = dict(launch.env)
     overrides = {
         "PET_RDZV_ENDPOINT": rdzv_endpoint,
@@ -121,6 +123,8 @@ def localize(launch: Launch, *, rdzv_endpoint: str, config_path: str, nproc_per_
         overrides["PET_NPROC_PER_NODE"] = str(nproc_per_node)
     if cpu_only:
         overrides["CUDA_VISIBLE_DEVICES"] = ""
+    if run_uid is not None:
+        overrides["LLAMAFT_RUN_UID"] = run_uid
     changed = {k: (env.get(k), v) for k, v in overrides.items() if env.get(k) != v}
     env.update(overrides)
     argv = list(launch.argv)

@@ -29,6 +29,8 @@ How it ends:
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import importlib.util
 import json
 import os
 import signal
@@ -48,7 +50,7 @@ from llamaft_trainer.errors import EXIT_CONFIG_ERROR, ConfigError
 from llamaft_trainer.local_etcd import LocalEtcd, free_port, parent_death_signal
 
 from llamaft.api.sources import SourceKind, parse_source
-from llamaft.api.spec import LlamaFineTuneSpec, RendezvousBackend
+from llamaft.api.spec import LlamaFineTuneSpec, RendezvousBackend, TensorBoardSpec
 from llamaft.launch import Launch, Localized, local_cache, localize, torchrun_launch
 from llamaft.manifests import load_finetune
 from llamaft.operator import desired
@@ -71,6 +73,12 @@ class LocalPlan:
     """What every worker pod of the cluster's PyTorchJob runs (llamaft.launch)."""
     checkpoints: str
     resume: bool
+
+    @property
+    def run_uid(self) -> str:
+        """The run's identity for its trackers: a rerun of the file continues its checkpoints,
+        and so its tracker runs (the rendezvous id, not this, is new per run)."""
+        return hashlib.sha256(str(Path(self.checkpoints).expanduser().resolve()).encode()).hexdigest()[:16]
 
     @property
     def rdzv_id(self) -> str:
@@ -105,6 +113,7 @@ def plan(path: str | Path, *, nproc_per_worker: int | None, run_dir: str | Path 
         device, nproc = "cpu", 1
     if nproc_per_worker is not None:
         nproc = nproc_per_worker
+    spec = with_local_tracking(spec)
     owner = Owner(name, str(body["metadata"].get("namespace") or "local"), str(uuid.uuid4()))
     directory = Path(run_dir or Path("runs") / name)
     directory.mkdir(parents=True, exist_ok=True)
@@ -118,11 +127,25 @@ def plan(path: str | Path, *, nproc_per_worker: int | None, run_dir: str | Path 
     ), spec
 
 
+def with_local_tracking(spec: LlamaFineTuneSpec) -> LlamaFineTuneSpec:
+    """A local run writes TensorBoard files by default (when the tensorboard package is there)."""
+    if spec.tracking.tensorboard is not None or importlib.util.find_spec("tensorboard") is None:
+        return spec
+    return spec.model_copy(update={"tracking": spec.tracking.model_copy(update={"tensorboard": TensorBoardSpec()})})
+
+
+def tensorboard_directory(spec: LlamaFineTuneSpec) -> str | None:
+    board = spec.tracking.tensorboard
+    if board is None:
+        return None
+    return board.directory or f"{spec.checkpointing.directory.rstrip('/')}/tensorboard"
+
+
 def agent(p: LocalPlan, endpoint: str, index: int) -> Localized:
     """Agent (\"node\") `index` of the local run: the cluster's launch, localized."""
     return localize(p.launch, rdzv_endpoint=endpoint, config_path=str(p.config_path), nproc_per_node=p.nproc_per_worker,
                     metrics_port=free_port(), termination_log=str(p.run_dir / f"termination-{index}.json"),
-                    cpu_only=p.device == "cpu", cache=local_cache(os.environ))
+                    cpu_only=p.device == "cpu", cache=local_cache(os.environ), run_uid=p.run_uid)
 
 
 @contextlib.contextmanager
@@ -334,6 +357,9 @@ def _run(p: LocalPlan, spec: LlamaFineTuneSpec, interrupt: Interrupt) -> int:
         f"rendezvous {p.backend.value} (id {p.rdzv_id}); logs in {p.run_dir}",
         flush=True,
     )
+    board = tensorboard_directory(spec)
+    if board is not None:
+        print(f"llamaft: TensorBoard: tensorboard --logdir {board}", flush=True)
     # torchrun's SIGTERM-to-SIGKILL time for its workers, as in the pod (the grace period).
     grace_s = float(p.launch.env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30)) + STOP_MARGIN_S
     for index in range(p.workers):  # an earlier run's messages are not this run's

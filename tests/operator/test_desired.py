@@ -86,6 +86,23 @@ def test_a_cache_claim_is_the_shared_download_cache_and_the_condition_says_which
     assert (status, reason) == ("False", "NoVolumeClaim") and "spec.cache.volumeClaim" in message
 
 
+def test_trackers_get_the_run_identity_and_their_credentials_by_secret_reference_only() -> None:
+    spec = example("minimal.yaml").model_copy(deep=True)
+    plain = env_of(desired.pytorch_job(OWNER, spec, 1))
+    assert (plain["LLAMAFT_RUN_NAME"], plain["LLAMAFT_RUN_NAMESPACE"], plain["LLAMAFT_RUN_UID"]) == (
+        OWNER.name, OWNER.namespace, OWNER.uid)
+    assert plain["LLAMAFT_IMAGE"] == spec.cluster.image
+    assert not {"MLFLOW_TRACKING_TOKEN", "WANDB_API_KEY"} & set(plain), "no tracker, no credentials"
+    body = spec.to_k8s()
+    body["tracking"] = {"mlflow": {"trackingUri": "http://mlflow:5000", "credentialsSecret": "mlflow-auth"},
+                        "wandb": {"project": "p", "apiKeySecret": {"name": "wandb", "key": "apiKey"}}}
+    env = env_of(desired.pytorch_job(OWNER, LlamaFineTuneSpec.model_validate(body), 1))
+    for name, key in (("MLFLOW_TRACKING_TOKEN", "token"), ("MLFLOW_TRACKING_USERNAME", "username"),
+                      ("MLFLOW_TRACKING_PASSWORD", "password")):
+        assert env[name] == {"secretKeyRef": {"name": "mlflow-auth", "key": key, "optional": True}}
+    assert env["WANDB_API_KEY"] == {"secretKeyRef": {"name": "wandb", "key": "apiKey"}}
+
+
 def test_efa_env_only_when_requested() -> None:
     env = env_of(desired.pytorch_job(OWNER, example("minimal.yaml"), 1))
     assert "FI_PROVIDER" not in env and "FI_EFA_USE_DEVICE_RDMA" not in env and "HF_TOKEN" not in env
@@ -121,7 +138,7 @@ def test_external_etcd_and_c10d_need_no_managed_etcd() -> None:
 def test_config_map_carries_the_trainer_part_of_the_spec() -> None:
     spec = example("llama2-70b.yaml")
     data = json.loads(desired.config_map(OWNER, spec)["data"]["config.json"])
-    assert set(data) == {"model", "dataset", "training", "fsdp", "checkpointing"}
+    assert set(data) == {"model", "dataset", "training", "fsdp", "checkpointing", "tracking"}
     assert data["fsdp"]["shardingStrategy"] == "FULL_SHARD" and data["training"]["gradientAccumulationSteps"] == 2
 
 

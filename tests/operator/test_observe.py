@@ -62,3 +62,24 @@ def test_restarts_count_each_restarting_transition() -> None:
     assert s["restarts"] == 2 and s["phase"] == "Restarting"
     again = observe.observe(job(("Restarting", "True", "x")), [], [], s, generation=1, now=NOW).status
     assert again["restarts"] == 2
+
+
+def test_tracking_status_is_kept_once_known_and_each_health_change_is_one_event() -> None:
+    running = job(("Running", "True", "PyTorchJobRunning"))
+    doc = {"rank": 0, "step": 3, "tracking": {"mlflowRunId": "r1", "tensorboardDirectory": "/ckpt/tensorboard",
+                                              "secretish": "never copied"}}
+    first = observe.observe(running, [], [doc], {"phase": "Running"}, generation=1, now=NOW)
+    assert first.status["tracking"] == {"mlflowRunId": "r1", "tensorboardDirectory": "/ckpt/tensorboard"}
+    assert not [e for e in first.events if e.reason == "Tracking"]
+    # A new attempt's document before its trackers opened: what status knew stays.
+    later = observe.observe(running, [], [{"rank": 0, "step": 1}], first.status, generation=1, now=NOW)
+    assert later.status["tracking"] == first.status["tracking"]
+    down = {**doc, "trackingWarning": "mlflow: ConnectionError: refused; training goes on"}
+    warned = observe.observe(running, [], [down], later.status, generation=1, now=NOW)
+    assert [(e.type, e.reason, e.message) for e in warned.events if e.reason == "Tracking"] == [
+        ("Warning", "Tracking", "mlflow: ConnectionError: refused; training goes on")]
+    again = observe.observe(running, [], [down], warned.status, generation=1, now=NOW)
+    assert not [e for e in again.events if e.reason == "Tracking"], "the same warning is not posted twice"
+    back = observe.observe(running, [], [{**doc, "trackingWarning": "mlflow: reachable again"}], again.status,
+                           generation=1, now=NOW)
+    assert [(e.type, e.message) for e in back.events if e.reason == "Tracking"] == [("Normal", "mlflow: reachable again")]

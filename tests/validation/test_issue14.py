@@ -71,7 +71,7 @@ ADMISSION: list[tuple[str, dict[str, Any], list[str]]] = [
       "cpuOffload, hybridShard, implementation, mixedPrecision, shardingStrategy, wrapPolicy"]),
     ("run_policy", with_(("spec.run_policy", {"suspend": True})),
      [f"spec.run_policy: unknown field; did you mean 'runPolicy'? {SNAKE}backend, cache, checkpointing, cluster, dataset, fsdp, model, "
-      "monitoring, preflight, rendezvous, runPolicy, scheduling, trainJob, training"]),
+      "monitoring, preflight, rendezvous, runPolicy, scheduling, tracking, trainJob, training"]),
     ("dataset.validation_split", with_(("spec.dataset.validation_split", 0.1)),
      [f"spec.dataset.validation_split: unknown field; did you mean 'validationSplit'? {SNAKE}chatTemplate, fieldMapping, format, "
       "maxSeqLength, packing, promptTemplate, revision, source, split, streaming, trainOn, validationSplit"]),
@@ -207,7 +207,7 @@ RENDERED: list[tuple[str, dict[str, Any], list[str]]] = [
         "spec.cluster.podTemplateOverrides", {"spec": {"containers": [{"name": "pytorch", "env": [
             {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}, "configMap": {}}}]}]}})),
      [f"spec.cluster.podTemplateOverrides.spec.containers[0].env[0].valueFrom.configMap: unknown field ({TEMPLATE}.spec."
-      f"containers[0].env[11].valueFrom.configMap): {OVERRIDE_FIX}"]),
+      f"containers[0].env[15].valueFrom.configMap): {OVERRIDE_FIX}"]),
     ("podTemplateOverrides with a toleration the API server refuses", with_(("spec.cluster.podTemplateOverrides", {
         "spec": {"tolerations": [{"key": "gpu", "operator": "Exists", "value": "x"}]}})),
      [f"spec.cluster.podTemplateOverrides.spec.tolerations[0].value: must be empty when operator is Exists ({TEMPLATE}."

@@ -94,7 +94,7 @@ CASES: list[tuple[str, Any, tuple[str, ...], int, list[str]]] = [
      ["F: spec.cluster.workers: must be an integer, got the string '2' (write 2 without quotes)"]),
     ("y is a boolean for kubectl", GOOD.replace("  cluster:", "  dataset2: y\n  cluster:"), (), 1,
      ["F: spec.dataset2: unknown field; did you mean 'dataset'? known fields: backend, cache, checkpointing, cluster, dataset, fsdp, "
-      "model, monitoring, preflight, rendezvous, runPolicy, scheduling, trainJob, training"]),
+      "model, monitoring, preflight, rendezvous, runPolicy, scheduling, tracking, trainJob, training"]),
     ("packing: y", GOOD.replace("format: samsum", "format: samsum\n    packing: y"), (), 0,
      ["F: ok (ok: 2 worker(s) x 8 GPU(s), FULL_SHARD, bf16)"]),
     ("a timestamp stays a string", GOOD.replace("knkarthick/samsum", "2024-01-01"), (), 0,

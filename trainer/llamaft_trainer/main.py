@@ -36,7 +36,7 @@ from llamaft.api.validation import SpecInvalid, validate_resource
 from torch import nn
 
 from llamaft_trainer import data as data_step
-from llamaft_trainer import elastic, kubeflow_progress, loading, termination
+from llamaft_trainer import elastic, kubeflow_progress, loading, termination, tracking
 from llamaft_trainer import model as model_step
 from llamaft_trainer.checkpoint import Checkpointer, TrainState
 from llamaft_trainer.errors import EXIT_CONFIG_ERROR, EXIT_FAILURE, EXIT_PREEMPTED, ConfigError
@@ -132,6 +132,7 @@ def build_model(cfg: TrainingJobConfig, rt: Runtime, model_config: Any) -> tuple
 
 def setup(cfg: TrainingJobConfig, rt: Runtime) -> Session:
     torch.manual_seed(cfg.training.seed)
+    tracking.check(cfg)  # on every rank, before any collective: rank 0 alone must not fail later
     tokenizer = model_step.load_tokenizer(cfg.model, rt)
     model_config = model_step.load_config(cfg.model, rt)
     data_step.check_sequence_length(cfg.dataset, getattr(model_config, "max_position_embeddings", None))
@@ -180,11 +181,21 @@ def run(
         record.checkpoint_step = latest
         if rt.is_leader:
             log_json("resume", step=state.step, epoch=state.epoch, path=f"{cfg.checkpointing.directory}/step-{latest:08d}")
-    result = train_loop(
-        s.model, cfg, s.data, rt, s.optimizer, s.scheduler, state, s.steps,
-        checkpointer=checkpointer, progress=progress, flops_per_token=s.flops_per_token,
-        peak_flops=peak_flops(rt.device), stop_after=stop_after, stop=stop, record=record, scaler=scaler,
-    )
+    tracker = _start_tracking(cfg, rt, state.step, progress)
+    outcome = "FAILED"
+    try:
+        if tracker is not None:
+            progress = progress or Progress()
+            progress.trackers.append(tracker)
+        result = train_loop(
+            s.model, cfg, s.data, rt, s.optimizer, s.scheduler, state, s.steps,
+            checkpointer=checkpointer, progress=progress, flops_per_token=s.flops_per_token,
+            peak_flops=peak_flops(rt.device), stop_after=stop_after, stop=stop, record=record, scaler=scaler,
+        )
+        outcome = "KILLED" if result.stopped is not None else "FINISHED"
+    finally:
+        if tracker is not None:
+            tracker.close(outcome)
     checkpointer.close()  # the loop waited for its last save; releases the checkpoint process group
     if result.stopped is None and state.step >= s.steps and cfg.checkpointing.export_hugging_face:
         destination = f"{cfg.checkpointing.directory.rstrip('/')}/export"
@@ -199,6 +210,23 @@ def run(
         if progress is not None:
             progress.update(exportPath=destination)
     return s, result
+
+
+def _start_tracking(cfg: TrainingJobConfig, rt: Runtime, resumed_at: int, progress: Progress | None) -> tracking.Tracker | None:
+    """Rank 0's experiment trackers (tracking.py): where the runs are, and a tracker that is
+    down, go into the progress document (the operator's status.tracking and events)."""
+    if not rt.is_leader:
+        return None
+
+    def warn(message: str) -> None:
+        if progress is not None:
+            progress.update(trackingWarning=message)
+
+    def located(info: dict[str, str]) -> None:
+        if progress is not None:
+            progress.update(tracking=info)
+
+    return tracking.start(cfg, rt.world_size, resumed_at, warn, located)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

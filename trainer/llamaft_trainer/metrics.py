@@ -97,6 +97,8 @@ class Progress:
         self.document: dict[str, Any] = {"phase": "Starting"}
         self._lock = threading.Lock()
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
+        self.trackers: list[Any] = []
+        """Experiment trackers (tracking.Tracker): each logged step and eval, queued, never waited on."""
 
     def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
         """Call `listener` with a copy of the document after every update; it must return at once
@@ -132,6 +134,14 @@ class Progress:
             phase="Training", step=m["step"], epoch=m["epoch"], loss=m["loss"],
             tokensPerSecond=m["tokens_per_second"], mfu=m.get("mfu"), etaSeconds=m.get("eta_seconds"),
         )
+        for tracker in self.trackers:
+            tracker.step(m)
+
+    def record_eval(self, step: int, loss: float, perplexity: float) -> None:
+        self.eval_loss.set(loss)
+        self.update(evalLoss=loss)
+        for tracker in self.trackers:
+            tracker.eval(step, loss, perplexity)
 
     def serve(self, port: int) -> ThreadingHTTPServer:
         progress = self

@@ -400,8 +400,8 @@ def _run_eval(
         return
     result.eval_losses.append(eval_loss)
     record.eval_loss = eval_loss
+    perplexity = math.exp(min(eval_loss, 50))
     if rt.is_leader:
-        log_json("eval", step=state.step, eval_loss=round(eval_loss, 6), perplexity=round(math.exp(min(eval_loss, 50)), 4))
+        log_json("eval", step=state.step, eval_loss=round(eval_loss, 6), perplexity=round(perplexity, 4))
     if progress is not None:
-        progress.eval_loss.set(eval_loss)
-        progress.update(evalLoss=eval_loss)
+        progress.record_eval(state.step, eval_loss, perplexity)

@@ -813,6 +813,71 @@ class CacheSpec(ApiModel):
     on every attempt (status says so in its SharedCache condition)."""
 
 
+class TensorBoardSpec(ApiModel):
+    """TensorBoard event files (torch.utils.tensorboard), read with `tensorboard --logdir`."""
+
+    directory: str | None = Field(default=None, min_length=1, max_length=1024)
+    """Where the event files go; default `<checkpointing.directory>/tensorboard` (on the checkpoint
+    volume, so every attempt of the run appends to the same run)."""
+
+
+class MlflowSpec(ApiModel):
+    """An MLflow tracking server: one MLflow run per fine-tune, continued by every attempt."""
+
+    tracking_uri: str = Field(min_length=1, max_length=1024, pattern=NO_WHITESPACE_PATTERN)
+    """The server, e.g. `http://mlflow.mlflow.svc:5000`."""
+    experiment: str = Field(default="llamaft", min_length=1, max_length=500)
+    """The experiment the run goes in (created when missing)."""
+    credentials_secret: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
+    """A Secret in the CR's namespace with the server's credentials: key `token` (a bearer token),
+    or keys `username` and `password` (basic auth). Given to rank 0 as MLflow's own environment
+    variables; never logged, never a parameter."""
+
+
+class WandbMode(ApiEnum):
+    ONLINE = "online"
+    OFFLINE = "offline"
+
+
+WANDB_KEY_RULE = cel_rule(
+    "self.mode != 'online' || has(self.apiKeySecret)",
+    message="wandb.mode online needs wandb.apiKeySecret (a Secret key holding the W&B API key); "
+    "or set mode: offline",
+    field_path=".apiKeySecret",
+    reason="FieldValueRequired",
+)
+
+class WandbSpec(ApiModel):
+    """Weights & Biases: one W&B run per fine-tune, continued by every attempt."""
+
+    model_config = api_config(WANDB_KEY_RULE)
+
+    project: str = Field(min_length=1, max_length=128)
+    """The W&B project."""
+    entity: str | None = Field(default=None, min_length=1, max_length=128)
+    """The team or user; default the API key's own."""
+    api_key_secret: SecretKeyRef | None = None
+    """The Secret key holding the API key (`online` needs one)."""
+    mode: WandbMode = WandbMode.ONLINE
+    """`offline` writes the run under `<checkpointing.directory>/wandb` for a later `wandb sync`."""
+    base_url: str | None = Field(default=None, min_length=1, max_length=1024, pattern=NO_WHITESPACE_PATTERN)
+    """A self-hosted W&B server; default W&B's cloud."""
+
+
+class TrackingSpec(ApiModel):
+    """Experiment trackers the run logs to (rank 0 only): parameters once, every logged step's
+    loss, learning rate, grad norm, tokens/s, MFU and memory, every eval's loss and perplexity. A
+    tracker that is down or slow never stops or slows training: its points wait in a bounded
+    queue and are dropped, with a warning, when it stays away."""
+
+    tensorboard: TensorBoardSpec | None = None
+    """TensorBoard event files; `llamaft run --local` writes them by default."""
+    mlflow: MlflowSpec | None = None
+    """An MLflow tracking server."""
+    wandb: WandbSpec | None = None
+    """Weights & Biases."""
+
+
 STREAMING_STEPS_RULE = cel_rule(
     "!self.dataset.streaming || has(self.training.maxSteps)",
     message="a streamed dataset (dataset.streaming) has no known length, so epochs cannot be counted: "
@@ -837,6 +902,8 @@ class TrainingJobConfig(ApiModel):
     """FSDP sharding, precision and memory settings."""
     checkpointing: CheckpointingSpec = Field(default_factory=CheckpointingSpec)
     """Checkpoints, resume and export."""
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    """Experiment tracking: TensorBoard, MLflow, Weights & Biases."""
 
 
 class LlamaFineTuneSpec(TrainingJobConfig):

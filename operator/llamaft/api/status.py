@@ -110,6 +110,24 @@ class FailureRecord(ApiModel):
     """When the operator observed the failure (RFC 3339)."""
 
 
+class TrackingStatus(ApiModel):
+    """Where the run's experiment trackers keep it (one tracker run per fine-tune: every attempt
+    continues it)."""
+
+    mlflow_run_id: str | None = None
+    """The MLflow run."""
+    mlflow_experiment_id: str | None = None
+    """The MLflow experiment the run is in."""
+    wandb_run_id: str | None = None
+    """The W&B run id."""
+    wandb_url: str | None = None
+    """The W&B run's page (online mode)."""
+    tensorboard_directory: str | None = None
+    """The TensorBoard event files (`tensorboard --logdir` on it)."""
+    warning: str | None = None
+    """The last change of a tracker's health (down, or reachable again); training never waits."""
+
+
 class LlamaFineTuneStatus(ApiModel):
     """What the operator observed."""
 
@@ -151,6 +169,8 @@ class LlamaFineTuneStatus(ApiModel):
     """Pod running global rank 0: read its logs for progress."""
     export_path: str | None = None
     """Where the final Hugging Face export was written."""
+    tracking: TrackingStatus | None = None
+    """Where the experiment trackers keep the run (spec.tracking)."""
     failures: list[FailureRecord] = Field(default_factory=list, max_length=20)
     """The most recent failed attempts (at most 20), oldest first."""
     excluded_nodes: list[str] = Field(default_factory=list, max_length=16)

@@ -134,8 +134,29 @@ def etcd_objects(owner: Owner, image: str = ETCD_IMAGE) -> list[Obj]:
 
 
 # ------------------------------------------------------------------------------------ the job
-def _env(spec: LlamaFineTuneSpec) -> list[Obj]:
+def _tracking_env(spec: LlamaFineTuneSpec) -> list[Obj]:
+    """The trackers' credentials, as their client libraries' own variables, from the spec's
+    Secrets (optional keys: a Secret holds either a token or a username and password)."""
+    env: list[Obj] = []
+    mlflow, wandb = spec.tracking.mlflow, spec.tracking.wandb
+    if mlflow is not None and mlflow.credentials_secret:
+        for name, key in (("MLFLOW_TRACKING_TOKEN", "token"), ("MLFLOW_TRACKING_USERNAME", "username"),
+                          ("MLFLOW_TRACKING_PASSWORD", "password")):
+            env.append({"name": name, "valueFrom": {"secretKeyRef": {"name": mlflow.credentials_secret, "key": key,
+                                                                     "optional": True}}})
+    if wandb is not None and wandb.api_key_secret is not None:
+        ref = wandb.api_key_secret
+        env.append({"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    return env
+
+
+def _env(owner: Owner, spec: LlamaFineTuneSpec) -> list[Obj]:
     env: list[Obj] = [
+        # Which fine-tune this is: one tracker run per LlamaFineTune, continued by every attempt.
+        {"name": "LLAMAFT_RUN_NAME", "value": owner.name},
+        {"name": "LLAMAFT_RUN_NAMESPACE", "value": owner.namespace},
+        {"name": "LLAMAFT_RUN_UID", "value": owner.uid},
+        {"name": "LLAMAFT_IMAGE", "value": spec.cluster.image},
         {"name": "LLAMAFT_CONFIG", "value": f"{CONFIG_MOUNT}/{CONFIG_FILE}"},
         {"name": "LLAMAFT_METRICS_PORT", "value": str(spec.monitoring.metrics_port)},
         # The pod's name for status.leaderPod (HOSTNAME is the hostname, which JobSet's pods set apart).
@@ -165,6 +186,7 @@ def _env(spec: LlamaFineTuneSpec) -> list[Obj]:
     secret = spec.model.hf_token_secret
     if secret is not None:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}})
+    env += _tracking_env(spec)
     env += [{"name": e.name, "value": e.value} for e in spec.cluster.env]
     return env
 
@@ -241,7 +263,7 @@ def pod_template(owner: Owner, spec: LlamaFineTuneSpec, attempt: int, excluded_n
         # torchrun takes --nnodes, --nproc-per-node and every --rdzv-* from the PET_* variables
         # the training operator sets from the elasticPolicy and nprocPerNode.
         "command": ["torchrun", "-m", "llamaft_trainer", "--config", f"{CONFIG_MOUNT}/{CONFIG_FILE}"],
-        "env": _env(spec),
+        "env": _env(owner, spec),
         "ports": [{"name": "metrics", "containerPort": spec.monitoring.metrics_port}],
         "volumeMounts": mounts,
         "terminationMessagePolicy": "FallbackToLogsOnError",

@@ -99,6 +99,20 @@ def progress_status(doc: Mapping[str, Any] | None, previous: Mapping[str, Any]) 
     return {**previous, **out}
 
 
+TRACKING_KEYS = ("mlflowRunId", "mlflowExperimentId", "wandbRunId", "wandbUrl", "tensorboardDirectory")
+
+
+def tracking_status(doc: Mapping[str, Any] | None, previous: Mapping[str, Any] | None) -> dict[str, Any]:
+    """status.tracking: where the trackers keep the run, kept once known (a new attempt's
+    document has it again only after its trackers opened)."""
+    doc = doc or {}
+    found = doc.get("tracking") or {}
+    out = {**(previous or {}), **{k: str(found[k]) for k in TRACKING_KEYS if found.get(k)}}
+    if doc.get("trackingWarning"):
+        out["warning"] = str(doc["trackingWarning"])[:1024]
+    return out
+
+
 def leader(progress_docs: Iterable[Mapping[str, Any]]) -> Mapping[str, Any] | None:
     """The /progress document of global rank 0 (the leader), if any worker reported it."""
     for doc in progress_docs:
@@ -139,6 +153,9 @@ def observe(
         status["leaderPod"] = doc["pod"]
     if doc is not None and doc.get("exportPath"):
         status["exportPath"] = doc["exportPath"]
+    tracking = tracking_status(doc, previous.get("tracking"))
+    if tracking:
+        status["tracking"] = tracking
     restarts = int(previous.get("restarts", 0) or 0)
     if phase is Phase.RESTARTING and previous.get("phase") != Phase.RESTARTING.value:
         restarts += 1
@@ -157,6 +174,9 @@ def observe(
             )
     status["conditions"] = conditions
     events = []
+    warning = tracking.get("warning")
+    if warning and warning != (previous.get("tracking") or {}).get("warning"):
+        events.append(Event("Normal" if "reachable again" in warning else "Warning", "Tracking", warning))
     if previous.get("phase") != phase.value and phase in EVENT_FOR_PHASE:
         kind, event_reason = EVENT_FOR_PHASE[phase]
         events.append(Event(kind, event_reason, f"{(job or {}).get('kind', 'PyTorchJob')} {(job or {}).get('metadata', {}).get('name')}: {message or reason}"))
