@@ -21,6 +21,7 @@ from llamaft.cli import main as cli
 from llamaft_trainer.checkpoint import Checkpointer
 
 from tests.conftest import REPO, need_etcd
+from tests.trackers import tensorboard_scalars
 from tests.trainer.conftest import DATASET, trainer_env
 
 pytestmark = pytest.mark.slow
@@ -63,6 +64,10 @@ def test_two_nodes_rendezvous_through_etcd_v2_and_train_hybrid(tiny_model: Path,
     losses = [e["loss"] for e in events(run_dir) if e["event"] == "step"]
     assert len(losses) == 4 and losses[-1] < losses[0]
     assert "step     4/4" in out
+    # TensorBoard by default, with the line that shows it; what its reader sees is what was logged.
+    board = tmp_path / "etcd-v2-hsdp" / "checkpoints" / "tensorboard"
+    assert f"llamaft: TensorBoard: tensorboard --logdir {board}" in out
+    assert [v for _, v in tensorboard_scalars(board)["train/loss"]] == pytest.approx(losses, rel=1e-5)
 
 
 def test_legacy_etcd_backend(tiny_model: Path, tmp_path: Path) -> None:
