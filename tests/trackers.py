@@ -58,7 +58,7 @@ class MlflowServer:
              "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
              "--default-artifact-root", (self.root / "artifacts").as_uri()],
             stdout=log, stderr=subprocess.STDOUT, cwd=self.root, start_new_session=True,
-            preexec_fn=parent_death_signal,
+            preexec_fn=parent_death_signal(),
             env={**os.environ, "MLFLOW_TRACKING_URI": "", "PYTHONDONTWRITEBYTECODE": ""},
         )
         deadline = time.monotonic() + START_TIMEOUT_S

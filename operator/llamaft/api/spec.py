@@ -847,6 +847,7 @@ WANDB_KEY_RULE = cel_rule(
     reason="FieldValueRequired",
 )
 
+
 class WandbSpec(ApiModel):
     """Weights & Biases: one W&B run per fine-tune, continued by every attempt."""
 
