@@ -142,3 +142,33 @@ def test_lora_trains_adapters_and_exports_a_peft_adapter(tiny_model: Path, tmp_p
     assert any("lora_B" in k and v.abs().sum() > 0 for k, v in adapter.items()), "lora_B starts at 0 and must have trained"
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), export)
     assert model.peft_config["default"].r == 4
+
+
+def test_lora_merged_export_is_a_plain_model_equal_to_base_plus_adapter(tiny_model: Path, tmp_path: Path) -> None:
+    """`lora.export: both` on a sharded run: the root is a plain model (no peft files) whose
+    logits equal the base model with the adapter from `adapter/`; every targeted layer merged."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    targets = ["q_proj", "v_proj", "down_proj"]
+    config = base_config(
+        tiny_model, tmp_path / "merged",
+        training={"maxSteps": 6, "learningRate": 1e-2,
+                  "lora": {"r": 4, "alpha": 8, "dropout": 0.0, "targetModules": targets, "export": "both"}},
+        checkpointing={"exportHuggingFace": True, "everyNSteps": 100},
+    )
+    events = _run(config, tmp_path, "merged")
+    assert [e["format"] for e in events if e["event"] == "export"] == ["safetensors (LoRA merged) + peft-adapter in adapter/"]
+    export = tmp_path / "merged" / "export"
+    assert not (export / "adapter_config.json").exists() and (export / "adapter" / "adapter_config.json").exists()
+    merged = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    assert not any("lora" in k for k in merged.state_dict())
+    changed = {k for k, v in merged.state_dict().items() if not torch.equal(v, base.state_dict()[k])}
+    assert changed and all(any(t in k for t in targets) for k in changed), "only the targeted layers change"
+    assert len(changed) == base.config.num_hidden_layers * len(targets), "every targeted layer got its adapter"
+    adapted = PeftModel.from_pretrained(base, export / "adapter").eval()
+    ids = torch.randint(3, base.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = adapted(input_ids=ids).logits, merged(input_ids=ids).logits
+    assert (want - got).abs().max() < 1e-4 * want.abs().max()

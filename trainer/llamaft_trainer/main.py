@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from llamaft.api.documents import parse_documents
-from llamaft.api.spec import FsdpImplementation, TrainingJobConfig
+from llamaft.api.spec import FsdpImplementation, LoraExport, TrainingJobConfig
 from llamaft.api.validation import SpecInvalid, validate_resource
 from torch import nn
 
@@ -200,12 +200,15 @@ def run(
     if result.stopped is None and state.step >= s.steps and cfg.checkpointing.export_hugging_face:
         destination = f"{cfg.checkpointing.directory.rstrip('/')}/export"
         lora = cfg.training.lora is not None and cfg.training.lora.enabled
+        lora_export = cfg.training.lora.export if cfg.training.lora is not None else LoraExport.ADAPTER
         export_hugging_face(
             s.model, s.model_config, s.tokenizer, destination, rank=rt.rank,
-            dtype=model_step.DTYPES[cfg.model.dtype.value], lora=lora,
+            dtype=model_step.DTYPES[cfg.model.dtype.value], lora=lora, lora_export=lora_export,
         )
         if rt.is_leader:
-            log_json("export", path=destination, format="peft-adapter" if lora else "safetensors")
+            kind = {LoraExport.ADAPTER: "peft-adapter", LoraExport.MERGED: "safetensors (LoRA merged)",
+                    LoraExport.BOTH: "safetensors (LoRA merged) + peft-adapter in adapter/"}[lora_export]
+            log_json("export", path=destination, format=kind if lora else "safetensors")
         record.export_path = destination
         if progress is not None:
             progress.update(exportPath=destination)

@@ -214,6 +214,12 @@ class SchedulerType(ApiEnum):
     CONSTANT = "constant"
 
 
+class LoraExport(ApiEnum):
+    ADAPTER = "adapter"
+    MERGED = "merged"
+    BOTH = "both"
+
+
 class LoraSpec(ApiModel):
     """Low-rank adapters (peft); the base weights stay frozen."""
 
@@ -238,6 +244,10 @@ class LoraSpec(ApiModel):
         default_factory=lambda: ["q_proj", "v_proj"], max_length=32
     )
     """Module names that get adapters (Llama: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)."""
+    export: LoraExport = LoraExport.ADAPTER
+    """What the final export writes: `adapter` (peft's adapter files, for a base model you load
+    beside it), `merged` (the adapter merged into the base weights, in model.dtype: a plain model
+    any serving stack loads), or `both` (the merged model, the adapter in its `adapter/` folder)."""
 
 
 class TrainingSpec(ApiModel):
