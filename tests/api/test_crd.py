@@ -122,7 +122,7 @@ def test_printer_columns() -> None:
     assert [n for n, c in columns.items() if "priority" not in c] == [
         "Phase", "Workers", "GPUs", "Step", "Loss", "Tokens/s", "Restarts", "Queue", "Age"
     ]
-    assert [n for n, c in columns.items() if c.get("priority") == 1] == ["Backend", "Model", "Strategy", "Precision"]
+    assert [n for n, c in columns.items() if c.get("priority") == 1] == ["Backend", "Model", "Strategy", "Precision", "Eval-Loss", "ROUGE-L"]
     status = _schema()["properties"]["status"]["properties"]
     for column in columns.values():
         parts = column["jsonPath"].strip(".").split(".")

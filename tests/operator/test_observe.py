@@ -83,3 +83,13 @@ def test_tracking_status_is_kept_once_known_and_each_health_change_is_one_event(
     back = observe.observe(running, [], [{**doc, "trackingWarning": "mlflow: reachable again"}], again.status,
                            generation=1, now=NOW)
     assert [(e.type, e.message) for e in back.events if e.reason == "Tracking"] == [("Normal", "mlflow: reachable again")]
+
+
+def test_evaluation_scores_go_to_status_and_stay_until_the_next_ones() -> None:
+    running = job(("Running", "True", "PyTorchJobRunning"))
+    doc = {"rank": 0, "evaluation": {"step": 30, "samples": 4, "rouge1": 0.41, "rouge2": 0.17, "rougeL": 0.33,
+                                     "generations": [{"generated": "not in status"}]}}
+    first = observe.observe(running, [], [doc], {"phase": "Running"}, generation=1, now=NOW).status
+    assert first["evaluation"] == {"step": 30, "samples": 4, "rouge1": 0.41, "rouge2": 0.17, "rougeL": 0.33}
+    kept = observe.observe(running, [], [{"rank": 0, "step": 31}], first, generation=1, now=NOW).status
+    assert kept["evaluation"] == first["evaluation"]

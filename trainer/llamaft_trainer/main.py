@@ -40,6 +40,7 @@ from llamaft_trainer import elastic, kubeflow_progress, loading, termination, tr
 from llamaft_trainer import model as model_step
 from llamaft_trainer.checkpoint import Checkpointer, TrainState
 from llamaft_trainer.errors import EXIT_CONFIG_ERROR, EXIT_FAILURE, EXIT_PREEMPTED, ConfigError
+from llamaft_trainer.evaluation import build_evaluator
 from llamaft_trainer.export import export_hugging_face
 from llamaft_trainer.metrics import Progress, flops_per_token, log_json, peak_flops
 from llamaft_trainer.parallelize import parallelize
@@ -191,6 +192,7 @@ def run(
             s.model, cfg, s.data, rt, s.optimizer, s.scheduler, state, s.steps,
             checkpointer=checkpointer, progress=progress, flops_per_token=s.flops_per_token,
             peak_flops=peak_flops(rt.device), stop_after=stop_after, stop=stop, record=record, scaler=scaler,
+            evaluator=build_evaluator(cfg.evaluation, s.data.validation, s.tokenizer),
         )
         outcome = "KILLED" if result.stopped is not None else "FINISHED"
     finally:

@@ -137,6 +137,13 @@ class Progress:
         for tracker in self.trackers:
             tracker.step(m)
 
+    def record_generations(self, report: dict[str, Any]) -> None:
+        """An evaluation's generations and task scores: the scores into the document (the
+        operator's status.evaluation), everything to the trackers."""
+        self.update(evaluation={k: v for k, v in report.items() if k != "generations"})
+        for tracker in self.trackers:
+            tracker.generations(report)
+
     def record_eval(self, step: int, loss: float, perplexity: float) -> None:
         self.eval_loss.set(loss)
         self.update(evalLoss=loss)

@@ -90,6 +90,7 @@ class Backend(Protocol):
     def open(self, resumed_at: int) -> dict[str, str]: ...
     def params(self, params: dict[str, str]) -> None: ...
     def metrics(self, step: int, values: dict[str, float]) -> None: ...
+    def text(self, step: int, generations: list[dict[str, str]]) -> None: ...
     def close(self, outcome: str) -> None: ...
 
 
@@ -117,6 +118,9 @@ class TensorBoardBackend:
     def metrics(self, step: int, values: dict[str, float]) -> None:
         for key, value in values.items():
             self.writer.add_scalar(key, value, global_step=step)
+
+    def text(self, step: int, generations: list[dict[str, str]]) -> None:
+        self.writer.add_text("eval/generations", _markdown(generations), global_step=step)
 
     def close(self, outcome: str) -> None:
         if self.writer is not None:
@@ -178,6 +182,11 @@ class MlflowBackend:
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in values.items()])
 
+    def text(self, step: int, generations: list[dict[str, str]]) -> None:
+        if step <= self.floor:
+            return
+        self.client.log_dict(self.run_id, {"step": step, "generations": generations}, f"generations/step-{step:08d}.json")
+
     def close(self, outcome: str) -> None:
         if self.client is not None and self.run_id:
             self.client.set_terminated(self.run_id, status=outcome)
@@ -225,6 +234,15 @@ class WandbBackend:
         partial.write_text(json.dumps({"lastStep": step}))
         partial.replace(self.steps_file)
 
+    def text(self, step: int, generations: list[dict[str, str]]) -> None:
+        if step <= self.floor:
+            return
+        import wandb
+
+        table = wandb.Table(columns=["prompt", "reference", "generated"],
+                            data=[[g["prompt"], g["reference"], g["generated"]] for g in generations])
+        self.run.log({"eval/generations": table}, step=step)
+
     def close(self, outcome: str) -> None:
         if self.run is not None:
             self.run.finish(exit_code=0 if outcome == "FINISHED" else 1)
@@ -268,6 +286,14 @@ class Tracker:
 
     def eval(self, step: int, loss: float, perplexity: float) -> None:
         self._put(("metrics", (step, {"eval/loss": float(loss), "eval/perplexity": float(perplexity)})))
+
+    def generations(self, report: dict[str, Any]) -> None:
+        """An evaluation's task scores (metrics `eval/rouge1` ...) and its generations (text)."""
+        step = int(report["step"])
+        values = {f"eval/{k}": float(v) for k, v in report.items() if k.startswith("rouge")}
+        if values:
+            self._put(("metrics", (step, values)))
+        self._put(("text", (step, list(report.get("generations", [])))))
 
     def close(self, outcome: str, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """Send what is queued (waiting at most `timeout_s`) and end the runs with `outcome`
@@ -313,6 +339,8 @@ class Tracker:
                 self.on_info(dict(self.info))
             if kind == "metrics":
                 backend.metrics(*payload)
+            elif kind == "text":
+                backend.text(*payload)
             elif kind == "close":
                 backend.close(payload)
         except Exception as exc:  # a tracker's failure is never the run's
@@ -335,6 +363,14 @@ class Tracker:
 
 
 # ----------------------------------------------------------------------------------- wiring
+def _markdown(generations: list[dict[str, str]]) -> str:
+    rows = ["| prompt (end) | reference | generated |", "|---|---|---|"]
+    for g in generations:
+        cells = [g[k][-300:].replace("|", "\\|").replace("\n", "<br>") for k in ("prompt", "reference", "generated")]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def check(cfg: TrainingJobConfig) -> None:
     """A tracker whose client library is missing is a ConfigError naming its field (every rank
     checks, so rank 0 never fails alone after the others began)."""

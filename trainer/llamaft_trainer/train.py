@@ -46,6 +46,7 @@ from llamaft_trainer import profiling
 from llamaft_trainer.checkpoint import Checkpointer, TrainState
 from llamaft_trainer.data import IGNORE_INDEX, Data
 from llamaft_trainer.errors import ConfigError
+from llamaft_trainer.evaluation import Evaluator
 from llamaft_trainer.metrics import Progress, log_json, peak_memory_bytes
 from llamaft_trainer.preemption import (
     EXIT_RESERVE_S,
@@ -223,10 +224,12 @@ def train_loop(
     stop: StopSignal | None = None,
     record: RunRecord | None = None,
     scaler: Any | None = None,
+    evaluator: Evaluator | None = None,
 ) -> LoopResult:
     """Run optimizer steps from `state.step` to `steps` (or `stop_after`, for tests), or until
     some rank got SIGTERM (`stop`). `record` is kept current for the termination message.
-    `scaler`: fp16's gradient scaler as a resume restored it (built here when not given)."""
+    `scaler`: fp16's gradient scaler as a resume restored it (built here when not given).
+    `evaluator`: generations and task scores at each eval (spec.evaluation)."""
     tc = cfg.training
     accum = tc.gradient_accumulation_steps
     if scaler is None:
@@ -299,7 +302,7 @@ def train_loop(
             if progress is not None:
                 progress.record_step(metrics)
         if tc.eval_interval and state.step % tc.eval_interval == 0 and state.step < steps:
-            _run_eval(model, data, rt, state, progress, result, record)
+            _run_eval(model, data, rt, state, progress, result, record, evaluator)
         if checkpointer is not None:
             _report_completed(checkpointer, rt, result, record)  # a background save that finished (no collective)
         if stop is not None and stop_votes > 0:
@@ -308,7 +311,7 @@ def train_loop(
         if checkpointer is not None and (state.step % cfg.checkpointing.every_n_steps == 0 or state.step == steps):
             _save(model, optimizer, scheduler, state, rt, checkpointer, result, record, scaler)
     if state.step >= steps:
-        _run_eval(model, data, rt, state, progress, result, record)
+        _run_eval(model, data, rt, state, progress, result, record, evaluator)
     if checkpointer is not None:
         checkpointer.wait()  # the last save, written in the background during the final eval
         _report_completed(checkpointer, rt, result, record)
@@ -393,7 +396,7 @@ def _on_every_rank(ok: bool, device: torch.device) -> bool:
 
 def _run_eval(
     model: nn.Module, data: Data, rt: Runtime, state: TrainState, progress: Progress | None, result: LoopResult,
-    record: RunRecord,
+    record: RunRecord, evaluator: Evaluator | None = None,
 ) -> None:
     eval_loss = evaluate(model, data, rt)
     if eval_loss is None:
@@ -405,3 +408,9 @@ def _run_eval(
         log_json("eval", step=state.step, eval_loss=round(eval_loss, 6), perplexity=round(perplexity, 4))
     if progress is not None:
         progress.record_eval(state.step, eval_loss, perplexity)
+    if evaluator is not None:
+        report = evaluator.run(model, rt, state.step)  # every rank generates; rank 0 reports
+        if report is not None:
+            log_json("generations", **report)
+            if progress is not None:
+                progress.record_generations(report)

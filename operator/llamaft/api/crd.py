@@ -191,6 +191,8 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.source", "priority": 1},
     {"name": "Strategy", "type": "string", "jsonPath": ".spec.fsdp.shardingStrategy", "priority": 1},
     {"name": "Precision", "type": "string", "jsonPath": ".spec.fsdp.mixedPrecision", "priority": 1},
+    {"name": "Eval-Loss", "type": "number", "jsonPath": ".status.progress.evalLoss", "priority": 1},
+    {"name": "ROUGE-L", "type": "number", "jsonPath": ".status.evaluation.rougeL", "priority": 1},
 ]
 
 

@@ -889,6 +889,41 @@ class TrackingSpec(ApiModel):
     """Weights & Biases."""
 
 
+class EvalMetric(ApiEnum):
+    ROUGE = "rouge"
+
+
+class EvaluationSpec(ApiModel):
+    """Generations and task scores, beside the held-out loss: the first `samples` held-out records'
+    prompts are completed by the model (greedy, at most maxNewTokens) at every eval and at the
+    end, and scored against their references."""
+
+    model_config = api_config(
+        cel_rule(
+            "size(self.metrics) == 0 || self.samples > 0",
+            message="evaluation.metrics score generations: set evaluation.samples (how many held-out prompts to generate)",
+            field_path=".samples",
+            reason="FieldValueRequired",
+        ),
+    )
+
+    samples: int = Field(default=0, ge=0, le=256)
+    """Held-out prompts generated at each eval and at the end (0: none). Logged as JSON lines and
+    to the trackers; every rank runs the generation (under FSDP each forward is a collective)."""
+    max_new_tokens: int = Field(default=64, ge=1, le=4096)
+    """The longest generation, in tokens (it stops earlier at the end-of-sequence token)."""
+    metrics: list[EvalMetric] = Field(default_factory=list, max_length=4)
+    """Task scores of the generations against the references: `rouge` (ROUGE-1/2/L F1 with
+    stemming, rouge-score's, as summarisation literature such as samsum's reports)."""
+
+
+EVALUATION_FSDP2_RULE = cel_rule(
+    "self.evaluation.samples == 0 || self.fsdp.implementation == 'fsdp2'",
+    message="evaluation.samples generates with the sharded model, which needs fsdp.implementation fsdp2",
+    field_path=".evaluation.samples",
+)
+
+
 STREAMING_STEPS_RULE = cel_rule(
     "!self.dataset.streaming || has(self.training.maxSteps)",
     message="a streamed dataset (dataset.streaming) has no known length, so epochs cannot be counted: "
@@ -901,7 +936,7 @@ STREAMING_STEPS_RULE = cel_rule(
 class TrainingJobConfig(ApiModel):
     """The part of the spec the trainer reads (mounted into every worker as JSON)."""
 
-    model_config = api_config(STREAMING_STEPS_RULE)
+    model_config = api_config(STREAMING_STEPS_RULE, EVALUATION_FSDP2_RULE)
 
     model: ModelSpec
     """The pretrained model."""
@@ -915,6 +950,8 @@ class TrainingJobConfig(ApiModel):
     """Checkpoints, resume and export."""
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
     """Experiment tracking: TensorBoard, MLflow, Weights & Biases."""
+    evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
+    """Generations of held-out prompts and their task scores (ROUGE)."""
 
 
 class LlamaFineTuneSpec(TrainingJobConfig):
@@ -922,7 +959,7 @@ class LlamaFineTuneSpec(TrainingJobConfig):
 
     model_config = api_config(
         HYBRID_GROUPS_RULE, HYBRID_DIVIDES_RULE, ELASTIC_HYBRID_RULE, LORA_FSDP1_RULE, HYBRID_WORLD_RULE,
-        METRICS_PORT_RULE, IMMUTABLE_BACKEND, STREAMING_STEPS_RULE,
+        METRICS_PORT_RULE, IMMUTABLE_BACKEND, STREAMING_STEPS_RULE, EVALUATION_FSDP2_RULE,
     )
 
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)

@@ -128,6 +128,21 @@ class TrackingStatus(ApiModel):
     """The last change of a tracker's health (down, or reachable again); training never waits."""
 
 
+class EvaluationStatus(ApiModel):
+    """The last task scores of the generations (spec.evaluation), from the trainer's rank 0."""
+
+    step: int | None = None
+    """The optimizer step they were measured at."""
+    samples: int | None = None
+    """How many held-out prompts were generated."""
+    rouge1: float | None = None
+    """ROUGE-1 F1 (0-1), averaged over the samples."""
+    rouge2: float | None = None
+    """ROUGE-2 F1 (0-1)."""
+    rouge_l: float | None = None
+    """ROUGE-L F1 (0-1)."""
+
+
 class LlamaFineTuneStatus(ApiModel):
     """What the operator observed."""
 
@@ -171,6 +186,8 @@ class LlamaFineTuneStatus(ApiModel):
     """Where the final Hugging Face export was written."""
     tracking: TrackingStatus | None = None
     """Where the experiment trackers keep the run (spec.tracking)."""
+    evaluation: EvaluationStatus | None = None
+    """The last task scores of the generations (spec.evaluation)."""
     failures: list[FailureRecord] = Field(default_factory=list, max_length=20)
     """The most recent failed attempts (at most 20), oldest first."""
     excluded_nodes: list[str] = Field(default_factory=list, max_length=16)

@@ -99,6 +99,7 @@ def progress_status(doc: Mapping[str, Any] | None, previous: Mapping[str, Any]) 
     return {**previous, **out}
 
 
+EVALUATION_KEYS = ("step", "samples", "rouge1", "rouge2", "rougeL")
 TRACKING_KEYS = ("mlflowRunId", "mlflowExperimentId", "wandbRunId", "wandbUrl", "tensorboardDirectory")
 
 
@@ -156,6 +157,9 @@ def observe(
     tracking = tracking_status(doc, previous.get("tracking"))
     if tracking:
         status["tracking"] = tracking
+    evaluation = (doc or {}).get("evaluation") or previous.get("evaluation")
+    if evaluation:
+        status["evaluation"] = {k: evaluation[k] for k in EVALUATION_KEYS if evaluation.get(k) is not None}
     restarts = int(previous.get("restarts", 0) or 0)
     if phase is Phase.RESTARTING and previous.get("phase") != Phase.RESTARTING.value:
         restarts += 1
