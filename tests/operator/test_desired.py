@@ -138,7 +138,7 @@ def test_external_etcd_and_c10d_need_no_managed_etcd() -> None:
 def test_config_map_carries_the_trainer_part_of_the_spec() -> None:
     spec = example("llama2-70b.yaml")
     data = json.loads(desired.config_map(OWNER, spec)["data"]["config.json"])
-    assert set(data) == {"model", "dataset", "training", "fsdp", "checkpointing", "tracking"}
+    assert set(data) == {"model", "dataset", "training", "fsdp", "checkpointing", "tracking", "evaluation"}
     assert data["fsdp"]["shardingStrategy"] == "FULL_SHARD" and data["training"]["gradientAccumulationSteps"] == 2
 
 

@@ -24,9 +24,12 @@ def operator(kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 def test_create_running_succeeded(cluster: Cluster, operator: Operator) -> None:
     cluster.create("happy", tiny_spec())
     job = wait_for("PyTorchJob happy-1", lambda: cluster.attempt_job("happy", 1), timeout=30)
-    assert job["spec"]["elasticPolicy"]["rdzvId"] == cluster.status("happy")["rendezvousId"]
+    # The job is created before the handler's status patch lands (kopf patches status after the
+    # handler returns): wait for the status that records it.
+    created = wait_for("status of attempt 1", lambda: (s := cluster.status("happy")).get("rendezvousId") and s)
+    assert job["spec"]["elasticPolicy"]["rdzvId"] == created["rendezvousId"]
     assert job["metadata"]["ownerReferences"][0]["name"] == "happy"
-    assert cluster.status("happy")["phase"] == "Creating"
+    assert created["phase"] == "Creating"
     cluster.set_job_status(cluster.job_name("happy", 1), [("Created", "PyTorchJobCreated", "created"), ("Running", "PyTorchJobRunning", "running")],
                            replicaStatuses={"Worker": {"active": 2}}, startTime="2026-11-29T20:00:00Z")
     status = wait_for("Running", lambda: (s := cluster.status("happy"))["phase"] == "Running" and s)

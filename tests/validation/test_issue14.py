@@ -70,7 +70,7 @@ ADMISSION: list[tuple[str, dict[str, Any], list[str]]] = [
      [f"spec.fsdp.cpu_offload: unknown field; did you mean 'cpuOffload'? {SNAKE}activationCheckpointing, compile, "
       "cpuOffload, hybridShard, implementation, mixedPrecision, shardingStrategy, wrapPolicy"]),
     ("run_policy", with_(("spec.run_policy", {"suspend": True})),
-     [f"spec.run_policy: unknown field; did you mean 'runPolicy'? {SNAKE}backend, cache, checkpointing, cluster, dataset, fsdp, model, "
+     [f"spec.run_policy: unknown field; did you mean 'runPolicy'? {SNAKE}backend, cache, checkpointing, cluster, dataset, evaluation, fsdp, model, "
       "monitoring, preflight, rendezvous, runPolicy, scheduling, tracking, trainJob, training"]),
     ("dataset.validation_split", with_(("spec.dataset.validation_split", 0.1)),
      [f"spec.dataset.validation_split: unknown field; did you mean 'validationSplit'? {SNAKE}chatTemplate, fieldMapping, format, "
