@@ -25,7 +25,7 @@ from packaging.version import Version
 from tests.conftest import REPO
 
 CONSTRAINTS = REPO / "constraints.txt"
-EXTRAS = ("operator", "trainer", "dev")
+EXTRAS = ("operator", "trainer", "sweep", "dev")
 HEADER_LINES = 7
 
 
@@ -67,7 +67,7 @@ def _dockerfile(name: str) -> str:
 
 
 def test_constraints_pin_exactly_what_ci_installs() -> None:
-    """Nothing floats: every package llamaft[operator,trainer,dev] pulls in is pinned, the file
+    """Nothing floats: every package llamaft[operator,trainer,sweep,dev] pulls in is pinned, the file
     holds nothing else, and the environment the tests run in has exactly those versions (CI's
     .ci/setup installs from the file; a package upgraded by hand fails here, not in an image)."""
     want, have = pins(), installed_closure()

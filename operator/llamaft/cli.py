@@ -211,6 +211,57 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return run_local(args.file, nproc_per_worker=args.nproc_per_worker, run_dir=args.run_dir)
 
 
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    """Run the file at each size (here with --local, else on the cluster), then print and write the
+    table and the chart. Exit 0 when every size that could run was measured, 1 when one failed or
+    timed out, 2 for bad input."""
+    from llamaft.sweep import SweepError, plan_sweep, write_outputs
+    from llamaft.sweep.plan import parse_sizes
+    from llamaft.sweep.report import table, with_scaling
+
+    if args.local and args.at_once:
+        print("llamaft sweep: error: --at-once is for a cluster: here the sizes run one after another (they would share "
+              "this machine's cores or GPUs)", file=sys.stderr)
+        return 2
+    try:
+        sizes = parse_sizes(args.workers)
+        plan = plan_sweep(args.file, sizes, args.max_steps, name=args.name)
+        for note in plan.notes:
+            print(f"llamaft sweep: note: {note}", flush=True)
+        if args.local:
+            from llamaft.sweep import local
+
+            output = Path(args.output or Path("runs") / f"sweep-{plan.sweep}")
+            points = local.run(plan, output)
+            where = "local"
+        else:
+            from llamaft.sweep import cluster
+
+            api, context_namespace = cluster.connect(args.kubeconfig, args.context)
+            namespace = args.namespace or plan.namespace or context_namespace
+            output = Path(args.output or f"sweep-{plan.sweep}")
+            points = cluster.run(plan, api, namespace, at_once=args.at_once, poll_s=args.poll_seconds,
+                                 timeout_s=args.timeout)
+            where = f"cluster, namespace {namespace}"
+    except SweepError as exc:
+        for line in exc.lines:
+            print(_bounded(f"llamaft sweep: error: {line}"), file=sys.stderr)
+        return 2
+    except SpecInvalid as exc:
+        _print_errors(f"llamaft sweep: error: {args.file}", exc.errors, sys.stderr)
+        return 2
+    points = with_scaling(points)
+    written = write_outputs(points, output, sweep=plan.sweep, source=str(args.file), model=plan.model,
+                            max_steps=plan.max_steps, where=where)
+    print(table(points))
+    print("llamaft sweep: wrote " + ", ".join(str(path) for path in written.values()), flush=True)
+    if "png" not in written:
+        print("llamaft sweep: no chart: " + ("install matplotlib (pip install 'llamaft[sweep]')"
+                                              if any(p.measured for p in points) else "no size was measured"))
+    # A size this machine cannot hold (Skipped) is explained in the table, not a failure.
+    return 0 if any(p.measured for p in points) and all(p.measured or p.phase == "Skipped" for p in points) else 1
+
+
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from llamaft_trainer.tiny import build_tiny_llama
 
@@ -331,6 +382,30 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--nproc-per-worker", type=int, help="processes per worker (default: its GPUs, or 1 on CPU)")
     run.add_argument("--run-dir", help="where logs and the trainer config go (default: runs/<name>)")
     run.set_defaults(func=_cmd_run)
+
+    sweep = sub.add_parser(
+        "sweep", help="run the same fine-tune at several sizes and chart throughput and scaling efficiency",
+        description="Run FILE's fine-tune once per size (--workers), each for --max-steps steps, collect every run's "
+                    "final report (tokens/s, step time, memory per device, MFU) and write the table (stdout, "
+                    "sweep.csv, sweep.json) and scaling.png. On the cluster: one LlamaFineTune per size, named "
+                    "<name>-w<N> and labelled llamaft.io/sweep=<name>; --local: here, the sizes this machine holds.")
+    sweep.add_argument("file", help="YAML file with one LlamaFineTune")
+    sweep.add_argument("--workers", required=True, help="sizes, comma-separated: workers per run, e.g. 1,2,4,8,16")
+    sweep.add_argument("--max-steps", type=_positive_int, required=True,
+                       help="optimizer steps per size (the first step of each is not timed)")
+    sweep.add_argument("--local", action="store_true", help="run the sizes here (llamaft run --local), one after another")
+    sweep.add_argument("--at-once", action="store_true",
+                       help="on a cluster: create every size at once instead of one after another")
+    sweep.add_argument("--name", help="the sweep's name: the runs are <name>-w<N> (default: the file's metadata.name)")
+    sweep.add_argument("--namespace", help="namespace of the runs (default: the file's, else the context's)")
+    sweep.add_argument("--kubeconfig", help="kubeconfig file (default: KUBECONFIG, ~/.kube/config, in-cluster)")
+    sweep.add_argument("--context", help="kubeconfig context (default: the current one)")
+    sweep.add_argument("--output", help="where sweep.csv, sweep.json and scaling.png go "
+                                        "(default: sweep-<name>, or runs/sweep-<name> with --local)")
+    sweep.add_argument("--timeout", type=float, default=24 * 3600.0, metavar="SECONDS",
+                       help="how long to wait for each size (all sizes with --at-once) before reporting it TimedOut")
+    sweep.add_argument("--poll-seconds", type=float, default=10.0, help="how often to read the runs' status")
+    sweep.set_defaults(func=_cmd_sweep)
 
     render = sub.add_parser("render", help="print every object the operator would create (review, GitOps)")
     render.add_argument("file", help="YAML file with one LlamaFineTune")

@@ -85,7 +85,7 @@ class LocalPlan:
         return str(self.launch.flag("rdzv_id"))
 
 
-def _visible_gpus() -> int:
+def visible_gpus() -> int:
     """CUDA devices this process may use, as the trainers will see them (CUDA_VISIBLE_DEVICES)."""
     import torch
 
@@ -104,7 +104,7 @@ def plan(path: str | Path, *, nproc_per_worker: int | None, run_dir: str | Path 
             f"first: llamaft make-tiny-model {spec.model.source}"
         )
     wanted = spec.cluster.gpus_per_worker
-    gpus = _visible_gpus() if wanted else 0  # a CPU spec never imports torch here (seconds, ~240 MB held)
+    gpus = visible_gpus() if wanted else 0  # a CPU spec never imports torch here (seconds, ~240 MB held)
     if wanted and gpus >= wanted * spec.cluster.workers:
         device, nproc = "cuda", wanted
     elif wanted and gpus >= spec.cluster.workers:

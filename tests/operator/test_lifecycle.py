@@ -106,6 +106,21 @@ def test_success_takes_the_trainers_final_report() -> None:
     assert succeeded["status"] == "True"
 
 
+@pytest.mark.parametrize(("performance", "expected"), [
+    ({"steps": 29, "worldSize": 2, "tokensPerSecond": 900.0, "tokensPerSecondPerDevice": 450.0, "stepSeconds": 0.5,
+      "mfu": None, "peakMemoryBytes": 1024},
+     {"steps": 29, "worldSize": 2, "tokensPerSecond": 900.0, "tokensPerSecondPerDevice": 450.0, "stepSeconds": 0.5,
+      "peakMemoryBytes": 1024}),
+    ({"steps": 3, "worldSize": 1, "tokensPerSecond": 10.0, "newerFigure": 1}, {"steps": 3, "worldSize": 1, "tokensPerSecond": 10.0}),
+    ({"steps": "many"}, None),  # not a report this operator can read: no status.performance rather than a wrong one
+    (None, None),
+])
+def test_success_keeps_what_the_run_sustained(performance: dict[str, Any] | None, expected: dict[str, Any] | None) -> None:
+    final = report(phase="Succeeded", step=30, totalSteps=30, loss=0.91, performance=performance)
+    d = decide(observed(job=job("Created", "Succeeded"), pods=[pod(0, "Succeeded", exit_code=0, message=final)], progress=None))
+    assert d.status["phase"] == "Succeeded" and d.status.get("performance") == expected
+
+
 def test_success_waits_for_the_leaders_report_before_settling() -> None:
     pods = [pod(0, "Running"), pod(1, "Succeeded", exit_code=0)]  # rank 0 runs on worker-0, still exporting
     d = decide(observed(job=job("Created", "Succeeded"), pods=pods))

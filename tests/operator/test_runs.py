@@ -174,6 +174,8 @@ def assert_final_report(status: dict[str, Any], per_attempt: list[list[dict[str,
     assert progress["step"] == report["step"] == STEPS and progress["stepOfTotal"] == f"{STEPS}/{STEPS}"
     assert progress["loss"] == pytest.approx(report["loss"], abs=1e-9)
     assert status["exportPath"] == report["exportPath"] and Path(report["exportPath"], "config.json").exists()
+    expected = {k: v for k, v in report["performance"].items() if v is not None}
+    assert status["performance"] == expected and expected["worldSize"] == 2
 
 
 def live_jobs(cluster: Cluster, name: str) -> list[str]:
@@ -261,6 +263,42 @@ def test_fresh_run(cluster: Cluster, sim: SimCluster, operator: Operator, tiny_m
     assert status.get("retriesUsed", 0) == 0 and not status.get("failures")
     cluster.wait_reasons("fresh", "JobCreated", "Running", "Succeeded")
     delete_and_assert_no_orphans(cluster, sim, "fresh")
+
+
+def test_sweep_runs_each_size_on_the_cluster(cluster: Cluster, sim: SimCluster, operator: Operator, tiny_model: Path,
+                                             tmp_path: Path, world: tuple[EmulatorThread, Cluster, SimCluster, Path],
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`llamaft sweep` against the cluster: one LlamaFineTune per size, run by the operator one after
+    another; the table is their status.performance; a second sweep of the same name creates nothing."""
+    import csv
+
+    from llamaft.cli import main as cli
+
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"apiVersion": "llamaft.io/v1alpha1", "kind": "LlamaFineTune", "metadata": {"name": "sw"},
+                                    "spec": run_spec(tiny_model, tmp_path / "ckpt")}))
+    args = ["sweep", str(path), "--workers", "1,2", "--max-steps", "6", "--kubeconfig", str(world[3]),
+            "--poll-seconds", "0.5", "--timeout", "240", "--output", str(tmp_path / "out")]
+    assert cli(args) == 0, capsys.readouterr().out[-3000:]
+    printed = capsys.readouterr().out
+    assert printed.index("size 1/2: created default/sw-w1") < printed.index("sw-w1: Succeeded") < printed.index("size 2/2")
+    rows = {int(r["workers"]): r for r in csv.DictReader((tmp_path / "out" / "sweep.csv").open())}
+    for workers in (1, 2):
+        status = cluster.status(f"sw-w{workers}")
+        performance = status["performance"]
+        assert status["phase"] == "Succeeded" and status["attempt"] == 1
+        assert performance["worldSize"] == workers == int(rows[workers]["world_size"]) and performance["steps"] == 5
+        assert float(rows[workers]["tokens_per_second"]) == performance["tokensPerSecond"]
+        assert cluster.finetune(f"sw-w{workers}")["metadata"]["labels"]["llamaft.io/sweep"] == "sw"
+        ran = [i for i in range(3) if sim.history(f"{status['jobName']}-worker-{i}")]
+        assert ran == list(range(workers)), "one pod per worker"
+    assert float(rows[2]["scaling_efficiency"]) == pytest.approx(
+        float(rows[2]["tokens_per_second"]) / 2 / float(rows[1]["tokens_per_second"]), abs=1e-4)
+    assert (tmp_path / "out" / "scaling.png").stat().st_size > 10_000
+    assert cli(args) == 2, "the names are taken: nothing is created"
+    assert "exists already (an earlier sweep?)" in capsys.readouterr().err
+    for workers in (1, 2):
+        delete_and_assert_no_orphans(cluster, sim, f"sw-w{workers}")
 
 
 @pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])

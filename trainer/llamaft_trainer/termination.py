@@ -59,9 +59,39 @@ class RunRecord:
     train_seconds: float = 0.0
     """Wall time of this attempt's optimizer steps."""
     export_path: str | None = None
+    steady_steps: int = 0
+    """Optimizer steps of this attempt after its first (the first pays one-time costs: allocator
+    growth, lazy initialisation, compilation), and their tokens and step time below."""
+    steady_tokens: int = 0
+    steady_seconds: float = 0.0
+    world_size: int | None = None
+    flops_per_token: float | None = None
+    peak_flops: float | None = None
+    """Dense peak of one device (None when unknown, e.g. CPU: then no MFU)."""
+    peak_memory_bytes: int | None = None
+    """The largest peak memory of any rank (device memory on GPUs, resident memory on CPU), set
+    collectively when the last step is done."""
 
     def tokens_per_second(self) -> float | None:
         return round(self.tokens / self.train_seconds, 2) if self.train_seconds > 0 else None
+
+    def performance(self) -> dict[str, Any] | None:
+        """What a run of this size sustained: the figures a scaling sweep (llamaft sweep)
+        compares across sizes. Over the steady steps (the first excluded) when there are any,
+        else over every step; checkpoint saves and evals are not step time. None: no step timed."""
+        steps, tokens, seconds = self.steady_steps, self.steady_tokens, self.steady_seconds
+        if steps == 0:
+            steps, tokens, seconds = (1 if self.train_seconds > 0 else 0), self.tokens, self.train_seconds
+        if steps == 0 or seconds <= 0 or not self.world_size:
+            return None
+        tps = tokens / seconds
+        per_device = tps / self.world_size
+        mfu = per_device * self.flops_per_token / self.peak_flops if self.flops_per_token and self.peak_flops else None
+        return {
+            "steps": steps, "worldSize": self.world_size, "tokensPerSecond": round(tps, 2),
+            "tokensPerSecondPerDevice": round(per_device, 2), "stepSeconds": round(seconds / steps, 6),
+            "mfu": round(mfu, 5) if mfu is not None else None, "peakMemoryBytes": self.peak_memory_bytes,
+        }
 
 
 def classify(exc: BaseException) -> tuple[str, bool]:
@@ -88,6 +118,7 @@ def succeeded(record: RunRecord) -> dict[str, Any]:
         "phase": "Succeeded", "step": record.step, "totalSteps": record.total_steps,
         "loss": record.loss, "evalLoss": record.eval_loss,
         "tokensPerSecond": record.tokens_per_second(), "exportPath": record.export_path,
+        "performance": record.performance(),
     }
 
 

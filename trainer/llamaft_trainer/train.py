@@ -126,6 +126,12 @@ def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return [float(v) for v in t.tolist()]
 
 
+def _all_reduce_max(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any, cfg: TrainingJobConfig) -> float:
     """Unscale (fp16), clip to training.maxGradNorm, step, zero the gradients; the global grad norm.
     (bench/plan_accuracy.py replays the trainer's step with this and `_micro_step`.)"""
@@ -237,6 +243,7 @@ def train_loop(
     result = LoopResult(state)
     record = record if record is not None else RunRecord()
     record.step, record.total_steps = state.step, steps
+    record.world_size, record.flops_per_token, record.peak_flops = rt.world_size, flops_per_token, peak_flops
     if stop is not None and _all_reduce_sum([1.0 if stop.requested else 0.0], rt.device)[0] > 0:
         # SIGTERM during setup or resume: nothing new to save.
         result.stopped = StopReport(state.step, stop.requested, False, "the signal came before the first step: nothing new to save")
@@ -285,6 +292,10 @@ def train_loop(
         record.step, record.loss = state.step, step_loss
         record.tokens += int(tokens_total)
         record.train_seconds += elapsed
+        if state.step - first_step > 1:
+            record.steady_steps += 1
+            record.steady_tokens += int(tokens_total)
+            record.steady_seconds += elapsed
         if state.step % tc.log_interval == 0 or state.step == steps:
             tps = tokens_total / elapsed
             mfu = (tps / rt.world_size) * flops_per_token / peak_flops if peak_flops else None
@@ -312,6 +323,7 @@ def train_loop(
             _save(model, optimizer, scheduler, state, rt, checkpointer, result, record, scaler)
     if state.step >= steps:
         _run_eval(model, data, rt, state, progress, result, record, evaluator)
+        record.peak_memory_bytes = int(_all_reduce_max(float(peak_memory_bytes(rt.device)), rt.device))
     if checkpointer is not None:
         checkpointer.wait()  # the last save, written in the background during the final eval
         _report_completed(checkpointer, rt, result, record)

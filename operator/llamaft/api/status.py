@@ -143,6 +143,27 @@ class EvaluationStatus(ApiModel):
     """ROUGE-L F1 (0-1)."""
 
 
+class PerformanceStatus(ApiModel):
+    """What the finished run sustained, from the trainer's final report: the figures `llamaft
+    sweep` compares across sizes. Over the last attempt's optimizer steps after its first (which
+    pays one-time costs); checkpoint saves and evals are not step time; padding is not a token."""
+
+    steps: int | None = None
+    """Optimizer steps the figures are over."""
+    world_size: int | None = None
+    """Ranks (GPUs, or CPU processes) that trained."""
+    tokens_per_second: float | None = None
+    """Tokens of all ranks per second of step time."""
+    tokens_per_second_per_device: float | None = None
+    """tokensPerSecond / worldSize."""
+    step_seconds: float | None = None
+    """Mean optimizer step time."""
+    mfu: float | None = None
+    """Model FLOPs utilisation (0-1; absent where the device's peak is unknown, e.g. CPU)."""
+    peak_memory_bytes: int | None = None
+    """The largest peak memory of any rank (GPU memory allocated; resident memory on CPU)."""
+
+
 class LlamaFineTuneStatus(ApiModel):
     """What the operator observed."""
 
@@ -188,6 +209,8 @@ class LlamaFineTuneStatus(ApiModel):
     """Where the experiment trackers keep the run (spec.tracking)."""
     evaluation: EvaluationStatus | None = None
     """The last task scores of the generations (spec.evaluation)."""
+    performance: PerformanceStatus | None = None
+    """Throughput, step time and memory the finished run sustained (its final report)."""
     failures: list[FailureRecord] = Field(default_factory=list, max_length=20)
     """The most recent failed attempts (at most 20), oldest first."""
     excluded_nodes: list[str] = Field(default_factory=list, max_length=16)

@@ -28,9 +28,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from pydantic import ValidationError
+
 from llamaft.api.resource import MAX_ATTEMPTS
 from llamaft.api.spec import LlamaFineTuneSpec
-from llamaft.api.status import TERMINAL_PHASES, Phase
+from llamaft.api.status import TERMINAL_PHASES, PerformanceStatus, Phase
 from llamaft.operator import failures, observe
 from llamaft.operator.failures import Failure
 from llamaft.operator.observe import Event
@@ -324,8 +326,23 @@ def _succeeded(obs: Observed, d: Decision, report: Mapping[str, Any] | None) -> 
     )
     if report is not None and report.get("exportPath"):
         d.status["exportPath"] = report["exportPath"]
+    performance = performance_status(report)
+    if performance is not None:
+        d.status["performance"] = performance
     d.events.append(Event("Normal", "Succeeded", message))
     return d
+
+
+def performance_status(report: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """status.performance from the trainer's final report (None: it has none, or not a valid one)."""
+    raw = (report or {}).get("performance")
+    if not isinstance(raw, Mapping):
+        return None
+    try:
+        parsed = PerformanceStatus.model_validate(raw, extra="ignore")  # a newer trainer may report more
+    except ValidationError:
+        return None
+    return parsed.model_dump(by_alias=True, exclude_none=True) or None
 
 
 def _repeated(history: Sequence[Mapping[str, Any]], failure: Failure, attempt: int, limit: int) -> bool:
