@@ -86,7 +86,7 @@ OBJECTS = documented_kueue_objects()
 
 def test_the_docs_show_the_kueue_objects_a_cluster_needs() -> None:
     kinds = {obj["kind"] for _, _, obj in OBJECTS}
-    assert {"ResourceFlavor", "ClusterQueue", "LocalQueue", "WorkloadPriorityClass"} <= kinds
+    assert {"ResourceFlavor", "ClusterQueue", "LocalQueue", "WorkloadPriorityClass", "Topology"} <= kinds
 
 
 def test_the_vendored_crds_serve_and_store_the_current_version() -> None:
