@@ -100,6 +100,21 @@ BROKEN: list[tuple[str, dict[str, Any], str, str]] = [
     ("bad cache claim", with_("spec.cache", {"volumeClaim": "HF Cache"}), "spec.cache.volumeClaim", "must be a DNS-1123 subdomain"),
     ("checkpoints on the download cache", with_("spec.checkpointing", {"volumeClaim": "c", "directory": "/var/cache/llamaft/x"}),
      "spec.checkpointing.directory", "the download cache at /var/cache/llamaft"),
+    # issue 25: topology-aware placement
+    ("topology without a queue", with_("spec.scheduling", {"topology": {"level": "network.amazonaws.com/efa-block"}}),
+     "spec.scheduling.topology", "set queueName to a LocalQueue"),
+    ("topology with a Volcano gang", with_("spec.scheduling", {"gang": {}, "topology": {"level": "kubernetes.io/hostname"}}),
+     "spec.scheduling.topology", "podGroupPolicy.volcano.networkTopology"),
+    ("topology level not a label key", with_("spec.scheduling", {"queueName": "q", "topology": {"level": "efa block"}}),
+     "spec.scheduling.topology.level", "must be a label key"),
+    ("topology level name too long", with_("spec.scheduling", {"queueName": "q", "topology": {"level": "a/" + "b" * 64}}),
+     "spec.scheduling.topology.level", "must be a label key"),
+    ("topology level prefix too long", with_("spec.scheduling", {"queueName": "q", "topology": {"level": "a" * 254 + "/b"}}),
+     "spec.scheduling.topology.level", "at most 253 characters"),
+    ("topology without a level", with_("spec.scheduling", {"queueName": "q", "topology": {"mode": "required"}}),
+     "spec.scheduling.topology.level", "required field is missing"),
+    ("unknown topology mode", with_("spec.scheduling", {"queueName": "q", "topology": {"mode": "hard", "level": "x"}}),
+     "spec.scheduling.topology.mode", "required, preferred"),
 ]
 _lora_fsdp1 = with_("spec.training", {"epochs": 1, "lora": {}})
 _lora_fsdp1["spec"]["fsdp"] = {"implementation": "fsdp1"}

@@ -45,6 +45,7 @@ import json
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -280,6 +281,10 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         self._infos_for = -1
         self._mirror: dict[tuple[str, str, str], dict[tuple[str | None, str], Obj]] = {}
         self._mirror_count = -1
+        self.webhooks: list[Callable[[str, Obj], None]] = []
+        """Mutating/validating admission a test plays (e.g. Kueue's job webhook): each is called on
+        create with the resource key (group/version/plural) and the object, after the schema's
+        defaults; it may change the object or raise KubernetesError to refuse it."""
 
     def _defaulted(self, resource: Any, obj: Obj) -> Obj:
         """Objects of this repo's CRDs (and of UPSTREAM_CRDS) get their schema's defaults, on create and on every write."""
@@ -524,6 +529,10 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         if info is not None and info.kind == "Pod":
             self._default_pod(obj)
         obj = self._defaulted(request.resource, obj)
+        resource = request.resource
+        for webhook in self.webhooks:
+            webhook(f"{resource.group}/{resource.version}/{resource.plural}" if resource.group
+                    else f"{resource.version}/{resource.plural}", obj)
         self._admit(request.resource, obj)
         return (request.resource, request.namespace or meta.get("namespace"), meta["name"]), obj
 

@@ -1092,8 +1092,9 @@ class SimCluster:
 
     # -------------------------------------------------------------------------------- scheduler
     def _scheduler(self, pods: list[Obj], nodes: list[Obj]) -> None:
-        """Bind each pending pod to a feasible node (nodeSelector, required node affinity, GPUs),
-        spreading by the number of pods per node; unschedulable pods get PodScheduled=False."""
+        """Bind each pending pod without scheduling gates to a feasible node (nodeSelector, required
+        node affinity, GPUs), spreading by the number of pods per node; unschedulable pods get
+        PodScheduled=False."""
         live_nodes = [n for n in nodes if n["metadata"]["name"] not in self._lost and not n["metadata"].get("deletionTimestamp")]
         load: dict[str, int] = {n["metadata"]["name"]: 0 for n in live_nodes}
         gpus_used: dict[str, int] = dict.fromkeys(load, 0)
@@ -1108,6 +1109,8 @@ class SimCluster:
                 continue
             if pod.get("status", {}).get("phase") in ("Succeeded", "Failed"):
                 continue
+            if spec.get("schedulingGates"):
+                continue  # kube-scheduler leaves a gated pod Pending (SchedulingGated) until its gates are gone
             wanted = self._gpus(pod)
             feasible = [n for n in live_nodes if self._fits(pod, n)
                         and gpus_used[n["metadata"]["name"]] + wanted <= self._allocatable_gpus(n)]

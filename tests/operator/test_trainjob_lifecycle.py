@@ -90,10 +90,16 @@ def test_a_failed_trainjob_is_retried_as_a_new_attempt_within_the_budget(cluster
     assert "retry budget (1) is used up" in status["message"]
 
 
-@pytest.mark.parametrize(("without", "expected"), [((), "PyTorchJob"), (("kubeflow.org/v1/pytorchjobs",), "TrainJob")])
-def test_auto_picks_the_backend_the_cluster_serves(without: tuple[str, ...], expected: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("without", "extra", "expected"), [
+    ((), {}, "TrainJob"),  # both served: Trainer v2, the maintained line
+    ((), {"cluster": {"workers": 2, "gpusPerWorker": 8, "priorityClassName": "high"}}, "PyTorchJob"),  # not a TrainJob's
+    (("kubeflow.org/v1/pytorchjobs",), {}, "TrainJob"),
+    (("trainer.kubeflow.org/v1alpha1/trainjobs",), {}, "PyTorchJob"),
+])
+def test_auto_picks_the_backend_the_cluster_serves(without: tuple[str, ...], extra: dict[str, Any], expected: str,
+                                                   tmp_path: Path) -> None:
     with own_cluster(tmp_path, without) as own:
-        own.create("auto", tiny_spec(backend="auto"))
+        own.create("auto", tiny_spec(backend="auto", **extra))
         status = wait_for("backend", lambda: (s := own.status("auto")).get("backend") and s)
         assert status["backend"] == expected
         name = own.job_name("auto", 1)

@@ -717,8 +717,42 @@ class GangSpec(ApiModel):
     """How long the PodGroup may wait for all its pods to be schedulable."""
 
 
+class TopologyMode(ApiEnum):
+    REQUIRED = "required"
+    PREFERRED = "preferred"
+
+
+KUEUE_TOPOLOGY_ANNOTATIONS = {
+    TopologyMode.REQUIRED: "kueue.x-k8s.io/podset-required-topology",
+    TopologyMode.PREFERRED: "kueue.x-k8s.io/podset-preferred-topology",
+}
+"""Kueue's PodSet annotations for topology-aware scheduling (kueue apis/kueue/v1beta2/topology_types.go)."""
+
+
+class TopologySpec(ApiModel):
+    """Topology-aware placement of the workers through Kueue's topology-aware scheduling (TAS): the
+    worker pod template gets `kueue.x-k8s.io/podset-required-topology` (or `-preferred-topology`)
+    set to `level`, and Kueue admits the job only into a topology domain (block, rack, host) of
+    that level that fits every worker."""
+
+    model_config = api_config(
+        cel_rule(
+            "!self.level.matches('^[^/]{254,}/')",
+            message="a label key's prefix (before '/') has at most 253 characters",
+            field_path=".level",
+        ),
+    )
+
+    mode: TopologyMode = TopologyMode.REQUIRED
+    """`required`: all workers in one domain of `level`, or the job waits; `preferred`: Kueue tries
+    `level`, then each level above it, then admits the workers spread over domains."""
+    level: str = Field(min_length=1, max_length=316, pattern=LABEL_KEY_PATTERN)
+    """A node label of a level of the Kueue Topology the queue's ResourceFlavor names, e.g.
+    `network.amazonaws.com/efa-block` or `kubernetes.io/hostname`."""
+
+
 class SchedulingSpec(ApiModel):
-    """Queueing and gang scheduling on a shared cluster."""
+    """Queueing, gang scheduling and topology-aware placement on a shared cluster."""
 
     model_config = api_config(
         cel_rule(
@@ -733,6 +767,20 @@ class SchedulingSpec(ApiModel):
             "cluster.priorityClassName (pods) or gang.priorityClass (PodGroup)",
             field_path=".priorityClass",
         ),
+        cel_rule(
+            "!has(self.topology) || has(self.queueName) || has(self.gang)",
+            message="topology is carried out by Kueue's topology-aware scheduling: set queueName to a LocalQueue whose "
+            "ClusterQueue has a ResourceFlavor with topologyName, or remove topology",
+            field_path=".topology",
+        ),
+        cel_rule(
+            "!has(self.topology) || !has(self.gang)",
+            message="Volcano's network topology cannot be asked for through the job: the training operator (v1.9) "
+            "builds the PodGroup from schedulingPolicy without networkTopology and rewrites it on every sync, and "
+            "Kubeflow Trainer takes it from the runtime's podGroupPolicy.volcano.networkTopology: queue with "
+            "queueName (Kueue TAS) instead of gang, or remove topology (and use a runtime with networkTopology)",
+            field_path=".topology",
+        ),
     )
 
     queue_name: str | None = Field(default=None, max_length=63, pattern=NAME_PATTERN)
@@ -742,6 +790,8 @@ class SchedulingSpec(ApiModel):
     """Kueue WorkloadPriorityClass (`kueue.x-k8s.io/priority-class` label)."""
     gang: GangSpec | None = None
     """Gang scheduling through Volcano or scheduler-plugins (no Kueue)."""
+    topology: TopologySpec | None = None
+    """Place all workers in one network topology domain (Kueue TAS; needs queueName)."""
 
 
 # ------------------------------------------------------------------------------------ backend
@@ -973,7 +1023,7 @@ class LlamaFineTuneSpec(TrainingJobConfig):
     run_policy: RunPolicySpec = Field(default_factory=RunPolicySpec)
     """Suspend, deadlines, retries."""
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
-    """Kueue queueing or gang scheduling."""
+    """Kueue queueing, gang scheduling, topology-aware placement."""
     backend: Backend = Backend.PYTORCH_JOB
     """The Kubeflow job the run becomes: `PyTorchJob` (training operator v1), `TrainJob` (Kubeflow
     Trainer v2) or `auto` (the one the cluster serves; PyTorchJob when both are). Immutable."""

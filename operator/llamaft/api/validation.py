@@ -361,6 +361,8 @@ PATTERN_TEXT: dict[str, str] = {
     api.LABEL_VALUE_PATTERN: f"must be {_LABEL_VALUE_TEXT}",
     api.LABEL_KEY_PATTERN.replace("^(", "^$|^(", 1): "must be a label key: an optional DNS-subdomain prefix and '/', then "
     "at most 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit",
+    api.LABEL_KEY_PATTERN: "must be a label key: an optional DNS-subdomain prefix and '/', then at most 63 letters, "
+    "digits, '-', '_' or '.', starting and ending with a letter or digit, e.g. network.amazonaws.com/efa-block",
     api.NO_WHITESPACE_PATTERN: "must not contain spaces or other whitespace (an image reference such as "
     "ghcr.io/llamaft/trainer:0.1.0)",
     r"^[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?:" + api.PORT_PATTERN + "$": "must be host:port with a port from 1 to "

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from llamaft.api.sources import CACHE_MOUNT, PVC_MOUNT_ROOT, SourceKind, parse_source
-from llamaft.api.spec import LlamaFineTuneSpec, RendezvousBackend
+from llamaft.api.spec import KUEUE_TOPOLOGY_ANNOTATIONS, LlamaFineTuneSpec, RendezvousBackend
 from llamaft.operator.naming import (
     C10D_PORT,
     CONFIG_FILE,
@@ -287,9 +287,24 @@ def pod_template(owner: Owner, spec: LlamaFineTuneSpec, attempt: int, excluded_n
         pod_spec["schedulerName"] = spec.scheduling.gang.scheduler_name
     labels = {**owner.labels("trainer"), LABEL_ATTEMPT: str(attempt)}
     template: Obj = {"metadata": {"labels": labels}, "spec": pod_spec}
+    annotations = topology_annotations(spec)
+    if annotations:
+        template["metadata"]["annotations"] = annotations
     if spec.cluster.pod_template_overrides:
         template = strategic_merge(template, spec.cluster.pod_template_overrides)
     return template
+
+
+def topology_annotations(spec: LlamaFineTuneSpec) -> dict[str, str]:
+    """Kueue's topology-aware scheduling request on the worker pod template (the PodSet's template
+    for both backends: Kueue reads a PyTorchJob's replica templates and a TrainJob's JobSet, into
+    which Trainer merges our runtimePatch's pod metadata). Kueue docs, concepts/topology_aware_scheduling
+    ("User-facing APIs"); kueue pkg/controller/jobframework/tas_validation.go checks the value as a
+    label name and allows one such annotation per PodSet."""
+    topology = spec.scheduling.topology
+    if topology is None or not spec.scheduling.queue_name:
+        return {}
+    return {KUEUE_TOPOLOGY_ANNOTATIONS[topology.mode]: topology.level}
 
 
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"

@@ -416,13 +416,19 @@ class Step:
                    f"{self.job_kind} {name} {'suspended' if wanted else 'resumed'} (as spec.runPolicy.suspend says)")
 
     def _resolve_backend(self, obj: Obj, status: Obj, generation: int | None) -> str | None:
-        """spec.backend, with `auto` resolved to the job kind the cluster serves (PyTorchJob when
-        both are); recorded in status.backend and fixed for the object's life (backend is
+        """spec.backend, with `auto` resolved to the job kind the cluster serves: TrainJob (Kubeflow
+        Trainer v2, the maintained line) when it is served and the spec is one a TrainJob can carry
+        out (trainjob.unsupported is empty), else PyTorchJob (the legacy training operator v1.9)
+        when served; recorded in status.backend and fixed for the object's life (backend is
         immutable). None when the cluster serves neither yet."""
         wanted = str((obj.get("spec") or {}).get("backend") or Backend.PYTORCH_JOB.value)
         if wanted != Backend.AUTO.value:
             return wanted if wanted in JOBS else Backend.PYTORCH_JOB.value  # an invalid value fails validation
-        for kind in ("PyTorchJob", "TrainJob"):
+        try:
+            fits_trainjob = not trainjob.unsupported(validate_spec(obj.get("spec")))
+        except SpecInvalid:
+            fits_trainjob = True  # the validation step reports it, whichever backend is chosen
+        for kind in ("TrainJob", "PyTorchJob") if fits_trainjob else ("PyTorchJob", "TrainJob"):
             if self.kube.serves(self.namespace, kind):
                 self.event(obj, "Normal", "BackendSelected", f"backend auto: this cluster serves {MISSING[kind]}: using {kind}")
                 return kind
