@@ -298,8 +298,8 @@ def _cmd_render(args: argparse.Namespace) -> int:
     body = docs[0].body
     namespace = args.namespace or body["metadata"].get("namespace") or "default"
     uid = str(body["metadata"].get("uid") or "")
-    # --backend, else the spec's; `auto` prints the PyTorchJob (what it picks when the cluster serves both).
-    backend = Backend(args.backend) if args.backend else spec.backend
+    # --backend, else the spec's; `auto` prints what it picks when the cluster serves both.
+    backend = Backend(args.backend) if args.backend else trainjob.preferred_backend(spec)
     problems = child_errors(spec, body["metadata"]["name"], namespace, uid=uid or PLACEHOLDER_UID, attempt=args.attempt,
                             backend=backend)
     if problems:
@@ -413,7 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("--attempt", type=int, default=1, help="run attempt to render (names and rendezvous id)")
     render.add_argument("--backend", choices=["PyTorchJob", "TrainJob"],
                         help="the Kubeflow job to print: PyTorchJob (training operator v1) or TrainJob (Kubeflow "
-                             "Trainer v2); default: the spec's backend (auto: PyTorchJob)")
+                             "Trainer v2); default: the spec's backend (auto: what it picks on a cluster that serves "
+                             "both, TrainJob unless the spec needs a PyTorchJob)")
     render.set_defaults(func=_cmd_render)
 
     op = sub.add_parser("operator", help="run the kopf operator (in-cluster or with KUBECONFIG)")

@@ -75,8 +75,9 @@ def child_errors(
     backend: Backend | None = None,
 ) -> list[FieldError]:
     """check_children with the errors as FieldError (path, message). `backend`: the job kind to
-    check (default spec.backend; `auto` checks the PyTorchJob, what auto picks when both are served)."""
-    backend = backend or spec.backend
+    check (default spec.backend; `auto` checks what it picks when both are served,
+    trainjob.preferred_backend)."""
+    backend = backend or trainjob.preferred_backend(spec)
     train_job = backend is Backend.TRAIN_JOB
     name_errors = _name_errors(spec, name, namespace, uid, train_job=train_job)
     if name_errors or _deeper_than(spec.cluster.pod_template_overrides, POD_MAX_DEPTH) is not None:

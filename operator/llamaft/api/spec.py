@@ -1026,7 +1026,8 @@ class LlamaFineTuneSpec(TrainingJobConfig):
     """Kueue queueing, gang scheduling, topology-aware placement."""
     backend: Backend = Backend.PYTORCH_JOB
     """The Kubeflow job the run becomes: `PyTorchJob` (training operator v1), `TrainJob` (Kubeflow
-    Trainer v2) or `auto` (the one the cluster serves; PyTorchJob when both are). Immutable."""
+    Trainer v2) or `auto` (the one the cluster serves; when both are, TrainJob unless the spec needs
+    something only a PyTorchJob carries out). Immutable."""
     train_job: TrainJobSpec = Field(default_factory=TrainJobSpec)
     """TrainJob backend settings (runtime)."""
     preflight: PreflightMode = PreflightMode.ENFORCE

@@ -425,10 +425,10 @@ class Step:
         if wanted != Backend.AUTO.value:
             return wanted if wanted in JOBS else Backend.PYTORCH_JOB.value  # an invalid value fails validation
         try:
-            fits_trainjob = not trainjob.unsupported(validate_spec(obj.get("spec")))
+            first = trainjob.preferred_backend(validate_spec(obj.get("spec"))).value
         except SpecInvalid:
-            fits_trainjob = True  # the validation step reports it, whichever backend is chosen
-        for kind in ("TrainJob", "PyTorchJob") if fits_trainjob else ("PyTorchJob", "TrainJob"):
+            first = Backend.TRAIN_JOB.value  # the validation step reports it, whichever backend is chosen
+        for kind in (first, *(k for k in ("TrainJob", "PyTorchJob") if k != first)):
             if self.kube.serves(self.namespace, kind):
                 self.event(obj, "Normal", "BackendSelected", f"backend auto: this cluster serves {MISSING[kind]}: using {kind}")
                 return kind

@@ -35,7 +35,7 @@ import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from llamaft.api.spec import LlamaFineTuneSpec, PullPolicy, RendezvousBackend
+from llamaft.api.spec import Backend, LlamaFineTuneSpec, PullPolicy, RendezvousBackend
 from llamaft.api.status import Phase
 from llamaft.operator.desired import kueue_labels, pod_template, rendezvous_endpoint
 from llamaft.operator.naming import LABEL_ATTEMPT, Owner
@@ -83,6 +83,15 @@ class TrainJobSpecError(ValueError):
 
 
 # -------------------------------------------------------------------------------- what cannot be
+def preferred_backend(spec: LlamaFineTuneSpec) -> Backend:
+    """The job kind the spec becomes on a cluster that serves both: its backend, or for `auto`
+    TrainJob (Kubeflow Trainer v2, the maintained line) unless the spec needs something only a
+    PyTorchJob carries out (`unsupported`)."""
+    if spec.backend is not Backend.AUTO:
+        return spec.backend
+    return Backend.PYTORCH_JOB if unsupported(spec) else Backend.TRAIN_JOB
+
+
 def unsupported(spec: LlamaFineTuneSpec) -> list[tuple[str, str]]:
     """(spec field, problem and fix) for every setting Kubeflow Trainer v2.3 cannot carry out."""
     out: list[tuple[str, str]] = []
