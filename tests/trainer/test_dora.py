@@ -5,18 +5,23 @@
    for FSDP2 FULL_SHARD / NO_SHARD / HYBRID_SHARD and FSDP1, the sliced, broadcast and full
    methods, an fp32 checkpoint and a bf16 one with uneven shards (into fp32 and bf16 master
    weights), lm_head included; the random state after loading is the previous path's.
-2. DoRA on a layer that is not Linear (embed_tokens) is a ConfigError naming useDora.
+2. Exact resume: a DoRA run stopped after a checkpoint and resumed equals the straight run (losses,
+   grad norms, every parameter), and the magnitudes are trained.
+3. Export `both`: the adapter (peft's files, magnitudes included) reproduces the trainer's final
+   eval loss through PeftModel.from_pretrained; the merged model's logits equal base + adapter.
+4. DoRA on a layer that is not Linear (embed_tokens) is a ConfigError naming useDora.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.trainer.conftest import base_config
+from tests.trainer.conftest import base_config, launch_trainer, run_harness
 from tests.trainer.load_worker import digest, launch
 
 pytestmark = pytest.mark.slow
@@ -128,3 +133,111 @@ def test_dora_refusal_happens_when_the_model_is_wrapped() -> None:
     lora = LoraSpec.model_validate({"useDora": True, "targetModules": ["embed_tokens", "q_proj"]})
     with pytest.raises(ConfigError, match=r"^spec\.training\.lora\.useDora: .*model\.embed_tokens \(Embedding\)"):
         model_step.apply_lora(model, lora)
+
+
+# ------------------------------------------------------------------ exact resume
+STEPS, EVERY, STOP = 8, 3, 5
+MODES: dict[str, dict[str, Any]] = {
+    # dropout draws from the RNG every step (DoRA then recomputes the base output of the dropped input)
+    "dora-bf16-dropout": {"fsdp": {"mixedPrecision": "bf16"},
+                          "training": {"lora": {**DORA, "dropout": 0.1, "targetModules": ["q_proj", "v_proj", "down_proj"]}}},
+    "dora-shard-grad-op-ac-full": {"fsdp": {"shardingStrategy": "SHARD_GRAD_OP", "activationCheckpointing": {"mode": "full"}},
+                                   "training": {"lora": DORA}},
+}
+
+
+def _mode_config(model: Path, directory: Path, mode: dict[str, Any], *, resume: bool) -> dict[str, Any]:
+    training = {"maxSteps": STEPS, "learningRate": 1e-2, "evalInterval": 0, **mode["training"]}
+    return base_config(model, directory, training=training, fsdp=mode["fsdp"],
+                       checkpointing={"everyNSteps": EVERY, "keepLast": 3, "resume": resume})
+
+
+@pytest.fixture(scope="module")
+def modes(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("dora-modes")
+    cases = []
+    for name, mode in MODES.items():
+        cases += [
+            {"name": f"{name}/straight", "config": _mode_config(tiny_model, tmp / name / "straight", mode, resume=False)},
+            {"name": f"{name}/stopped", "steps": STOP, "config": _mode_config(tiny_model, tmp / name / "stopped", mode, resume=False)},
+            {"name": f"{name}/resumed", "config": _mode_config(tiny_model, tmp / name / "stopped", mode, resume=True)},
+        ]
+    return run_harness(tmp, 2, cases)
+
+
+@pytest.mark.parametrize("name", list(MODES))
+def test_dora_resumes_bit_identically(modes: dict[str, Any], name: str) -> None:
+    straight, stopped, resumed = (modes[f"{name}/{part}"] for part in ("straight", "stopped", "resumed"))
+    assert len(stopped["losses"]) == STOP and len(straight["losses"]) == STEPS
+    start = STEPS - len(resumed["losses"])
+    assert start == EVERY, "resumed from the checkpoint before the stop"
+    assert resumed["losses"] == straight["losses"][start:]
+    assert resumed["grad_norms"] == straight["grad_norms"][start:]
+    assert resumed["checksum"] == straight["checksum"]
+    # The magnitudes are trained (in the optimizer): they moved between step 5 and step 8.
+    sums = [{k: v for k, v in run["param_sums"][0].items() if "lora_magnitude_vector" in k} for run in (stopped, straight)]
+    assert sums[0] and sums[0].keys() == sums[1].keys()
+    assert all(sums[0][k] != sums[1][k] for k in sums[0])
+
+
+# ------------------------------------------------------------------ export
+def test_dora_exports_an_adapter_and_a_merged_model(tiny_model: Path, tmp_path: Path) -> None:
+    from llamaft.api.spec import TrainingJobConfig
+    from llamaft_trainer import data as d
+    from llamaft_trainer.train import token_loss_sum
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    targets = ["q_proj", "v_proj", "down_proj"]
+    config = base_config(
+        tiny_model, tmp_path / "dora",
+        training={"maxSteps": 6, "learningRate": 1e-2, "lora": {**DORA, "targetModules": targets, "export": "both"}},
+        checkpointing={"exportHuggingFace": True, "everyNSteps": 100},
+    )
+    proc = launch_trainer(config, tmp_path, "dora")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-5000:]
+    events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    export = tmp_path / "dora" / "export"
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    layers = base.config.num_hidden_layers
+
+    # The adapter: peft's files with the trained magnitudes, no longer the base weights' norms.
+    adapter = load_file(export / "adapter" / "adapter_model.safetensors")
+    magnitudes = {k: v for k, v in adapter.items() if "lora_magnitude_vector" in k}
+    assert len(magnitudes) == layers * len(targets)
+    weights = base.state_dict()
+    for key, value in magnitudes.items():
+        weight = weights[key.removeprefix("base_model.model.").replace("lora_magnitude_vector", "weight")]
+        assert not torch.equal(value, torch.linalg.norm(weight, dim=1)), f"{key} was not trained"
+    assert json.loads((export / "adapter" / "adapter_config.json").read_text())["use_dora"] is True
+
+    # ... which reproduces the trainer's own final eval loss on the same sequences.
+    adapted = PeftModel.from_pretrained(base, export / "adapter").eval()
+    tok = AutoTokenizer.from_pretrained(export)
+    cfg = TrainingJobConfig.model_validate(config)
+    store = d.build_store(cfg.dataset, tok, cfg.training.seed, tmp_path / "dora" / "data")  # the run's own store
+    val = d.PackedBlocks(store.validation, cfg.dataset.max_seq_length)
+    used = len(val) - len(val) % 2  # the 2-rank eval sampler drops an odd last sequence
+    loss_sum, tokens = 0.0, 0
+    with torch.no_grad():
+        for i in range(used):
+            loss, n = token_loss_sum(adapted, {k: v.unsqueeze(0) for k, v in val[i].items()}, torch.device("cpu"))
+            loss_sum, tokens = loss_sum + float(loss), tokens + n
+    logged = [e["eval_loss"] for e in events if e["event"] == "eval"][-1]
+    assert loss_sum / tokens == pytest.approx(logged, abs=1e-4)
+
+    # The merged model: a plain model, only the targeted layers changed, logits = base + adapter.
+    merged = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    assert not any("lora" in k for k in merged.state_dict())
+    base_weights = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).state_dict()
+    changed = {k for k, v in merged.state_dict().items() if not torch.equal(v, base_weights[k])}
+    assert len(changed) == layers * len(targets) and all(any(t in k for t in targets) for k in changed)
+    ids = torch.randint(3, base.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = adapted(input_ids=ids).logits, merged(input_ids=ids).logits
+    # fp32 throughout; the merge folds magnitude / norm into the weight, a reordering of the same
+    # products: measured 4e-7 of the largest logit, where resetting the trained magnitudes to the
+    # base norms moves the logits by 0.24 of it.
+    assert (want - got).abs().max() < 1e-4 * want.abs().max()
