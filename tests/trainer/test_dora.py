@@ -155,7 +155,7 @@ def _mode_config(model: Path, directory: Path, mode: dict[str, Any], *, resume: 
 @pytest.fixture(scope="module")
 def modes(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("dora-modes")
-    cases = []
+    cases: list[dict[str, Any]] = []
     for name, mode in MODES.items():
         cases += [
             {"name": f"{name}/straight", "config": _mode_config(tiny_model, tmp / name / "straight", mode, resume=False)},
@@ -229,7 +229,8 @@ def test_dora_exports_an_adapter_and_a_merged_model(tiny_model: Path, tmp_path: 
     assert loss_sum / tokens == pytest.approx(logged, abs=1e-4)
 
     # The merged model: a plain model, only the targeted layers changed, logits = base + adapter.
-    merged = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    merged: Any = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    merged.eval()
     assert not any("lora" in k for k in merged.state_dict())
     base_weights = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).state_dict()
     changed = {k for k, v in merged.state_dict().items() if not torch.equal(v, base_weights[k])}

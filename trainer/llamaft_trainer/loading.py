@@ -214,10 +214,14 @@ class Magnitude:
 
     def rows(self, weight: torch.Tensor, rows: slice, adapters: dict[str, torch.Tensor]) -> torch.Tensor:
         """The magnitudes of `weight`'s rows (those `rows` of the full weight), as peft computes
-        them: in the weight's dtype (peft moves the adapters to it before DoRA's init), on the CPU."""
+        them: in the weight's dtype (peft moves the adapters to it before DoRA's init), on the CPU.
+        With peft's default init B is 0 and `W + s * B A` is W itself (only a -0.0 turns +0.0,
+        which squares the same), so no weight-sized temporary is made for it."""
         base = weight.detach().to("cpu")
-        lora_weight = adapters[self.lora_b][rows].to(base.dtype) @ adapters[self.lora_a].to(base.dtype)
-        full = base + self.scaling * lora_weight
+        b = adapters[self.lora_b][rows]
+        full = base
+        if b.any():
+            full = base + self.scaling * (b.to(base.dtype) @ adapters[self.lora_a].to(base.dtype))
         norm: torch.Tensor = torch.linalg.norm(full, dim=1).to(full.dtype)
         return norm
 
@@ -541,12 +545,15 @@ class Stream:
         elif self.method is Method.BROADCAST:
             self._broadcast(target, dest, index)
         elif dest.numel() and self.error is None:
-            part = self._read(target.canonical, index)
-            if part is not None:
-                dest.copy_(part)
-        if norms and self.error is None:
+            self._read_into(dest, target.canonical, index)
+        if norms and self.error is None:  # after the read buffer is freed: the host holds one of the two
             magnitude = next(m for m in self.magnitudes.values() if m.weight == target.canonical)
             self._norms[target.canonical] = (index[0].start, magnitude.rows(dest, index[0], self.adapters))
+
+    def _read_into(self, dest: torch.Tensor, canonical: str, index: tuple[slice, ...]) -> None:
+        part = self._read(canonical, index)
+        if part is not None:
+            dest.copy_(part)
 
     def _fill_magnitude(self, target: Target) -> None:
         """This rank's part of a DoRA magnitude: the norms of the same rows of its base weight."""
