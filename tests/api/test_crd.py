@@ -109,6 +109,13 @@ def test_enums_bounds_and_required() -> None:
     assert spec["properties"]["model"]["required"] == ["source"]
 
 
+def test_lora_use_dora_is_in_the_crd() -> None:
+    lora = _schema()["properties"]["spec"]["properties"]["training"]["properties"]["lora"]
+    assert lora["properties"]["useDora"] == {"type": "boolean", "default": False, "description": lora["properties"]["useDora"]["description"]}
+    assert "DoRA" in lora["properties"]["useDora"]["description"]
+    assert any("self.useDora" in r["rule"] and "embed_tokens" in r["message"] for r in lora["x-kubernetes-validations"])
+
+
 def test_cel_rules_are_in_the_crd() -> None:
     rules = [r["rule"] for _, n in _walk(_schema()) for r in n.get("x-kubernetes-validations", [])]
     assert any("hybridShard.shardGroupSize" in r for r in rules)

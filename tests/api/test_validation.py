@@ -72,6 +72,10 @@ BROKEN: list[tuple[str, dict[str, Any], str, str]] = [
     ("bad scheduler", with_("spec.training", {"epochs": 1, "scheduler": "step"}), "spec.training.scheduler", "cosine, linear, constant"),
     ("LoRA without targets", with_("spec.training", {"epochs": 1, "lora": {"targetModules": []}}), "spec.training.lora.targetModules", "at least one module"),
     ("LoRA with fsdp1", {**with_("spec.training", {"epochs": 1, "lora": {}}), }, "", ""),  # replaced below
+    ("DoRA on the embeddings", with_("spec.training", {"epochs": 1, "lora": {"useDora": True, "targetModules": ["q_proj", "embed_tokens"]}}),
+     "spec.training.lora.targetModules", "useDora applies to linear layers only: remove embed_tokens"),
+    ("DoRA on a qualified embeddings name", with_("spec.training", {"epochs": 1, "lora": {"useDora": True, "targetModules": ["model.embed_tokens"]}}),
+     "spec.training.lora.targetModules", "useDora applies to linear layers only"),
     ("elastic min > max", with_("spec.cluster.elastic", {"minWorkers": 4, "maxWorkers": 2}), "spec.cluster.elastic.minWorkers", "minWorkers 4 must be <= maxWorkers 2"),
     ("workers outside elastic", with_("spec.cluster.elastic", {"minWorkers": 4, "maxWorkers": 8}), "spec.cluster.workers", "workers 2 must lie within elastic.minWorkers..maxWorkers = 4..8"),
     ("zero workers", with_("spec.cluster.workers", 0), "spec.cluster.workers", "greater than or equal to 1"),
@@ -143,6 +147,13 @@ def test_base_is_valid_and_minimal_defaults_suit_llama2_7b() -> None:
     assert spec.fsdp.activation_checkpointing.mode == "full"
     assert spec.rendezvous.backend == "etcd-v2" and spec.training.epochs == 1
     assert spec.world_size == 16
+
+
+def test_dora_on_linear_layers_is_valid_and_lora_without_dora_may_adapt_the_embeddings() -> None:
+    dora = validate_resource(with_("spec.training", {"epochs": 1, "lora": {"useDora": True, "targetModules": ["q_proj", "down_proj", "lm_head"]}}))
+    assert dora.training.lora is not None and dora.training.lora.use_dora
+    plain = validate_resource(with_("spec.training", {"epochs": 1, "lora": {"targetModules": ["embed_tokens"]}}))
+    assert plain.training.lora is not None and not plain.training.lora.use_dora
 
 
 def test_valid_hybrid_and_elastic() -> None:

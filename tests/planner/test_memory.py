@@ -10,6 +10,7 @@ from llamaft.planner.memory import (
     TRAINER_SYNCS_EVERY_MICRO_STEP,
     Setup,
     compute_bytes,
+    dora_temporary_bytes,
     estimate_memory,
     layer_activation_bytes_per_token,
     master_bytes,
@@ -149,6 +150,32 @@ def test_lora_trains_adapters_only() -> None:
     assert est.trainable_parameters == adapters == 4 * 8 * (256 + 256 + 256 + 128)
     assert est.parameters == N + adapters
     assert est.components["optimizer"] == 8 * adapters
+
+
+def test_dora_adds_magnitudes_their_activations_and_a_weight_sized_temporary() -> None:
+    lora = {"lora_rank": 8, "lora_targets": ("q_proj", "v_proj"), "lora_dropout": 0.05}
+    plain, dora = setup(**lora), setup(**lora, lora_dora=True)
+    # one trainable magnitude per output row (q 256, v 128), with its gradient and AdamW moments
+    adapters = SMALL.lora_parameters(8, ["q_proj", "v_proj"], dora=True)
+    assert adapters == SMALL.lora_parameters(8, ["q_proj", "v_proj"]) + 4 * (256 + 128)
+    est, base = estimate_memory(SMALL, dora), estimate_memory(SMALL, plain)
+    assert est.trainable_parameters == adapters and est.components["optimizer"] == 8 * adapters
+    # per token: the base and adapter outputs the magnitude multiplies, bf16 (2 bytes)
+    assert layer_activation_bytes_per_token(SMALL, dora) == 9_312 + 2 * 2 * (256 + 128)
+    # per forward: eye(256), its rank-8 product, then BA, s*BA and W + s*BA of q_proj (256 x 256)
+    assert dora_temporary_bytes(SMALL, dora) == 2 * (256 * 256 + 256 * 8 + 3 * 256 * 256)
+    assert dora_temporary_bytes(SMALL, plain) == 0
+    assert est.peak_bytes > base.peak_bytes
+    assert any(n.startswith("useDora: ") for n in est.notes) and not any(n.startswith("useDora") for n in base.notes)
+    # checkpointed layers build it again in backward's recompute
+    ac = {**lora, "ac_mode": CheckpointingMode.FULL}
+    with_dora, without = (estimate_memory(SMALL, setup(**ac, lora_dora=d)).phase_peaks["backward"] for d in (True, False))
+    assert with_dora >= without + dora_temporary_bytes(SMALL, dora)
+
+
+def test_setup_from_spec_reads_use_dora() -> None:
+    assert setup_from_spec(make_spec(**{"training.lora": {"useDora": True}})).lora_dora
+    assert not setup_from_spec(make_spec(**{"training.lora": {}})).lora_dora
 
 
 @pytest.mark.parametrize("strategy", list(ShardingStrategy))

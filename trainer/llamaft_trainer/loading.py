@@ -35,6 +35,14 @@ the base-model prefix (a checkpoint saved from the bare `LlamaModel` has no `mod
 LoRA: peft's names (`base_model.model.` prefix, `.base_layer` in wrapped layers) map back to the
 checkpoint's, and the adapters are initialised exactly as the previous path did it (torch.manual_seed
 then apply_lora, on the same module structure: `initial_adapters`), so they are bit for bit the same.
+DoRA (`lora.useDora`): peft sets each magnitude, at wrap time, to the row norms of the base weight
+plus the scaled initial adapter, `||W + s * B A||` over dim 1 (peft/tuners/lora/dora.py,
+DoraLinearLayer.get_weight_norm; B is 0 at init, so it is `||W||`); on the meta model that is a
+placeholder. Each rank computes the magnitudes of the rows it holds from the rows it has just
+filled, on the CPU in the base weight's dtype as peft does on a loaded model (`Magnitude`): a
+Linear weight and its magnitude are both sharded on dim 0 over the same mesh, so a rank holds
+whole rows of the one and the same rows of the other, and a row's norm does not depend on the
+other rows (bit for bit, tests/trainer/test_dora.py). No collective, no extra read.
 Stricter than `from_pretrained`: a missing or unexpected tensor is a ConfigError naming
 spec.model.source (it would initialise the missing ones randomly and warn).
 
@@ -55,7 +63,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -175,12 +183,64 @@ def initial_adapters(
     The previous path ran torch.manual_seed(seed) then apply_lora on the loaded model; peft draws
     from the CPU generator while it creates the adapter layers, in module order. The same calls on
     the same modules with hollow base weights draw the same numbers and leave the generator in the
-    same state, without reading or holding any base weight."""
+    same state, without reading or holding any base weight.
+
+    DoRA's magnitudes are left out (`magnitudes` says how the loader computes them): peft's DoRA
+    init draws no random number, so the adapters and the generator are the same without it, and
+    it would compute a norm of every hollow weight for nothing."""
     skeleton = model_step.build_meta_model(config, spec, dtype)
     hollow = _hollow(skeleton)
     torch.manual_seed(seed)
-    peft_model = model_step.apply_lora(skeleton, lora)
+    peft_model = model_step.apply_lora(skeleton, lora.model_copy(update={"use_dora": False}))
     return {k: v.detach() for k, v in peft_model.state_dict(keep_vars=True).items() if id(v) not in hollow}
+
+
+MAGNITUDE = ".lora_magnitude_vector."
+"""The DoRA magnitude of a peft LoRA layer: `<layer>.lora_magnitude_vector.<adapter>.weight`."""
+
+
+@dataclass(frozen=True)
+class Magnitude:
+    """How a DoRA magnitude is computed: the row norms of its layer's base weight plus the scaled
+    initial adapter (peft's DoraLinearLayer.update_layer / get_weight_norm, fan_in_fan_out off:
+    check_dora_layers refuses the rest)."""
+
+    weight: str
+    """Canonical key of the layer's base weight [out, in]."""
+    lora_a: str
+    lora_b: str
+    scaling: float
+    """peft's `lora_alpha / r` (LoraLayer.update_layer without rslora)."""
+
+    def rows(self, weight: torch.Tensor, rows: slice, adapters: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The magnitudes of `weight`'s rows (those `rows` of the full weight), as peft computes
+        them: in the weight's dtype (peft moves the adapters to it before DoRA's init), on the CPU.
+        With peft's default init B is 0 and `W + s * B A` is W itself (only a -0.0 turns +0.0,
+        which squares the same), so no weight-sized temporary is made for it."""
+        base = weight.detach().to("cpu")
+        b = adapters[self.lora_b][rows]
+        full = base
+        if b.any():
+            full = base + self.scaling * (b.to(base.dtype) @ adapters[self.lora_a].to(base.dtype))
+        norm: torch.Tensor = torch.linalg.norm(full, dim=1).to(full.dtype)
+        return norm
+
+
+def magnitudes(want: Wanted, adapters: dict[str, torch.Tensor], lora: LoraSpec | None) -> dict[str, Magnitude]:
+    """The DoRA magnitudes of the model (none without useDora), keyed as in its state dict."""
+    found: dict[str, Magnitude] = {}
+    if lora is None or not lora.use_dora:
+        return found
+    for key in want.canonical:
+        if MAGNITUDE not in key:
+            continue
+        layer, rest = key.split(MAGNITUDE)
+        adapter = rest.removesuffix(".weight")
+        weight, a, b = f"{layer}.base_layer.weight", f"{layer}.lora_A.{adapter}.weight", f"{layer}.lora_B.{adapter}.weight"
+        if weight not in want.canonical or a not in adapters or b not in adapters:
+            raise RuntimeError(f"DoRA magnitude {key}: no {weight}, {a} or {b} to compute it from")
+        found[key] = Magnitude(want.canonical[weight], a, b, lora.alpha / lora.r)
+    return found
 
 
 # --- where the files are ------------------------------------------------------------------------
@@ -279,9 +339,10 @@ class Item:
     file: str
 
 
-def plan(want: Wanted, layout: dict[str, str], adapters: dict[str, torch.Tensor], source: str) -> dict[str, Item]:
+def plan(want: Wanted, layout: dict[str, str], adapters: Collection[str], source: str) -> dict[str, Item]:
     """Canonical model key -> where its tensor is in the checkpoint. The checkpoint and the model
-    must agree: every tensor present, none left over (a ConfigError naming spec.model.source)."""
+    must agree: every tensor present, none left over (a ConfigError naming spec.model.source).
+    `adapters`: the keys that are not in the checkpoint (LoRA adapters, DoRA magnitudes)."""
     groups: dict[str, list[str]] = {}
     for key, canonical in want.canonical.items():
         if canonical not in adapters:
@@ -445,16 +506,38 @@ class Stream:
     adapters: dict[str, torch.Tensor]
     method: Method
     rt: Runtime
+    magnitudes: dict[str, Magnitude] = field(default_factory=dict)
     error: str | None = None
+    _norms: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    """Base weight -> (first row, the DoRA magnitudes of the rows this rank filled)."""
 
     def fill(self, groups: list[Group]) -> None:
+        """Each group's tensors, a DoRA magnitude after its base weight. A magnitude whose weight
+        is in a later group (FSDP1 can wrap a large Linear as a unit of its own) waits for a second
+        pass: the same on every rank, since the groups are."""
+        weights = {m.weight for m in self.magnitudes.values()}
+        done: set[str] = set()
+        later: list[Group] = []
         with torch.no_grad():
             for context, members in groups:
+                plain = [t for t in members if t.canonical not in self.magnitudes]
+                done.update(t.canonical for t in plain)
+                dora = [t for t in members if t.canonical in self.magnitudes]
+                ready = [t for t in dora if self.magnitudes[t.canonical].weight in done]
+                waiting = [t for t in dora if self.magnitudes[t.canonical].weight not in done]
+                with context():
+                    for target in plain:
+                        self._fill_one(target, norms=target.canonical in weights)
+                    for target in ready:
+                        self._fill_magnitude(target)
+                if waiting:
+                    later.append((context, waiting))
+            for context, members in later:
                 with context():
                     for target in members:
-                        self._fill_one(target)
+                        self._fill_magnitude(target)
 
-    def _fill_one(self, target: Target) -> None:
+    def _fill_one(self, target: Target, *, norms: bool = False) -> None:
         dest = _local(target.tensor)
         index = local_index(target.tensor)
         if target.canonical in self.adapters:
@@ -462,9 +545,27 @@ class Stream:
         elif self.method is Method.BROADCAST:
             self._broadcast(target, dest, index)
         elif dest.numel() and self.error is None:
-            part = self._read(target.canonical, index)
-            if part is not None:
-                dest.copy_(part)
+            self._read_into(dest, target.canonical, index)
+        if norms and self.error is None:  # after the read buffer is freed: the host holds one of the two
+            magnitude = next(m for m in self.magnitudes.values() if m.weight == target.canonical)
+            self._norms[target.canonical] = (index[0].start, magnitude.rows(dest, index[0], self.adapters))
+
+    def _read_into(self, dest: torch.Tensor, canonical: str, index: tuple[slice, ...]) -> None:
+        part = self._read(canonical, index)
+        if part is not None:
+            dest.copy_(part)
+
+    def _fill_magnitude(self, target: Target) -> None:
+        """This rank's part of a DoRA magnitude: the norms of the same rows of its base weight."""
+        if self.error is not None:
+            return  # the weight was not read; the error is reported after the fill
+        dest = _local(target.tensor)
+        (rows,) = local_index(target.tensor)
+        first, norms = self._norms[self.magnitudes[target.canonical].weight]
+        if rows.start < first or rows.stop > first + len(norms):
+            raise RuntimeError(f"DoRA magnitude {target.canonical}: rows {rows.start}:{rows.stop} are not among "
+                               f"the base weight's rows this rank holds ({first}:{first + len(norms)})")
+        dest.copy_(norms[rows.start - first:rows.stop - first])
 
     def _broadcast(self, target: Target, dest: torch.Tensor, index: tuple[slice, ...]) -> None:
         """Rank 0 sends the whole tensor in its stored dtype (half the bytes of fp32 for a bf16
@@ -491,7 +592,7 @@ Outcome = tuple[str, Any]
 """("stream", (items, dtypes)) | ("fallback", reason) | ("error", message)."""
 
 
-def _prepare(weights: Weights, want: Wanted, adapters: dict[str, torch.Tensor], groups: list[Group] | None) -> Outcome:
+def _prepare(weights: Weights, want: Wanted, adapters: Collection[str], groups: list[Group] | None) -> Outcome:
     """Layout, plan and header checks, never raising, so that the outcome can be shared with the
     other ranks first. `groups` None: check every file (rank 0 broadcasting), else only the files
     this rank reads (it fetches only those)."""
@@ -536,23 +637,25 @@ def load_weights(
     started = time.perf_counter()
     if method is not Method.FULL:
         adapters = initial_adapters(config, spec, dtype, lora, seed) if lora is not None else {}
+        dora = magnitudes(want, adapters, lora)
+        derived = adapters.keys() | dora.keys()
         weights = Weights(spec, rt)
         groups = targets(model, want)
         local = None
         if method is Method.SLICED:
-            local = _prepare(weights, want, adapters, groups)
+            local = _prepare(weights, want, derived, groups)
         elif rt.is_leader:
-            local = _prepare(weights, want, adapters, None)
+            local = _prepare(weights, want, derived, None)
         kind, detail, items, dtypes = _agree(local, method, rt)
         if kind == "error":
             raise ConfigError(str(detail))
         if kind == "stream":
-            stream = Stream(weights, items, dtypes, adapters, method, rt)
+            stream = Stream(weights, items, dtypes, adapters, method, rt, dora)
             stream.fill(groups)
             message = _first_error(stream.error, rt)
             if message is not None:
                 raise ConfigError(message)
-            _log(rt, method, started, files=len({i.file for i in items.values()}), tensors=len(dtypes) + len(adapters))
+            _log(rt, method, started, files=len({i.file for i in items.values()}), tensors=len(dtypes) + len(adapters) + len(dora))
             return
         if rt.is_leader:
             log_json("weights", fallback=f"{detail}: the {method.value} method needs safetensors; rank 0 reads the "

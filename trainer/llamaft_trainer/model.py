@@ -215,17 +215,42 @@ def build_meta_model(config: PretrainedConfig, spec: ModelSpec, dtype: torch.dty
 
 
 def apply_lora(model: nn.Module, lora: LoraSpec) -> nn.Module:
-    """Wrap with peft LoRA adapters; only adapter weights stay trainable."""
+    """Wrap with peft LoRA adapters (DoRA with `useDora`); only adapter weights (and DoRA's
+    magnitudes) stay trainable. On a meta model DoRA's magnitudes are placeholders: the loader
+    computes them from the real base weights (loading.Magnitude)."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules), task_type="CAUSAL_LM",
+        target_modules=list(lora.target_modules), task_type="CAUSAL_LM", use_dora=lora.use_dora,
     )
     try:
-        return get_peft_model(model, config)  # type: ignore[arg-type]
+        peft_model: nn.Module = get_peft_model(model, config)  # type: ignore[arg-type]
     except ValueError as exc:
         raise ConfigError(f"spec.training.lora.targetModules: {exc}") from exc
+    if lora.use_dora:
+        check_dora_layers(peft_model)
+    return peft_model
+
+
+def check_dora_layers(model: nn.Module) -> None:
+    """DoRA only on plain Linear layers (weight [out, in], no fan_in_fan_out): their magnitude is
+    the norm of each weight row, and a rank holds whole rows of its shard (dim 0), so every rank
+    computes its own magnitudes (loading.Magnitude). An embedding's magnitude is a norm over every
+    row, a Conv1D's over its columns: refused on every rank, before any collective."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    for name, module in model.named_modules():
+        magnitudes = getattr(module, "lora_magnitude_vector", None)
+        if not isinstance(magnitudes, nn.ModuleDict) or len(magnitudes) == 0:
+            continue
+        base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
+        if not isinstance(module, LoraLinear) or not isinstance(base, nn.Linear) or getattr(module, "fan_in_fan_out", False):
+            short = name.removeprefix("base_model.model.")
+            raise ConfigError(
+                f"spec.training.lora.useDora: DoRA applies to linear layers only, and targetModules adapts "
+                f"{short} ({type(base).__name__}): remove it from targetModules or set useDora: false"
+            )
 
 
 def read_full_state_dict(spec: ModelSpec, rt: Runtime, dtype: torch.dtype, lora: LoraSpec | None, seed: int) -> dict[str, Any]:

@@ -230,6 +230,12 @@ class LoraSpec(ApiModel):
             field_path=".targetModules",
             reason="FieldValueRequired",
         ),
+        cel_rule(
+            "!self.useDora || self.targetModules.all(m, m != 'embed_tokens' && !m.endsWith('.embed_tokens'))",
+            message="useDora applies to linear layers only: remove embed_tokens from targetModules "
+            "(a DoRA magnitude of an embedding is a norm over every row, which no rank holds)",
+            field_path=".targetModules",
+        ),
     )
 
     enabled: bool = True
@@ -244,6 +250,11 @@ class LoraSpec(ApiModel):
         default_factory=lambda: ["q_proj", "v_proj"], max_length=32
     )
     """Module names that get adapters (Llama: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)."""
+    use_dora: bool = False
+    """DoRA (peft `use_dora`): each adapted linear layer also learns a magnitude per output row,
+    initialised to the row norms of the pretrained weight, and the adapter moves only the
+    direction. One more trainable vector per layer; each forward recomputes the weight norm (a
+    weight-sized temporary per adapted layer). Linear layers only (not embed_tokens)."""
     export: LoraExport = LoraExport.ADAPTER
     """What the final export writes: `adapter` (peft's adapter files, for a base model you load
     beside it), `merged` (the adapter merged into the base weights, in model.dtype: a plain model

@@ -27,6 +27,11 @@ What it follows (FSDP2, `fully_shard` per decoder layer plus the root, as parall
     implementation (sdpa/flash: no T x T matrix; eager: the softmax in fp32 and its bf16 copy;
     GQA heads repeated when sdpa gets a padding mask) and on activation checkpointing (a
     checkpointed layer keeps only its input; backward recomputes one layer at a time).
+  * DoRA (lora.useDora): one trainable magnitude per output row of each adapted projection (with
+    its gradient and AdamW state); per token, the base and adapter outputs the magnitude scales
+    (saved for its gradient); and in every forward (again in a checkpointed layer's recompute) a
+    weight-sized temporary per projection: peft builds the dense adapter from lora_B(lora_A(eye))
+    and takes the norm of W + s*BA (`dora_temporary_bytes`).
   * logits and loss: train.py computes `logits[:, :-1].float()` and cross-entropy: bf16 logits,
     an fp32 copy and log-softmax's fp32 output in forward; in backward the saved log-softmax plus
     two fp32 gradients (12 bytes per vocabulary entry per token at the peak).
@@ -97,6 +102,8 @@ class Setup:
     lora_rank: int | None = None
     lora_targets: tuple[str, ...] = ()
     lora_dropout: float = 0.0
+    lora_dora: bool = False
+    """DoRA (peft use_dora) on the adapted projections."""
     cpu_offload: bool = False
     implementation: FsdpImplementation = FsdpImplementation.FSDP2
     wrap_min_params: int | None = None
@@ -151,6 +158,7 @@ def setup_from_spec(spec: LlamaFineTuneSpec | TrainingJobConfig, *, world_size: 
         lora_rank=lora.r if lora else None,
         lora_targets=tuple(lora.target_modules) if lora else (),
         lora_dropout=lora.dropout if lora else 0.0,
+        lora_dora=lora.use_dora if lora else False,
         cpu_offload=fsdp.cpu_offload,
         implementation=fsdp.implementation,
         wrap_min_params=fsdp.wrap_policy.min_num_params if fsdp.wrap_policy.type is WrapPolicyType.SIZE_BASED else None,
@@ -215,6 +223,8 @@ def _tensors_layer(shape: ModelShape, setup: Setup) -> list[tuple[tuple[int, ...
                 out_f, in_f = linear[target]
                 tensors.append(((setup.lora_rank, in_f), True))
                 tensors.append(((out_f, setup.lora_rank), True))
+                if setup.lora_dora:
+                    tensors.append(((out_f,), True))  # the DoRA magnitude, one per output row
     return tensors
 
 
@@ -274,6 +284,10 @@ def layer_activation_bytes_per_token(shape: ModelShape, setup: Setup) -> float:
       MLP: gate output, silu(gate), up output (3 * c*i), down_proj input (c*i when trainable).
       LoRA on a projection: dropout mask (1 byte) + dropped input (c) when dropout > 0 (else the
         shared input is saved), and the rank-r intermediate (c*r).
+      DoRA on it too: the base output and the adapter output (2 * c*out), which the trainable
+        magnitude multiplies (peft DoraLinearLayer.forward: (m/||W||-1) * base + m/||W|| * lora;
+        autograd's saved_tensors_hooks on a peft DoRA Linear 64 -> 96 in fp32: 768 bytes per token
+        more than LoRA, with or without dropout).
     """
     c = compute_bytes(setup.precision)
     h, i, q, kv = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
@@ -285,10 +299,13 @@ def layer_activation_bytes_per_token(shape: ModelShape, setup: Setup) -> float:
     def input_saved(module: str) -> bool:
         return full or (module in targets and p == 0)
 
+    outputs = {name: out_f for name, (out_f, _) in shape.linear_shapes().items()}
+
     def lora_extra(module: str, in_dim: int) -> float:
         if module not in targets:
             return 0.0
-        return (in_dim * (1 + c) if p > 0 else 0.0) + c * r
+        dora = 2 * c * outputs[module] if setup.lora_dora else 0.0
+        return (in_dim * (1 + c) if p > 0 else 0.0) + c * r + dora
 
     total = 0.0
     # input_layernorm + the q/k/v inputs
@@ -346,6 +363,20 @@ def backward_temporaries_per_token(shape: ModelShape, setup: Setup) -> float:
     else:
         attn = c * (2 * q + 2 * kv) + (4 * q if setup.device == "cuda" else 0)
     return float(max(mlp, attn))
+
+
+def dora_temporary_bytes(shape: ModelShape, setup: Setup) -> float:
+    """DoRA's forward of one adapted projection (peft DoraLinearLayer.forward/get_weight_norm),
+    every forward and not per token: eye(in) (in x in), lora_A of it (in x r), the dense adapter
+    BA, s*BA and W + s*BA (out x in each), in the compute dtype, alive together until the norm is
+    taken; one projection at a time, so the largest targeted one."""
+    if not (setup.lora and setup.lora_dora):
+        return 0.0
+    c = compute_bytes(setup.precision)
+    r = setup.lora_rank or 0
+    linear = shape.linear_shapes()
+    sizes = [c * (i * i + i * r + 3 * o * i) for t in setup.lora_targets if t in linear for o, i in [linear[t]]]
+    return float(max(sizes, default=0))
 
 
 def forward_temporaries_per_token(shape: ModelShape, setup: Setup, checkpointed: bool) -> float:
@@ -446,6 +477,7 @@ def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
 
     act_layer = layer_activation_bytes_per_token(shape, setup) * tokens
     act_ckpt = c * shape.hidden_size * tokens
+    dora_tmp = dora_temporary_bytes(shape, setup)
     shared = shared_activation_bytes(shape, setup)
     norm_act = final_norm_bytes_per_token(shape, setup) * tokens
     bwd_tmp = backward_temporaries_per_token(shape, setup) * tokens
@@ -492,7 +524,7 @@ def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
             if cuda:
                 gather(index + 1, f"forward:layer {index + 1} prefetch")
             saved = act_ckpt if ckpt else act_layer
-            tmp = forward_temporaries_per_token(shape, setup, ckpt) * tokens
+            tmp = forward_temporaries_per_token(shape, setup, ckpt) * tokens + dora_tmp
             tl.add("activations", saved)
             tl.add("temporaries", tmp, f"forward:layer {index}")
             tl.sub("temporaries", tmp)
@@ -529,7 +561,7 @@ def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
             is_unit = index < wrapped
             gather(index, f"backward:layer {index} all-gather")
             gather(index - 1, f"backward:layer {index - 1} prefetch")
-            recompute = act_layer if ckpt else 0.0
+            recompute = act_layer + dora_tmp if ckpt else 0.0
             unit_grads = c * layer.trainable if is_unit else 0.0
             tl.add("temporaries", recompute + bwd_tmp)
             tl.add("reduce_buffers", unit_grads, f"backward:layer {index}")
@@ -614,6 +646,9 @@ def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
         unknown = [t for t in setup.lora_targets if t not in LORA_MODULES]
         if unknown:
             notes.append(f"LoRA targets {unknown} are not Llama projections; not counted")
+        if setup.lora_dora and dora_tmp:
+            notes.append(f"useDora: every forward of an adapted projection builds its dense adapter and the "
+                         f"norm of the adapted weight, a temporary of up to {_gib(dora_tmp)} per rank")
     return MemoryEstimate(
         peak_bytes=int(round(tl.peak)),
         components={k: int(round(v)) for k, v in tl.at_peak.items()},

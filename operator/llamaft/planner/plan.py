@@ -135,7 +135,9 @@ class HostMemory:
     """Host RAM per node: every process has its baseline; while loading, each reads the weights
     tensor by tensor (llamaft_trainer/loading.py: its own slices, or rank 0 one tensor at a time
     for the broadcast), so it holds at most the largest tensor besides its shards; CPU offload
-    keeps each rank's shards and optimizer state in host memory."""
+    keeps each rank's shards and optimizer state in host memory. DoRA's magnitudes are computed on
+    the host from a copy of the rank's rows of each adapted weight, made after that tensor's read
+    buffer is freed: within the same bound."""
 
     processes_per_node: int
     per_process_bytes: int
@@ -291,7 +293,7 @@ def host_memory(spec: LlamaFineTuneSpec, shape: ModelShape, est: MemoryEstimate,
     base = HOST_BYTES_PER_CPU_PROCESS if cpu_only else HOST_BYTES_PER_GPU_PROCESS
     m = master_bytes(spec.fsdp.mixed_precision)
     lora = spec.training.lora if spec.training.lora is not None and spec.training.lora.enabled else None
-    adapters = shape.lora_parameters(lora.r, list(lora.target_modules)) if lora else 0
+    adapters = shape.lora_parameters(lora.r, list(lora.target_modules), lora.use_dora) if lora else 0
     del adapters  # adapters are initialised in place: nothing is read for them
     largest = max(shape.vocab_size * shape.hidden_size, max(a * b for a, b in shape.linear_shapes().values()))
     loading = m * largest * procs

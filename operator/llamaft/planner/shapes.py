@@ -90,10 +90,11 @@ class ModelShape:
         """All parameters (analytic; equals the meta-device count for Llama-shaped models)."""
         return self.num_layers * self.layer_parameters + sum(_numel(s) for _, s in self.root_tensors())
 
-    def lora_parameters(self, r: int, targets: list[str]) -> int:
-        """Adapter parameters for rank `r` on the named projections of every layer."""
+    def lora_parameters(self, r: int, targets: list[str], dora: bool = False) -> int:
+        """Adapter parameters for rank `r` on the named projections of every layer (DoRA: plus a
+        magnitude per output row)."""
         shapes = self.linear_shapes()
-        per_layer = sum(r * (shapes[t][0] + shapes[t][1]) for t in targets if t in shapes)
+        per_layer = sum(r * (shapes[t][0] + shapes[t][1]) + (shapes[t][0] if dora else 0) for t in targets if t in shapes)
         return per_layer * self.num_layers
 
     def to_dict(self) -> dict[str, Any]:
