@@ -20,7 +20,7 @@ from tests.operator.sim import SimCluster
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
-MACHINE_BOUND = {"PET_RDZV_ENDPOINT", "LLAMAFT_CONFIG", "LLAMAFT_METRICS_PORT", "LLAMAFT_TERMINATION_LOG",
+MACHINE_BOUND = {"PET_RDZV_ENDPOINT", "LLAMAFT_CONFIG", "LLAMAFT_SPEC", "LLAMAFT_METRICS_PORT", "LLAMAFT_TERMINATION_LOG",
                  "PET_NPROC_PER_NODE", "CUDA_VISIBLE_DEVICES",
                  "LLAMAFT_CACHE", "HF_HOME", "LLAMAFT_CACHE_SHARED",  # this machine's download caches (launch.local_cache)
                  "LLAMAFT_RUN_UID"}  # a local run is its checkpoint directory (LocalPlan.run_uid)
@@ -58,6 +58,7 @@ def test_localize_changes_only_the_machine_bound_values() -> None:
     local = localize(launch, rdzv_endpoint="127.0.0.1:1", config_path="/tmp/c.json", nproc_per_node=1, metrics_port=9,
                      termination_log="/tmp/t", cpu_only=True)
     assert set(local.changed) <= MACHINE_BOUND
+    assert local.launch.env["LLAMAFT_SPEC"] == "/tmp/spec.json", "the whole spec beside the config, as in the pod"
     assert {k: v for k, v in local.launch.env.items() if k not in local.changed} == \
         {k: v for k, v in launch.env.items() if k not in local.changed}
     assert local.launch.argv[-2:] == ["--config", "/tmp/c.json"] and local.launch.argv[1:3] == ["-m", "torch.distributed.run"]

@@ -115,6 +115,7 @@ def localize(launch: Launch, *, rdzv_endpoint: str, config_path: str, nproc_per_
     overrides = {
         "PET_RDZV_ENDPOINT": rdzv_endpoint,
         "LLAMAFT_CONFIG": config_path,
+        **({"LLAMAFT_SPEC": str(Path(config_path).with_name(Path(env["LLAMAFT_SPEC"]).name))} if "LLAMAFT_SPEC" in env else {}),
         "LLAMAFT_METRICS_PORT": str(metrics_port),
         "LLAMAFT_TERMINATION_LOG": termination_log,
         **(cache or {}),

@@ -54,7 +54,7 @@ from llamaft.api.spec import LlamaFineTuneSpec, RendezvousBackend, TensorBoardSp
 from llamaft.launch import Launch, Localized, local_cache, localize, torchrun_launch
 from llamaft.manifests import load_finetune
 from llamaft.operator import desired
-from llamaft.operator.naming import CONFIG_FILE, Owner
+from llamaft.operator.naming import CONFIG_FILE, SPEC_FILE, Owner
 
 STOP_MARGIN_S = 15.0
 """Beyond torchrun's shutdown timeout, how long an interrupted run may take to end before it is SIGKILLed."""
@@ -119,7 +119,9 @@ def plan(path: str | Path, *, nproc_per_worker: int | None, run_dir: str | Path 
     directory.mkdir(parents=True, exist_ok=True)
     config_path = directory / CONFIG_FILE
     # The ConfigMap's own bytes: the trainer reads the same JSON here as in a pod.
-    config_path.write_text(desired.config_map(owner, spec)["data"][CONFIG_FILE])
+    data = desired.config_map(owner, spec)["data"]
+    config_path.write_text(data[CONFIG_FILE])
+    (directory / SPEC_FILE).write_text(data[SPEC_FILE])
     launch = torchrun_launch(desired.pytorch_job(owner, spec, 1))
     return LocalPlan(
         name, spec.cluster.workers, nproc, device, spec.rendezvous.backend, directory, config_path, launch,

@@ -140,6 +140,11 @@ def test_config_map_carries_the_trainer_part_of_the_spec() -> None:
     data = json.loads(desired.config_map(OWNER, spec)["data"]["config.json"])
     assert set(data) == {"model", "dataset", "training", "fsdp", "checkpointing", "tracking", "evaluation"}
     assert data["fsdp"]["shardingStrategy"] == "FULL_SHARD" and data["training"]["gradientAccumulationSteps"] == 2
+    whole = json.loads(desired.config_map(OWNER, spec)["data"]["spec.json"])
+    assert whole == spec.to_k8s() and whole["cluster"]["workers"] == spec.cluster.workers, "the trackers' params"
+    env = {e["name"]: e.get("value") for e in desired.pytorch_job(OWNER, spec, 1)["spec"]["pytorchReplicaSpecs"]["Worker"]
+           ["template"]["spec"]["containers"][0]["env"]}
+    assert env["LLAMAFT_SPEC"] == "/etc/llamaft/spec.json"
 
 
 def test_pvc_sources_are_mounted_read_only() -> None:

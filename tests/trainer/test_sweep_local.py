@@ -42,6 +42,8 @@ def test_local_sweep_measures_each_size_and_charts_them(tiny_model: Path, tmp_pa
         done = [json.loads(line) for log in sorted((out / f"tiny-sweep-w{workers}").glob("worker-*.log"))
                 for line in log.read_text().splitlines() if line.startswith('{"') and '"event": "done"' in line]
         assert done and done[-1]["performance"]["tokensPerSecond"] == float(row["tokens_per_second"])
+        # What the trackers log as params: the whole spec at this size, as the operator mounts it.
+        assert json.loads((out / f"tiny-sweep-w{workers}" / "spec.json").read_text())["cluster"]["workers"] == workers
     tps1, tps2 = float(rows[1]["tokens_per_second"]), float(rows[2]["tokens_per_second"])
     assert float(rows[1]["scaling_efficiency"]) == 1.0
     assert float(rows[2]["scaling_efficiency"]) == pytest.approx(tps2 / 2 / tps1, abs=1e-4)

@@ -166,3 +166,26 @@ def _points(server: MlflowServer, experiment: str) -> int:
     except OSError:  # urllib's HTTPError (no such experiment yet) is an OSError
         return 0
     return len(server.history(runs[0]["info"]["run_id"], "train/loss")) if runs else 0
+
+
+def test_params_are_the_whole_spec_when_the_operator_mounts_it(tmp_path: Path) -> None:
+    """The pod's /etc/llamaft/spec.json (LLAMAFT_SPEC): cluster fields the trainer's config leaves
+    out (a sweep's runs differ in cluster.workers) are parameters too; a missing or unreadable file
+    falls back to the trainer's part, never an error."""
+    from llamaft.api.validation import validate_spec
+    from llamaft.operator import desired
+    from llamaft.operator.naming import Owner
+
+    spec = validate_spec({"model": {"source": "meta-llama/Llama-2-7b-hf", "hfTokenSecret": {"name": "hf", "key": "token"}},
+                          "dataset": {"source": "Samsung/samsum", "format": "samsum"}, "training": {"maxSteps": 5},
+                          "cluster": {"workers": 16, "gpusPerWorker": 8, "instanceType": "p5.48xlarge"}})
+    mounted = tmp_path / "spec.json"
+    mounted.write_text(desired.config_map(Owner("blog", "ns", "u"), spec)["data"]["spec.json"])
+    whole = tracking.params(spec.training_config(), 128, tracking.whole_spec(str(mounted)))
+    assert whole["cluster.workers"] == "16" and whole["cluster.instanceType"] == "p5.48xlarge"
+    assert whole["training.maxSteps"] == "5" and whole["worldSize"] == "128"
+    assert whole["model.hfTokenSecret.name"] == "hf", "a Secret by its name, never its value"
+    part = tracking.params(spec.training_config(), 128, tracking.whole_spec(str(tmp_path / "absent.json")))
+    assert "cluster.workers" not in part and part["training.maxSteps"] == "5"
+    (tmp_path / "bad.json").write_text("{not json")
+    assert tracking.whole_spec(str(tmp_path / "bad.json")) is None

@@ -133,10 +133,10 @@ ADMISSION: list[tuple[str, dict[str, Any], list[str]]] = [
      ["spec.monitoring.metricsPort: metricsPort 29400 is the c10d rendezvous port on worker 0: choose another metricsPort"]),
     # environment
     ("env overrides LLAMAFT_CONFIG", with_(("spec.cluster.env", [{"name": "LLAMAFT_CONFIG", "value": "/tmp/x.json"}])),
-     ["spec.cluster.env[0].name: LLAMAFT_CONFIG is set by the operator (the config path, metrics port, grace period) or "
+     ["spec.cluster.env[0].name: LLAMAFT_CONFIG is set by the operator (the config and spec paths, metrics port, grace period, the run identity of its trackers) or "
       "by the training operator (PET_*, MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK): remove it from cluster.env"]),
     ("env sets a PET_ variable", with_(("spec.cluster.env", [{"name": "PET_NNODES", "value": "4"}])),
-     ["spec.cluster.env[0].name: PET_NNODES is set by the operator (the config path, metrics port, grace period) or by "
+     ["spec.cluster.env[0].name: PET_NNODES is set by the operator (the config and spec paths, metrics port, grace period, the run identity of its trackers) or by "
       "the training operator (PET_*, MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK): remove it from cluster.env"]),
     ("HF token as a literal env value", with_(("spec.cluster.env", [{"name": "HF_TOKEN", "value": "hf_" + "x" * 34}])),
      ["spec.cluster.env[0].value: HF_TOKEN holds a secret: a literal value is readable by anyone who can read this "
@@ -207,7 +207,7 @@ RENDERED: list[tuple[str, dict[str, Any], list[str]]] = [
         "spec.cluster.podTemplateOverrides", {"spec": {"containers": [{"name": "pytorch", "env": [
             {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}, "configMap": {}}}]}]}})),
      [f"spec.cluster.podTemplateOverrides.spec.containers[0].env[0].valueFrom.configMap: unknown field ({TEMPLATE}.spec."
-      f"containers[0].env[15].valueFrom.configMap): {OVERRIDE_FIX}"]),
+      f"containers[0].env[16].valueFrom.configMap): {OVERRIDE_FIX}"]),
     ("podTemplateOverrides with a toleration the API server refuses", with_(("spec.cluster.podTemplateOverrides", {
         "spec": {"tolerations": [{"key": "gpu", "operator": "Exists", "value": "x"}]}})),
      [f"spec.cluster.podTemplateOverrides.spec.tolerations[0].value: must be empty when operator is Exists ({TEMPLATE}."

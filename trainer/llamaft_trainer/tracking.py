@@ -397,9 +397,10 @@ def backends(cfg: TrainingJobConfig, identity: RunIdentity) -> list[Backend]:
     return found
 
 
-def params(cfg: TrainingJobConfig, world_size: int) -> dict[str, str]:
-    """The spec flattened (`training.learningRate` ...), the image, the world size and the
-    versions that made the run. Secrets appear by reference (their names) only, never values."""
+def params(cfg: TrainingJobConfig, world_size: int, spec: dict[str, Any] | None = None) -> dict[str, str]:
+    """The spec flattened (`training.learningRate`, `cluster.workers` ...: the whole LlamaFineTune
+    spec when the operator mounted it (`spec`), else the trainer's part), the image, the world
+    size and the versions that made the run. Secrets appear by reference (their names) only."""
     flat: dict[str, str] = {}
 
     def walk(prefix: str, value: Any) -> None:
@@ -409,7 +410,7 @@ def params(cfg: TrainingJobConfig, world_size: int) -> dict[str, str]:
         elif value is not None:
             flat[prefix] = str(value)
 
-    walk("", cfg.to_k8s())
+    walk("", spec if spec is not None else cfg.to_k8s())
     flat["worldSize"] = str(world_size)
     if os.environ.get("LLAMAFT_IMAGE"):
         flat["image"] = os.environ["LLAMAFT_IMAGE"]
@@ -421,6 +422,21 @@ def params(cfg: TrainingJobConfig, world_size: int) -> dict[str, str]:
     return flat
 
 
+def whole_spec(path: str | None = None) -> dict[str, Any] | None:
+    """The LlamaFineTune spec the operator mounts beside the config (LLAMAFT_SPEC); None when
+    there is none (a trainer started by hand) or it cannot be read: the params are then the
+    trainer's part of the spec, and training never depends on this file."""
+    path = path or os.environ.get("LLAMAFT_SPEC")
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            body = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
 def start(cfg: TrainingJobConfig, world_size: int, resumed_at: int, on_warning: Callable[[str], None],
           on_info: Callable[[dict[str, str]], None]) -> Tracker | None:
     """The run's tracker, started (rank 0 calls this); None when the spec names none."""
@@ -429,5 +445,5 @@ def start(cfg: TrainingJobConfig, world_size: int, resumed_at: int, on_warning: 
     if not found:
         return None
     tracker = Tracker(found, on_warning, on_info)
-    tracker.start(resumed_at, params(cfg, world_size))
+    tracker.start(resumed_at, params(cfg, world_size, whole_spec()))
     return tracker

@@ -512,8 +512,9 @@ class Toleration(ApiModel):
 
 
 RESERVED_ENV = (
-    "LLAMAFT_CONFIG", "LLAMAFT_METRICS_PORT", "LLAMAFT_TERMINATION_GRACE_SECONDS", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
-    "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK",
+    "LLAMAFT_CONFIG", "LLAMAFT_SPEC", "LLAMAFT_METRICS_PORT", "LLAMAFT_TERMINATION_GRACE_SECONDS",
+    "LLAMAFT_RUN_NAME", "LLAMAFT_RUN_NAMESPACE", "LLAMAFT_RUN_UID", "LLAMAFT_IMAGE", "LLAMAFT_POD_NAME",
+    "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK",
 )
 """Set on the trainer container by the operator (LLAMAFT_*, TORCH_ELASTIC_SHUTDOWN_TIMEOUT) or by the
 training operator (PET_*, MASTER_*, WORLD_SIZE, RANK): a second definition would silently win."""
@@ -526,7 +527,7 @@ class EnvVar(ApiModel):
     model_config = api_config(
         cel_rule(
             "!(self.name in [" + ", ".join(f"'{n}'" for n in RESERVED_ENV) + "]) && !self.name.startsWith('PET_')",
-            message_expression="self.name + ' is set by the operator (the config path, metrics port, grace period) or by the "
+            message_expression="self.name + ' is set by the operator (the config and spec paths, metrics port, grace period, the run identity of its trackers) or by the "
             "training operator (PET_*, MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK): remove it from cluster.env'",
             field_path=".name",
             reason="FieldValueForbidden",

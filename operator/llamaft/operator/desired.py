@@ -33,6 +33,7 @@ from llamaft.operator.naming import (
     CONFIG_MOUNT,
     ETCD_CLIENT_PORT,
     LABEL_ATTEMPT,
+    SPEC_FILE,
     Owner,
 )
 from llamaft.operator.podmerge import strategic_merge
@@ -45,12 +46,15 @@ Obj = dict[str, Any]
 
 # --------------------------------------------------------------------------------- config map
 def config_map(owner: Owner, spec: LlamaFineTuneSpec) -> Obj:
-    """The trainer's part of the spec, as JSON, for every worker."""
+    """The trainer's part of the spec, as JSON, for every worker; and the whole spec, which the
+    trainer reads only to log it as the tracker run's parameters (the cluster fields too: a
+    comparison of runs of several sizes needs `cluster.workers`)."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {"name": owner.config_map, "namespace": owner.namespace, "labels": owner.labels("config")},
-        "data": {CONFIG_FILE: json.dumps(spec.training_config().to_k8s(), indent=2, sort_keys=True)},
+        "data": {CONFIG_FILE: json.dumps(spec.training_config().to_k8s(), indent=2, sort_keys=True),
+                 SPEC_FILE: json.dumps(spec.to_k8s(), indent=2, sort_keys=True)},
     }
 
 
@@ -158,6 +162,7 @@ def _env(owner: Owner, spec: LlamaFineTuneSpec) -> list[Obj]:
         {"name": "LLAMAFT_RUN_UID", "value": owner.uid},
         {"name": "LLAMAFT_IMAGE", "value": spec.cluster.image},
         {"name": "LLAMAFT_CONFIG", "value": f"{CONFIG_MOUNT}/{CONFIG_FILE}"},
+        {"name": "LLAMAFT_SPEC", "value": f"{CONFIG_MOUNT}/{SPEC_FILE}"},
         {"name": "LLAMAFT_METRICS_PORT", "value": str(spec.monitoring.metrics_port)},
         # The pod's name for status.leaderPod (HOSTNAME is the hostname, which JobSet's pods set apart).
         {"name": "LLAMAFT_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},

@@ -19,6 +19,8 @@ ETCD_CLIENT_PORT = 2379
 C10D_PORT = 29400
 CONFIG_MOUNT = "/etc/llamaft"
 CONFIG_FILE = "config.json"
+SPEC_FILE = "spec.json"
+"""The whole LlamaFineTune spec beside the trainer's config: what the trackers log as the run's parameters."""
 
 
 @dataclass(frozen=True)
