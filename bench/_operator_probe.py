@@ -26,7 +26,8 @@ import time
 from typing import Any
 
 import kopf
-from llamaft.operator import desired, handlers, kube
+from llamaft.operator import handlers, kube
+from llamaft.render import desired
 
 OUT = os.environ.get("LLAMAFT_PROBE_OUT")
 _local = threading.local()

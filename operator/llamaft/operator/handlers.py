@@ -45,14 +45,15 @@ from llamaft.api import resource
 from llamaft.api.spec import Backend, LlamaFineTuneSpec, PreflightMode, RendezvousBackend
 from llamaft.api.status import TERMINAL_PHASES, Phase
 from llamaft.api.validation import SpecInvalid, validate_spec
-from llamaft.operator import desired, failures, gpu_health, lifecycle, observe, rendezvous, trainjob
+from llamaft.operator import failures, gpu_health, lifecycle, observe, rendezvous
 from llamaft.operator.http import HttpClient, HttpError
 from llamaft.operator.kube import JOBS, ForeignObject, Kube, MonitoringUnavailable, owned_by
 from llamaft.operator.metrics import FINETUNES, RECONCILE_SECONDS, RECONCILES, RENDEZVOUS_RESETS, RETRIES
-from llamaft.operator.naming import LABEL_FINETUNE, Owner
 from llamaft.operator.settings import OperatorSettings
 from llamaft.planner import Admission, admission
-from llamaft.rendered import PLACEHOLDER_UID, child_errors
+from llamaft.render import desired, trainjob
+from llamaft.render.admission import PLACEHOLDER_UID, child_errors
+from llamaft.render.naming import LABEL_FINETUNE, Owner
 
 RESOURCE = (resource.GROUP, resource.VERSION, resource.PLURAL)
 MISSING = {"PyTorchJob": "kubeflow.org/v1 PyTorchJobs (install the Kubeflow training operator v1.9)",

@@ -3,7 +3,7 @@ it as the cluster will, before anything is created.
 
 `check_children(spec, name, namespace)` renders the objects of an attempt (`desired_objects`:
 ConfigMap, managed etcd, PodMonitor, PrometheusRule, dashboard, PyTorchJob; with `backend:
-TrainJob` the TrainJob of llamaft.operator.trainjob instead of the PyTorchJob) and checks
+TrainJob` the TrainJob of llamaft.render.trainjob instead of the PyTorchJob) and checks
 - every built-in object against the Kubernetes OpenAPI schemas (kubernetes-validate's strict
   JSON schemas: unknown fields are errors), the worker pod template included;
 - the PyTorchJob against the vendored Kubeflow CRD (training-operator v1.9) and its webhook's
@@ -43,7 +43,7 @@ from llamaft.api.validation import (
     label_value_problem,
     short,
 )
-from llamaft.operator import trainjob
+from llamaft.render import trainjob
 
 K8S_SCHEMA_VERSION = "1.30"
 """Oldest Kubernetes the operator supports: its schemas are the ones rendered objects must pass."""
@@ -125,8 +125,8 @@ def _object_errors(spec: LlamaFineTuneSpec, name: str, namespace: str, uid: str,
                                  "template nests that deep: remove it"))
         return _unique(errors)
     try:
-        from llamaft.operator.desired import desired_objects, pod_template
-        from llamaft.operator.naming import Owner
+        from llamaft.render.desired import desired_objects, pod_template
+        from llamaft.render.naming import Owner
 
         owner = Owner(name, namespace, uid)
         objects = desired_objects(owner, spec, attempt)
@@ -218,7 +218,7 @@ def _runtime_errors(spec: LlamaFineTuneSpec) -> list[FieldError]:
 
 # -------------------------------------------------------------------------------- names
 def _name_errors(spec: LlamaFineTuneSpec, name: str, namespace: str, uid: str, *, train_job: bool = False) -> list[FieldError]:
-    from llamaft.operator.naming import Owner
+    from llamaft.render.naming import Owner
 
     errors: list[FieldError] = []
     if len(namespace) > 63 or not DNS1123_LABEL.fullmatch(namespace):
@@ -797,9 +797,9 @@ def _get(obj: Any, path: Sequence[str | int]) -> Any:
 
 def _override_path(base: Any, override: Any, path: Sequence[str | int]) -> list[str | int] | None:
     """Where in podTemplateOverrides the rendered template's `path` came from (None: not from it),
-    following the strategic merge (llamaft.operator.podmerge): mappings merge key by key, lists
+    following the strategic merge (llamaft.render.podmerge): mappings merge key by key, lists
     with a merge key (containers by name, ...) patch or add entries, other lists replace."""
-    from llamaft.operator.podmerge import MERGE_KEYS
+    from llamaft.render.podmerge import MERGE_KEYS
 
     out: list[str | int] = []
     field: str | None = None
