@@ -26,7 +26,8 @@ import time
 from typing import Any
 
 import kopf
-from llamaft.operator import desired, handlers, kube
+from llamaft.operator import handlers, kube
+from llamaft.render import desired
 
 OUT = os.environ.get("LLAMAFT_PROBE_OUT")
 _local = threading.local()
@@ -103,7 +104,7 @@ def _install() -> None:
     for name, member in list(vars(kube.Kube).items()):
         if callable(member) and not name.startswith("_"):
             setattr(kube.Kube, name, _timed(f"api.{name}", member))
-    for name in ("validated", "validate_spec", "child_errors", "admission"):
+    for name in ("validated", "validate_spec", "checked_children", "admission"):
         setattr(handlers, name, _timed(name, getattr(handlers, name)))
     for name in ("children", "pytorch_job"):
         setattr(desired, name, _timed(f"render.{name}", getattr(desired, name)))

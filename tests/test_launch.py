@@ -13,8 +13,8 @@ import pytest
 from llamaft.api.documents import load_finetune
 from llamaft.launch import localize, torchrun_launch
 from llamaft.local import agent, plan
-from llamaft.operator import desired
-from llamaft.operator.naming import CONFIG_FILE, Owner
+from llamaft.render import desired
+from llamaft.render.naming import CONFIG_FILE, Owner
 
 from tests.operator.sim import SimCluster
 

@@ -96,7 +96,7 @@ def _validate_document(doc: Document, render: bool) -> bool:
         return False
     name = doc.body["metadata"]["name"]
     if render:
-        from llamaft.rendered import child_errors, schemas_available
+        from llamaft.render.admission import child_errors, schemas_available
 
         if not schemas_available() and "schemas" not in _NOTED:
             print("note: kubernetes-validate is not installed (pip install 'llamaft[operator]'): the objects the "
@@ -279,10 +279,10 @@ def _cmd_render(args: argparse.Namespace) -> int:
     from llamaft.api.documents import read_documents
     from llamaft.api.resource import MAX_ATTEMPTS
     from llamaft.api.spec import Backend
-    from llamaft.operator import trainjob
-    from llamaft.operator.desired import desired_objects
-    from llamaft.operator.naming import Owner
-    from llamaft.rendered import PLACEHOLDER_UID, child_errors
+    from llamaft.render import trainjob
+    from llamaft.render.admission import PLACEHOLDER_UID, child_errors
+    from llamaft.render.desired import desired_objects
+    from llamaft.render.naming import Owner
 
     if not 1 <= args.attempt <= MAX_ATTEMPTS:
         print(f"error: --attempt must be 1..{MAX_ATTEMPTS}", file=sys.stderr)

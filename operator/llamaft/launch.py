@@ -1,6 +1,6 @@
 """One description of a launch: the torchrun invocation a rendered PyTorchJob's worker runs.
 
-The cluster path renders a PyTorchJob (llamaft.operator.desired); the Kubeflow training operator
+The cluster path renders a PyTorchJob (llamaft.render.desired); the Kubeflow training operator
 turns its elasticPolicy and nprocPerNode into PET_* variables (torchrun reads every PET_<FLAG> as
 the default of --<flag>), and the kubelet runs the `pytorch` container's command with its env.
 `torchrun_launch` computes exactly that from the job, so `llamaft run --local` runs what a worker

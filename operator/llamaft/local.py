@@ -1,7 +1,7 @@
 """`llamaft run --local FILE`: the same LlamaFineTune, run by torchrun on this machine.
 
 What each agent runs is the cluster's launch by construction: the operator's PyTorchJob for the
-file is rendered (llamaft.operator.desired) and turned into torchrun's command and env
+file is rendered (llamaft.render.desired) and turned into torchrun's command and env
 (llamaft.launch.torchrun_launch), then only the machine-bound values are changed (localize:
 rendezvous address, config path, metrics port, termination log, CPU when there are no GPUs). The
 config JSON is the ConfigMap's own text.
@@ -53,8 +53,8 @@ from llamaft.api.sources import SourceKind, parse_source
 from llamaft.api.spec import LlamaFineTuneSpec, RendezvousBackend, TensorBoardSpec
 from llamaft.launch import Launch, Localized, local_cache, localize, torchrun_launch
 from llamaft.manifests import load_finetune
-from llamaft.operator import desired
-from llamaft.operator.naming import CONFIG_FILE, SPEC_FILE, Owner
+from llamaft.render import desired
+from llamaft.render.naming import CONFIG_FILE, SPEC_FILE, Owner
 
 STOP_MARGIN_S = 15.0
 """Beyond torchrun's shutdown timeout, how long an interrupted run may take to end before it is SIGKILLed."""

@@ -123,7 +123,7 @@ class Cluster:
 
     def job_name(self, finetune: str, attempt: int) -> str:
         """The attempt's job name: `<name>-<uid token>-<attempt>` (naming.Owner.job_name)."""
-        from llamaft.operator.naming import Owner
+        from llamaft.render.naming import Owner
 
         return Owner(finetune, self.ns, self.finetune(finetune)["metadata"]["uid"]).job_name(attempt)
 

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from llamaft.api.spec import LlamaFineTuneSpec
 from llamaft.api.validation import SpecInvalid, validate_resource, validate_spec
-from llamaft.operator import desired
-from llamaft.operator.naming import Owner
+from llamaft.render import desired
+from llamaft.render.naming import Owner
 
 from tests.conftest import EXAMPLES
 from tests.operator.kubeflow_rules import validate_pytorchjob
@@ -206,7 +206,7 @@ def test_an_override_of_the_pytorch_container_patches_it_instead_of_adding_a_sec
 
 
 def test_strategic_merge_directives_and_nulls() -> None:
-    from llamaft.operator.podmerge import strategic_merge
+    from llamaft.render.podmerge import strategic_merge
 
     base = {"spec": {"volumes": [{"name": "a"}, {"name": "b"}], "hostNetwork": False, "dnsPolicy": "Default"}}
     patch = {"spec": {"volumes": [{"name": "a", "$patch": "delete"}, {"name": "c", "emptyDir": {}}], "hostNetwork": True,

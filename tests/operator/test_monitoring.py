@@ -10,8 +10,8 @@ from typing import Any
 
 import yaml
 from llamaft.api.validation import validate_resource
-from llamaft.operator import monitoring
-from llamaft.operator.naming import Owner
+from llamaft.render import monitoring
+from llamaft.render.naming import Owner
 
 from tests.conftest import EXAMPLES, REFERENCE, need_binary
 from tests.operator.kubeflow_rules import schema_errors

@@ -18,8 +18,8 @@ from llamaft.api.validation import SpecInvalid
 from llamaft.operator import handlers
 from llamaft.operator.kube import ForeignObject
 from llamaft.operator.metrics import FINETUNES
-from llamaft.operator.naming import Owner
 from llamaft.operator.settings import OperatorSettings
+from llamaft.render.naming import Owner
 
 from tests.operator.conftest import tiny_spec
 from tests.operator.emulator import STATS_PATH, EmulatorThread

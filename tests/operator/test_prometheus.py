@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 import yaml
-from llamaft.operator import gpu_health, monitoring
-from llamaft.operator.naming import Owner
+from llamaft.operator import gpu_health
+from llamaft.render import monitoring
+from llamaft.render.naming import Owner
 
 from tests.conftest import need_binary
 from tests.operator.conftest import Cluster, Operator, free_port, tiny_spec, wait_for

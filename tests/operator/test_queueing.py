@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 from llamaft.api.spec import LlamaFineTuneSpec
 from llamaft.api.validation import SpecInvalid, validate_spec
-from llamaft.operator import desired, trainjob
 from llamaft.operator.kube import USER_AGENT
 from llamaft.operator.lifecycle import Observed, decide
-from llamaft.operator.naming import Owner
-from llamaft.rendered import child_errors
+from llamaft.render import desired, trainjob
+from llamaft.render.admission import child_errors
+from llamaft.render.naming import Owner
 
 from tests.operator.conftest import Cluster, Operator, tiny_spec, wait_for
 from tests.operator.emulator import EmulatorThread

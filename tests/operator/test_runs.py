@@ -529,7 +529,7 @@ def test_operator_killed_at_random_points(cluster: Cluster, sim: SimCluster, ope
 
 # ------------------------------------------------------------------------ the TrainJob backend
 def trainjob_pods(cluster: Cluster, job: str) -> list[str]:
-    from llamaft.operator import trainjob
+    from llamaft.render import trainjob
 
     return sorted(p.metadata.name for p in cluster.core.list_namespaced_pod("default", label_selector=trainjob.pod_selector(job)).items)
 

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from kubernetes import client
 from llamaft.api.validation import validate_resource
-from llamaft.operator import desired
-from llamaft.operator.naming import Owner
+from llamaft.render import desired
+from llamaft.render.naming import Owner
 from llamaft_trainer.local_etcd import free_port
 
 from tests.operator.emulator import EmulatorThread

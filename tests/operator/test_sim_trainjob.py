@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 from llamaft.api.validation import validate_resource
-from llamaft.operator import desired, trainjob
-from llamaft.operator.naming import Owner
+from llamaft.render import desired, trainjob
+from llamaft.render.naming import Owner
 from llamaft_trainer.local_etcd import LocalEtcd, free_port
 
 from tests.operator.emulator import EmulatorThread

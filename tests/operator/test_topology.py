@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 from llamaft.api.spec import LlamaFineTuneSpec
 from llamaft.api.validation import SpecInvalid, label_key_problem, validate_spec
-from llamaft.operator import desired, trainjob
-from llamaft.operator.naming import Owner
-from llamaft.rendered import child_errors
+from llamaft.render import desired, trainjob
+from llamaft.render.admission import child_errors
+from llamaft.render.naming import Owner
 from llamaft_trainer.local_etcd import free_port
 
 from tests.operator.conftest import Cluster, Operator, tiny_spec, wait_for

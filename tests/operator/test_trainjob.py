@@ -1,4 +1,4 @@
-"""spec -> Kubeflow Trainer v2 TrainJob (llamaft.operator.trainjob), without any server: shape,
+"""spec -> Kubeflow Trainer v2 TrainJob (llamaft.render.trainjob), without any server: shape,
 wiring, the rendezvous flags, what Trainer cannot express, validity against the vendored v2.3 CRD
 and webhook rules (every example and a property-based sweep), and the TrainJob's status as a phase."""
 
@@ -18,9 +18,10 @@ from llamaft.api.spec import Backend, EnvVar, LlamaFineTuneSpec
 from llamaft.api.status import Phase
 from llamaft.api.validation import SpecInvalid, validate_resource, validate_spec
 from llamaft.cli import main
-from llamaft.operator import desired, lifecycle, observe, trainjob
-from llamaft.operator.naming import Owner
-from llamaft.rendered import child_errors, schema_errors
+from llamaft.operator import lifecycle, observe
+from llamaft.render import desired, trainjob
+from llamaft.render.admission import child_errors, schema_errors
+from llamaft.render.naming import Owner
 
 from tests.conftest import EXAMPLES, REFERENCE, REPO
 from tests.operator.kubeflow_rules import crd_schema
@@ -151,7 +152,7 @@ def test_every_example_renders_a_valid_trainjob(path: Any) -> None:
     spec = validate_resource(body)
     job = trainjob.train_job(OWNER, spec, attempt=1)
     assert validate_trainjob(job) == []
-    assert schema_errors(job) == []  # the operator's own check (llamaft.rendered), package data
+    assert schema_errors(job) == []  # the operator's own check (llamaft.render.admission), package data
     assert child_errors(spec, body["metadata"]["name"], "team-a", backend=Backend.TRAIN_JOB) == []
 
 

@@ -1,4 +1,4 @@
-"""check_children (llamaft.rendered): every rendered child of every example passes the Kubernetes
+"""check_children (llamaft.render.admission): every rendered child of every example passes the Kubernetes
 schemas, the Kubeflow and Prometheus Operator CRDs and the pod rules; derived names fit; what the
 operator and the trainer read still parses under strict types; the rules are portable CEL."""
 
@@ -11,13 +11,12 @@ from typing import Any
 
 import pytest
 import yaml
-from llamaft import rendered
 from llamaft.api.resource import MAX_ATTEMPTS, MAX_NAME_LENGTH
 from llamaft.api.spec import LlamaFineTuneSpec, TrainingJobConfig
 from llamaft.api.validation import validate_resource, validate_spec
-from llamaft.operator import desired
-from llamaft.operator.naming import Owner
-from llamaft.rendered import PLACEHOLDER_UID, check_children, child_errors, schema_errors
+from llamaft.render import admission, desired
+from llamaft.render.admission import PLACEHOLDER_UID, check_children, child_errors, schema_errors
+from llamaft.render.naming import Owner
 
 from tests.conftest import EXAMPLES, REFERENCE, REPO
 from tests.validation import apiserver_model
@@ -65,7 +64,7 @@ def test_check_children_is_cheap() -> None:
     check_children(spec, "llama2-70b-samsum", "default")  # loads the schemas once
     start = time.perf_counter()
     for _ in range(10):
-        rendered._checked.clear()  # the full check each time, not the per-template cache
+        admission._checked.clear()  # the full check each time, not the per-template cache
         check_children(spec, "llama2-70b-samsum", "default")
     assert (time.perf_counter() - start) / 10 < 0.2
 
@@ -76,12 +75,12 @@ def test_one_template_is_checked_once_and_names_are_checked_each_time(monkeypatc
     the full check (nothing cached for it)."""
     bad = validate_resource(with_(("spec.cluster.podTemplateOverrides", {"spec": {"hostNetwrok": True}})))
     calls: list[str] = []
-    real = rendered._object_errors
-    monkeypatch.setattr(rendered, "_object_errors", lambda spec, name, *a: calls.append(name) or real(spec, name, *a))
-    rendered._checked.clear()
+    real = admission._object_errors
+    monkeypatch.setattr(admission, "_object_errors", lambda spec, name, *a: calls.append(name) or real(spec, name, *a))
+    admission._checked.clear()
     first = [str(e) for e in child_errors(bad, "run-a", "team-a", uid="uid-a")]
     assert any("hostNetwrok: unknown field (in the PyTorchJob run-a-" in e for e in first), first
-    rendered._checked.clear()
+    admission._checked.clear()
     assert [str(e) for e in child_errors(bad, "run-a", "team-a", uid="uid-a")] == first, "the same, cached or not"
     calls.clear()
     second = [str(e) for e in child_errors(bad, "run-b", "team-a", uid="uid-b")]
@@ -92,8 +91,8 @@ def test_one_template_is_checked_once_and_names_are_checked_each_time(monkeypatc
     too_long = "a" * 60
     errors = [str(e) for e in child_errors(bad, too_long, "team-a")]
     assert errors[0].startswith("metadata.name:") and any("hostNetwrok" in e for e in errors)
-    assert calls[-1] == too_long and len(rendered._checked) == 3, "a name that does not fit is checked in full, uncached"
-    assert rendered._stand_in(5) == "zq9q9" and len(rendered._stand_in(42)) == 42
+    assert calls[-1] == too_long and len(admission._checked) == 3, "a name that does not fit is checked in full, uncached"
+    assert admission._stand_in(5) == "zq9q9" and len(admission._stand_in(42)) == 42
     good = validate_resource(with_())
     assert child_errors(good, "run-a", "team-a") == [] and child_errors(good, "run-c", "team-a") == []
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from llamaft.api.validation import SpecInvalid, validate_resource
-from llamaft.rendered import check_children
+from llamaft.render.admission import check_children
 
 from tests.api.test_validation import base
 
@@ -287,8 +287,8 @@ def _without(obj: dict[str, Any], path: str) -> dict[str, Any]:
 
 
 def test_an_override_of_the_pytorch_container_patches_it() -> None:
-    from llamaft.operator.desired import pytorch_job
-    from llamaft.operator.naming import Owner
+    from llamaft.render.desired import pytorch_job
+    from llamaft.render.naming import Owner
 
     obj = with_(("spec.cluster.podTemplateOverrides", {"spec": {"containers": [{"name": "pytorch", "image": "ghcr.io/x/y:1"}]}}))
     spec = validate_resource(obj)

@@ -616,7 +616,7 @@ class ClusterSpec(ApiModel):
     """Memory of one GPU for capacity planning (e.g. `80Gi`); overrides the catalog's value."""
     node_selector: dict[str, LabelValue] = Field(default_factory=dict, max_length=64)
     """Extra node labels the workers require."""
-    # Keys are label keys too; they are checked on the rendered pod (llamaft.rendered): a CEL rule
+    # Keys are label keys too; they are checked on the rendered pod (llamaft.render.admission): a CEL rule
     # over map keys has no length bound, so the API server's cost estimate would refuse the CRD.
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
     """Tolerations for tainted GPU nodes."""

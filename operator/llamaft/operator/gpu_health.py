@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from llamaft.operator.http import HttpClient
-from llamaft.operator.monitoring import HARDWARE_XIDS, LOW_UTILISATION_PERCENT, pod_selector
-from llamaft.operator.naming import Owner
+from llamaft.render.monitoring import HARDWARE_XIDS, LOW_UTILISATION_PERCENT, pod_selector
+from llamaft.render.naming import Owner
 
 XID_MEANINGS = {
     13: "graphics engine exception (usually an application bug, e.g. an out-of-range access)",

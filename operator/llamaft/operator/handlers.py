@@ -45,14 +45,15 @@ from llamaft.api import resource
 from llamaft.api.spec import Backend, LlamaFineTuneSpec, PreflightMode, RendezvousBackend
 from llamaft.api.status import TERMINAL_PHASES, Phase
 from llamaft.api.validation import SpecInvalid, validate_spec
-from llamaft.operator import desired, failures, gpu_health, lifecycle, observe, rendezvous, trainjob
+from llamaft.operator import failures, gpu_health, lifecycle, observe, rendezvous
 from llamaft.operator.http import HttpClient, HttpError
 from llamaft.operator.kube import JOBS, ForeignObject, Kube, MonitoringUnavailable, owned_by
 from llamaft.operator.metrics import FINETUNES, RECONCILE_SECONDS, RECONCILES, RENDEZVOUS_RESETS, RETRIES
-from llamaft.operator.naming import LABEL_FINETUNE, Owner
 from llamaft.operator.settings import OperatorSettings
 from llamaft.planner import Admission, admission
-from llamaft.rendered import PLACEHOLDER_UID, child_errors
+from llamaft.render import desired, trainjob
+from llamaft.render.admission import PLACEHOLDER_UID, checked_children
+from llamaft.render.naming import LABEL_FINETUNE, Owner
 
 RESOURCE = (resource.GROUP, resource.VERSION, resource.PLURAL)
 MISSING = {"PyTorchJob": "kubeflow.org/v1 PyTorchJobs (install the Kubeflow training operator v1.9)",
@@ -189,7 +190,7 @@ def warm_up(logger: Any) -> None:
     try:
         spec = cached_spec(WARM_UP_SPEC)
         if isinstance(spec, LlamaFineTuneSpec):
-            child_errors(spec, "warm-up", "default")
+            checked_children(Owner("warm-up", "default", PLACEHOLDER_UID), spec)
             admission(spec)
     except Exception as exc:  # only a cost moved earlier: never a reason not to start
         logger.warning(f"warm-up failed (the first validation pays for it): {exc}")
@@ -255,7 +256,10 @@ def validated(memo: kopf.Memo, obj: Mapping[str, Any], old: Any = None,
               backend: str = "PyTorchJob") -> LlamaFineTuneSpec | SpecInvalid:
     """The parsed spec, or why it is invalid; cached per generation (the children's checks) and
     per spec content (`cached_spec`). With `old` (an update: transition rules) nothing is cached.
-    `backend`: the job kind the children are checked as (status.backend once resolved)."""
+    `backend`: the job kind the children are checked as (status.backend once resolved).
+    The children are rendered here, once per generation, with the operator's settings, and the
+    objects checked are the ones the generation's first apply uses (memo["rendered"],
+    Step._rendered_children)."""
     generation = obj.get("metadata", {}).get("generation")
     cached = memo.get("validated")
     if old is None and cached is not None and cached[0] == generation:
@@ -275,9 +279,13 @@ def validated(memo: kopf.Memo, obj: Mapping[str, Any], old: Any = None,
         # What admission cannot see: every child the spec renders, against the schemas the API
         # server and the training operator will apply, before anything is created.
         meta = obj.get("metadata", {})
-        problems = child_errors(parsed, str(meta.get("name")), str(meta.get("namespace")),
-                                uid=str(meta.get("uid") or PLACEHOLDER_UID), backend=Backend(backend))
-        result = SpecInvalid(problems) if problems else parsed
+        settings = memo.get("settings") or OperatorSettings()
+        owner = Owner(str(meta.get("name")), str(meta.get("namespace")), str(meta.get("uid") or PLACEHOLDER_UID))
+        checked = checked_children(owner, parsed, backend=Backend(backend), etcd_image=settings.etcd_image,
+                                   dashboard_labels=dict(settings.dashboard_labels))
+        result = SpecInvalid(checked.errors) if checked.errors else parsed
+        if old is None and not checked.errors:
+            memo["rendered"] = ((meta.get("uid", ""), generation), checked.children)
     if old is None:
         memo["validated"] = (generation, result)
     return result
@@ -611,8 +619,7 @@ class Step:
         source = (owner.uid, obj["metadata"].get("generation"))
         if not force and not drifted and self.memo.get("children_source") == source:
             return None
-        wanted = [adopted(child, obj) for child in
-                  desired.children(owner, spec, self.settings.etcd_image, dict(self.settings.dashboard_labels))]
+        wanted = [adopted(child, obj) for child in self._rendered_children(owner, spec, source)]
         digest = hashlib.sha256(json.dumps(wanted, sort_keys=True).encode()).hexdigest()
         if not force and not drifted and self.memo.get("children_digest") == digest:
             self.memo["children_source"] = source
@@ -664,6 +671,16 @@ class Step:
             self._condition(obj, patch, "MonitoringReady", True, "MonitoringApplied",
                             "PodMonitor, alerts and dashboard are as the spec asks")
         return None
+
+    def _rendered_children(self, owner: Owner, spec: LlamaFineTuneSpec, source: tuple[str, Any]) -> list[Obj]:
+        """The children to apply: the ones this generation's validation rendered and checked
+        (`validated`), handed over once (the memo does not keep them); rendered again only for a
+        later apply of the same generation (a repair, the next attempt's start) or when there are
+        none (a step that did not validate, e.g. in tests). Copies: adoption must not change them."""
+        handed = self.memo.pop("rendered", None)
+        if handed is not None and handed[0] == source:
+            return copy.deepcopy(handed[1])  # type: ignore[no-any-return]
+        return desired.children(owner, spec, self.settings.etcd_image, dict(self.settings.dashboard_labels))
 
     def _labelled_children(self) -> dict[str, list[Obj]]:
         """The objects of the child kinds that carry this LlamaFineTune's label, by kind: from kopf's

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llamaft.api.status import Phase
-from llamaft.operator import trainjob
+from llamaft.render import trainjob
 
 JOB_PHASE_PRIORITY = [
     ("Failed", Phase.FAILED),

@@ -6,7 +6,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from llamaft.operator.desired import ETCD_IMAGE
+from llamaft.render.desired import ETCD_IMAGE
 
 
 @dataclass(frozen=True)

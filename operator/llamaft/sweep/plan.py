@@ -162,7 +162,7 @@ def sized_body(base: dict[str, Any], base_spec: LlamaFineTuneSpec, *, sweep: str
 
 
 def _children(spec: LlamaFineTuneSpec, body: dict[str, Any], namespace: str | None) -> list[FieldError]:
-    """The operator's own check of what it would create (llamaft.rendered)."""
-    from llamaft.rendered import child_errors
+    """The operator's own check of what it would create (llamaft.render.admission)."""
+    from llamaft.render.admission import child_errors
 
     return child_errors(spec, str(body["metadata"]["name"]), namespace or "default")

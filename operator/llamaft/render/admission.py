@@ -1,9 +1,12 @@
 """What the API server cannot check at admission: render every child of a LlamaFineTune and check
 it as the cluster will, before anything is created.
 
-`check_children(spec, name, namespace)` renders the objects of an attempt (`desired_objects`:
-ConfigMap, managed etcd, PodMonitor, PrometheusRule, dashboard, PyTorchJob; with `backend:
-TrainJob` the TrainJob of llamaft.operator.trainjob instead of the PyTorchJob) and checks
+`checked_children(owner, spec, ...)` (the operator's check, once per generation) renders the
+objects of an attempt once (`desired.children`: ConfigMap, managed etcd, PodMonitor,
+PrometheusRule, dashboard; and the attempt's PyTorchJob, with `backend: TrainJob` the TrainJob of
+llamaft.render.trainjob instead), checks exactly those and returns the children to apply with the
+problems found; `child_errors(spec, name, namespace)` (`llamaft validate` / `render`, the sweep)
+checks the same for a spec alone, and `check_children` gives its problems as lines. Both check
 - every built-in object against the Kubernetes OpenAPI schemas (kubernetes-validate's strict
   JSON schemas: unknown fields are errors), the worker pod template included;
 - the PyTorchJob against the vendored Kubeflow CRD (training-operator v1.9) and its webhook's
@@ -23,6 +26,7 @@ Each problem is reported on the spec field that causes it, with the fix. Pure: n
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import json
 import re
@@ -43,7 +47,8 @@ from llamaft.api.validation import (
     label_value_problem,
     short,
 )
-from llamaft.operator import trainjob
+from llamaft.render import trainjob
+from llamaft.render.naming import Owner
 
 K8S_SCHEMA_VERSION = "1.30"
 """Oldest Kubernetes the operator supports: its schemas are the ones rendered objects must pass."""
@@ -105,6 +110,8 @@ def child_errors(
 CHECKED_CACHE_SIZE = 256
 _checked: collections.OrderedDict[tuple[str, str, int, int, Backend], list[FieldError]] = collections.OrderedDict()
 _checked_lock = threading.Lock()
+_clean: collections.OrderedDict[tuple[str, str, int, int, Backend, str, str], None] = collections.OrderedDict()
+"""Templates whose objects checked_children found clean (the operator's check), the latest CHECKED_CACHE_SIZE."""
 
 
 def _stand_in(length: int) -> str:
@@ -116,7 +123,6 @@ def _object_errors(spec: LlamaFineTuneSpec, name: str, namespace: str, uid: str,
                    backend: Backend) -> list[FieldError]:
     """What the rendered objects' schemas and the admission rules find (child_errors without the
     runtime and name checks)."""
-    train_job = backend is Backend.TRAIN_JOB
     errors: list[FieldError] = []
     too_deep = _deeper_than(spec.cluster.pod_template_overrides, POD_MAX_DEPTH)
     if too_deep is not None:
@@ -124,29 +130,98 @@ def _object_errors(spec: LlamaFineTuneSpec, name: str, namespace: str, uid: str,
         errors.append(FieldError(OVERRIDES + shown, f"nested more than {POD_MAX_DEPTH} levels deep; no field of a pod "
                                  "template nests that deep: remove it"))
         return _unique(errors)
-    try:
-        from llamaft.operator.desired import desired_objects, pod_template
-        from llamaft.operator.naming import Owner
+    render = _render(Owner(name, namespace, uid), spec, attempt, backend)
+    return _unique([*render.errors, *_check(spec, render)])
 
-        owner = Owner(name, namespace, uid)
-        objects = desired_objects(owner, spec, attempt)
+
+@dataclasses.dataclass
+class _Rendered:
+    """One render of an attempt: the long-lived children, the attempt's job (None when it cannot
+    be rendered), the worker pod template without and with the overrides (what the checker needs
+    to name the spec field of a problem) and the render's own problems."""
+
+    children: list[Obj]
+    job: Obj | None
+    base: Obj | None
+    merged: Obj | None
+    errors: list[FieldError]
+
+
+def _render(owner: Owner, spec: LlamaFineTuneSpec, attempt: int, backend: Backend, etcd_image: str | None = None,
+            dashboard_labels: dict[str, str] | None = None) -> _Rendered:
+    """Every object of one attempt, rendered once (desired.children and the attempt's job)."""
+    from llamaft.render import desired
+    from llamaft.render.desired import pod_template
+
+    errors: list[FieldError] = []
+    try:
+        children = desired.children(owner, spec, etcd_image or desired.ETCD_IMAGE, dashboard_labels)
         base = pod_template(owner, spec.model_copy(update={"cluster": spec.cluster.model_copy(
             update={"pod_template_overrides": None})}), attempt)
         merged = None
-        if train_job:
+        job: Obj | None
+        if backend is Backend.TRAIN_JOB:
             merged = pod_template(owner, spec, attempt)
-            objects = [o for o in objects if o.get("kind") != "PyTorchJob"]
             try:
-                objects.append(trainjob.train_job(owner, spec, attempt))
+                job = trainjob.train_job(owner, spec, attempt)
             except trainjob.TrainJobSpecError as exc:  # what Kubeflow Trainer cannot do, on its spec fields
+                job = None
                 errors += [FieldError(path, message) for path, message in exc.problems]
+        else:
+            job = desired.pytorch_job(owner, spec, attempt)
     except Exception as exc:  # a spec the renderer cannot handle: that is the problem to report
         errors.append(FieldError("spec", f"cannot be rendered into Kubernetes objects: {short(str(exc), 300)}"))
-        return _unique(errors)
-    checker = _Checker(spec, base, merged)
-    for obj in objects:
-        errors += checker.check(obj)
-    return _unique(errors)
+        return _Rendered([], None, None, None, errors)
+    return _Rendered(children, job, base, merged, errors)
+
+
+def _check(spec: LlamaFineTuneSpec, render: _Rendered) -> list[FieldError]:
+    """What the schemas and the admission rules find in the rendered objects."""
+    if render.base is None:
+        return []
+    checker = _Checker(spec, render.base, render.merged)
+    return [e for obj in [*render.children, *([render.job] if render.job is not None else [])] for e in checker.check(obj)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """The children of one render and every problem of them (and of the attempt's job)."""
+
+    children: list[Obj]
+    """desired.children as rendered: the objects the operator server-side applies."""
+    errors: list[FieldError]
+
+
+def checked_children(owner: Owner, spec: LlamaFineTuneSpec, *, attempt: int = 1, backend: Backend | None = None,
+                     etcd_image: str | None = None, dashboard_labels: dict[str, str] | None = None) -> Checked:
+    """The operator's admission check: render the children once (with the operator's etcd image
+    and dashboard labels) and the attempt's job, check exactly those objects (child_errors'
+    checks, the name and runtime checks included), and return the children to apply with the
+    problems found. Objects of a template already found clean (same spec, namespace, name length,
+    attempt, backend and settings: _clean) are not checked again, as in child_errors; a spec with
+    problems is checked in full each time (once per generation in the operator)."""
+    backend = backend or trainjob.preferred_backend(spec)
+    name, namespace, uid = owner.name, owner.namespace, owner.uid or PLACEHOLDER_UID
+    errors = [*_runtime_errors(spec), *_name_errors(spec, name, namespace, uid, train_job=backend is Backend.TRAIN_JOB)]
+    too_deep = _deeper_than(spec.cluster.pod_template_overrides, POD_MAX_DEPTH) is not None
+    if too_deep:  # refused before rendering, as child_errors does
+        return Checked([], _unique([*errors, *_object_errors(spec, name, namespace, uid, attempt, backend)]))
+    render = _render(owner, spec, attempt, backend, etcd_image, dashboard_labels)
+    errors += render.errors
+    key = (spec.model_dump_json(), namespace, len(name), attempt, backend, etcd_image or "",
+           json.dumps(dashboard_labels, sort_keys=True))
+    with _checked_lock:
+        clean = not errors and key in _clean
+        if clean:
+            _clean.move_to_end(key)
+    if not clean:
+        errors += _check(spec, render)
+        if not errors:
+            with _checked_lock:
+                _clean[key] = None
+                while len(_clean) > CHECKED_CACHE_SIZE:
+                    _clean.popitem(last=False)
+    return Checked(render.children, _unique(errors))
 
 
 def _deeper_than(value: Any, limit: int) -> list[str | int] | None:
@@ -218,7 +293,7 @@ def _runtime_errors(spec: LlamaFineTuneSpec) -> list[FieldError]:
 
 # -------------------------------------------------------------------------------- names
 def _name_errors(spec: LlamaFineTuneSpec, name: str, namespace: str, uid: str, *, train_job: bool = False) -> list[FieldError]:
-    from llamaft.operator.naming import Owner
+    from llamaft.render.naming import Owner
 
     errors: list[FieldError] = []
     if len(namespace) > 63 or not DNS1123_LABEL.fullmatch(namespace):
@@ -797,9 +872,9 @@ def _get(obj: Any, path: Sequence[str | int]) -> Any:
 
 def _override_path(base: Any, override: Any, path: Sequence[str | int]) -> list[str | int] | None:
     """Where in podTemplateOverrides the rendered template's `path` came from (None: not from it),
-    following the strategic merge (llamaft.operator.podmerge): mappings merge key by key, lists
+    following the strategic merge (llamaft.render.podmerge): mappings merge key by key, lists
     with a merge key (containers by name, ...) patch or add entries, other lists replace."""
-    from llamaft.operator.podmerge import MERGE_KEYS
+    from llamaft.render.podmerge import MERGE_KEYS
 
     out: list[str | int] = []
     field: str | None = None

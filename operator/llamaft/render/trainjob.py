@@ -37,8 +37,8 @@ from typing import Any
 
 from llamaft.api.spec import Backend, LlamaFineTuneSpec, PullPolicy, RendezvousBackend
 from llamaft.api.status import Phase
-from llamaft.operator.desired import kueue_labels, pod_template, rendezvous_endpoint
-from llamaft.operator.naming import LABEL_ATTEMPT, Owner
+from llamaft.render.desired import kueue_labels, pod_template, rendezvous_endpoint
+from llamaft.render.naming import LABEL_ATTEMPT, Owner
 
 API_GROUP = "trainer.kubeflow.org"
 API_VERSION = f"{API_GROUP}/v1alpha1"

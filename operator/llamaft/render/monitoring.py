@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from llamaft.api.spec import LlamaFineTuneSpec
-from llamaft.operator.naming import Owner
+from llamaft.render.naming import Owner
 
 Obj = dict[str, Any]
 

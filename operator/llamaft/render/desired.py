@@ -27,7 +27,7 @@ from typing import Any
 
 from llamaft.api.sources import CACHE_MOUNT, PVC_MOUNT_ROOT, SourceKind, parse_source
 from llamaft.api.spec import KUEUE_TOPOLOGY_ANNOTATIONS, LlamaFineTuneSpec, RendezvousBackend
-from llamaft.operator.naming import (
+from llamaft.render.naming import (
     C10D_PORT,
     CONFIG_FILE,
     CONFIG_MOUNT,
@@ -36,7 +36,7 @@ from llamaft.operator.naming import (
     SPEC_FILE,
     Owner,
 )
-from llamaft.operator.podmerge import strategic_merge
+from llamaft.render.podmerge import strategic_merge
 
 ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"
 """etcd 3.6 dropped the v2 API that torchrun's etcd backends use: stay on 3.5.x."""
@@ -389,7 +389,7 @@ def children(owner: Owner, spec: LlamaFineTuneSpec, etcd_image: str = ETCD_IMAGE
     """The run's long-lived children, reconciled by server-side apply: the config, the managed
     etcd and the monitoring objects. What is not in this list (monitoring turned off, etcd after a
     switch to c10d) is pruned. The attempts' PyTorchJobs are not here: each is created once."""
-    from llamaft.operator.monitoring import monitoring_objects
+    from llamaft.render.monitoring import monitoring_objects
 
     objs = [config_map(owner, spec)]
     if uses_managed_etcd(spec):

@@ -1,0 +1,135 @@
+"""The import direction of ARCHITECTURE.md: every import points down the layers.
+
+    api  <-  planner, render  <-  operator  <-  cli, local, launch, sweep, manifests
+    api, render  <-  trainer (llamaft_trainer; the cluster never runs the operator's code there)
+
+Every module of both packages is parsed (ast: imports inside functions and TYPE_CHECKING blocks
+count too, relative imports are resolved); a module may import only its own layer and the layers
+its row below names. The pure layers (api, planner, render) and the trainer never import kopf or
+the kubernetes client.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+ROOTS = (REPO / "operator", REPO / "trainer")
+TOP = "entry points"
+ALLOWED: dict[str, set[str]] = {
+    "package": set(),  # llamaft/__init__.py: the version, nothing else
+    "api": {"package", "api"},
+    "planner": {"package", "api", "planner"},
+    "render": {"package", "api", "render"},
+    "operator": {"package", "api", "planner", "render", "operator"},
+    "trainer": {"package", "api", "render", "trainer"},
+    TOP: {"package", "api", "planner", "render", "operator", "trainer", TOP},
+}
+"""For each layer, the layers its modules may import."""
+PURE_EXTERNAL_BANNED = {"kopf", "kubernetes"}
+"""Libraries that mean API calls: only the operator (and the entry points) may import them."""
+
+
+def layer_of(module: str) -> str | None:
+    """The layer of a module of llamaft or llamaft_trainer; None for anything else."""
+    parts = module.split(".")
+    if parts[0] == "llamaft_trainer":
+        return "trainer"
+    if parts[0] != "llamaft":
+        return None
+    if len(parts) == 1:
+        return "package"
+    if parts[1] in ("api", "planner", "render", "operator"):
+        return parts[1]
+    return TOP  # cli, local, launch, sweep, manifests and anything else at the top
+
+
+def imported_modules(module: str, source: str, is_package: bool = False) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in the source, wherever it is in the file.
+    `from a import b` counts as importing a.b (b may be a submodule; a.b's layer is a's anyway)."""
+    package = module if is_package else module.rpartition(".")[0]
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found += [(node.lineno, f"{target}.{alias.name}") for alias in node.names]
+    return found
+
+
+def violations(module: str, source: str, is_package: bool = False) -> list[str]:
+    """Every import of `module` (given as source text) that points up or sideways across layers."""
+    layer = layer_of(module)
+    if layer is None:
+        return []
+    problems = []
+    for line, target in imported_modules(module, source, is_package):
+        top = target.split(".")[0]
+        if top in PURE_EXTERNAL_BANNED and layer in ("api", "planner", "render", "trainer"):
+            problems.append(f"{module}:{line} imports {target}: the {layer} layer makes no API calls")
+            continue
+        target_layer = layer_of(target)
+        if target_layer is not None and target_layer not in ALLOWED[layer]:
+            problems.append(f"{module}:{line} imports {target}: the {layer} layer may not import the {target_layer} "
+                            "layer (ARCHITECTURE.md)")
+    return problems
+
+
+def modules() -> list[tuple[str, Path]]:
+    found = []
+    for root in ROOTS:
+        for path in sorted(root.rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found.append((".".join(parts), path))
+    return found
+
+
+def test_every_import_points_down() -> None:
+    checked = modules()
+    assert len(checked) > 50 and {layer_of(m) for m, _ in checked} == set(ALLOWED), "every layer has modules"
+    problems = [p for module, path in checked
+                for p in violations(module, path.read_text(encoding="utf-8"), path.name == "__init__.py")]
+    assert problems == []
+
+
+@pytest.mark.parametrize(("module", "source"), [
+    ("llamaft.render.desired", "from llamaft.operator import kube\n"),
+    ("llamaft.render.desired", "def f():\n    from llamaft.operator.handlers import validated\n"),
+    ("llamaft.render.admission", "import llamaft.operator.handlers\n"),
+    ("llamaft.render.naming", "from ..operator import lifecycle\n"),
+    ("llamaft.render", "from ..operator import lifecycle\n"),
+    ("llamaft.render.desired", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from llamaft.cli import main\n"),
+    ("llamaft.render.desired", "from llamaft.planner import admission\n"),
+    ("llamaft.render.desired", "import kopf\n"),
+    ("llamaft.api.spec", "from llamaft.render.naming import Owner\n"),
+    ("llamaft.planner.plan", "from llamaft import render\n"),
+    ("llamaft.operator.handlers", "from llamaft.local import run_local\n"),
+    ("llamaft.operator.handlers", "from llamaft_trainer import termination\n"),
+    ("llamaft_trainer.main", "from llamaft.operator.kube import Kube\n"),
+    ("llamaft_trainer.main", "from kubernetes import client\n"),
+])
+def test_an_import_up_the_layers_is_found(module: str, source: str) -> None:
+    assert violations(module, source, is_package=module == "llamaft.render") != []
+
+
+@pytest.mark.parametrize(("module", "source"), [
+    ("llamaft.render.desired", "from llamaft.render.naming import Owner\nfrom llamaft.api.spec import LlamaFineTuneSpec\n"),
+    ("llamaft.render.desired", "from .naming import Owner\nimport json\nimport jsonschema\n"),
+    ("llamaft.operator.handlers", "import kopf\nfrom llamaft.render import desired\nfrom llamaft.planner import admission\n"),
+    ("llamaft.cli", "from llamaft.operator import peering\nfrom llamaft_trainer.tiny import build_tiny_llama\n"),
+    ("llamaft_trainer.main", "from llamaft.api.spec import TrainingJobConfig\nfrom llamaft.render.naming import CONFIG_FILE\n"),
+])
+def test_an_import_down_the_layers_is_fine(module: str, source: str) -> None:
+    assert violations(module, source) == []
