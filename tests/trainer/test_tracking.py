@@ -173,8 +173,8 @@ def test_params_are_the_whole_spec_when_the_operator_mounts_it(tmp_path: Path) -
     out (a sweep's runs differ in cluster.workers) are parameters too; a missing or unreadable file
     falls back to the trainer's part, never an error."""
     from llamaft.api.validation import validate_spec
-    from llamaft.operator import desired
-    from llamaft.operator.naming import Owner
+    from llamaft.render import desired
+    from llamaft.render.naming import Owner
 
     spec = validate_spec({"model": {"source": "meta-llama/Llama-2-7b-hf", "hfTokenSecret": {"name": "hf", "key": "token"}},
                           "dataset": {"source": "Samsung/samsum", "format": "samsum"}, "training": {"maxSteps": 5},
