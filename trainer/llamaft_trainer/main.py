@@ -265,7 +265,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         healthy = True  # every rank got here together (a stop is agreed on collectively)
         if result.stopped is not None:
             message = result.stopped.message(record.checkpoint_step)
-            _report(termination.failed(termination.PREEMPTED, message, record, retryable=True), rt)
+            lost = elastic.rendezvous_lost()
+            reason = termination.PREEMPTED if lost is None else termination.RENDEZVOUS_LOST
+            _report(termination.failed(reason, message if lost is None else f"{lost}: {message}", record,
+                                       retryable=True), rt)
             if progress is not None:
                 progress.update(phase="Preempted")
             return EXIT_PREEMPTED

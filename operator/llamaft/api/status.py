@@ -93,7 +93,7 @@ class FailureRecord(ApiModel):
     """The attempt that failed."""
     reason: str = Field(max_length=128)
     """Classified cause: ConfigError, Evicted, Preempted, NodeLost, OOMKilled, Killed, TrainerError,
-    CollectiveTimeout, RendezvousClosed, GPUXid, Stalled, DeadlineExceeded, JobFailed."""
+    CollectiveTimeout, RendezvousClosed, RendezvousLost, GPUXid, Stalled, DeadlineExceeded, JobFailed."""
     retryable: bool
     """Whether the policy treats this cause as retryable."""
     message: str = Field(default="", max_length=2048)

@@ -10,6 +10,7 @@ die leaves its own evidence; this module reads all of it and names one cause:
 | pod on a node that is gone, pod reason NodeLost, DisruptionTarget DeletionByTaintManager | NodeLost | yes | yes |
 | pod reason Evicted, DisruptionTarget TerminationByKubelet (node pressure, shutdown) | Evicted | yes | yes |
 | DisruptionTarget EvictionByEvictionAPI (drain) | Evicted | yes | no |
+| torchrun's agent lost its rendezvous store: `RendezvousConnectionError` (or etcd's connection errors) in the container's message, or the trainer's reason RendezvousLost | RendezvousLost | yes | no |
 | DisruptionTarget PreemptionByScheduler, trainer reason Preempted (SIGTERM) | Preempted | yes | no |
 | container terminated reason OOMKilled | OOMKilled | yes | no |
 | container exit 137 / 143 without a trainer message | Killed | yes | no |
@@ -43,6 +44,7 @@ OOM_KILLED = "OOMKilled"
 KILLED = "Killed"
 GPU_XID = "GPUXid"
 RENDEZVOUS_CLOSED = "RendezvousClosed"
+RENDEZVOUS_LOST = "RendezvousLost"
 COLLECTIVE_TIMEOUT = "CollectiveTimeout"
 PEER_LOST = "PeerLost"
 TRAINER_ERROR = "TrainerError"
@@ -51,11 +53,14 @@ DEADLINE_EXCEEDED = "DeadlineExceeded"
 JOB_FAILED = "JobFailed"
 
 PRIORITY = [
-    CONFIG_ERROR, NODE_LOST, EVICTED, PREEMPTED, OOM_KILLED, GPU_XID, RENDEZVOUS_CLOSED,
+    CONFIG_ERROR, NODE_LOST, EVICTED, RENDEZVOUS_LOST, PREEMPTED, OOM_KILLED, GPU_XID, RENDEZVOUS_CLOSED,
     TRAINER_ERROR, KILLED, COLLECTIVE_TIMEOUT, PEER_LOST, STALLED, DEADLINE_EXCEEDED, JOB_FAILED,
 ]
 PERMANENT = frozenset({CONFIG_ERROR, DEADLINE_EXCEEDED})
 CLOSED_RENDEZVOUS_TEXT = "RendezvousClosedError"
+LOST_RENDEZVOUS_TEXTS = ("RendezvousConnectionError", "EtcdConnectionFailed", "The connection to etcd has failed")
+"""What torchrun's agent (and python-etcd under it) says when the rendezvous store is gone. The
+agent then SIGTERMs its workers, whose own report says Preempted: this evidence wins."""
 # DisruptionTarget reasons (Kubernetes pod disruption conditions) -> (cause, exclude the node)
 DISRUPTIONS = {
     "DeletionByTaintManager": (NODE_LOST, True),
@@ -66,7 +71,7 @@ DISRUPTIONS = {
 }
 TRAINER_REASONS = {
     CONFIG_ERROR: CONFIG_ERROR, "Preempted": PREEMPTED, COLLECTIVE_TIMEOUT: COLLECTIVE_TIMEOUT,
-    PEER_LOST: PEER_LOST,
+    PEER_LOST: PEER_LOST, RENDEZVOUS_LOST: RENDEZVOUS_LOST,
 }
 
 
@@ -164,6 +169,9 @@ def pod_failure(pod: Obj, nodes: frozenset[str] | None, last_step: int | None) -
     text = str(state.get("message") or "")
     if CLOSED_RENDEZVOUS_TEXT in text:
         return Failure(RENDEZVOUS_CLOSED, text[-1500:], True, None, name, exit_code, step)
+    if any(t in text for t in LOST_RENDEZVOUS_TEXTS):
+        return Failure(RENDEZVOUS_LOST, f"pod {name}: torchrun's agent lost its rendezvous store: {text[-1400:]}", True,
+                       None, name, exit_code, step)
     if state.get("reason") == "OOMKilled":
         return Failure(OOM_KILLED, f"pod {name} on {node} was OOM-killed (exit {exit_code})", True, None, name, exit_code, step)
     if report is not None and report.get("phase") == "Failed":
