@@ -1,7 +1,7 @@
 """What the API server cannot check at admission: render every child of a LlamaFineTune and check
 it as the cluster will, before anything is created.
 
-`check_children(spec, name, namespace)` renders the objects of an attempt (`desired_objects`:
+`child_errors(spec, name, namespace)` renders the objects of an attempt (`desired_objects`:
 ConfigMap, managed etcd, PodMonitor, PrometheusRule, dashboard, PyTorchJob; with `backend:
 TrainJob` the TrainJob of llamaft.operator.trainjob instead of the PyTorchJob) and checks
 - every built-in object against the Kubernetes OpenAPI schemas (kubernetes-validate's strict
@@ -63,20 +63,15 @@ OVERRIDES = "spec.cluster.podTemplateOverrides"
 TEMPLATE = ("spec", "pytorchReplicaSpecs", "Worker", "template")
 
 
-def check_children(spec: LlamaFineTuneSpec, name: str, namespace: str) -> list[str]:
-    """Every problem of the objects the operator would create for this (admitted) spec, as
-    `<spec field>: <problem and fix>` lines; empty when the cluster will accept them all.
-    Pure and deterministic; about 20-60 ms per call once the schemas are loaded (~1 s once)."""
-    return [str(e) for e in child_errors(spec, name, namespace)]
-
-
 def child_errors(
     spec: LlamaFineTuneSpec, name: str, namespace: str, *, uid: str = PLACEHOLDER_UID, attempt: int = 1,
     backend: Backend | None = None,
 ) -> list[FieldError]:
-    """check_children with the errors as FieldError (path, message). `backend`: the job kind to
-    check (default spec.backend; `auto` checks what it picks when both are served,
-    trainjob.preferred_backend)."""
+    """Every problem of the objects the operator would create for this (admitted) spec, as
+    FieldError (the spec field that causes it, the problem and fix); empty when the cluster will
+    accept them all. `backend`: the job kind to check (default spec.backend; `auto` checks what it
+    picks when both are served, trainjob.preferred_backend). Pure and deterministic; about 20-60 ms
+    per call once the schemas are loaded (~1 s once)."""
     backend = backend or trainjob.preferred_backend(spec)
     train_job = backend is Backend.TRAIN_JOB
     name_errors = _name_errors(spec, name, namespace, uid, train_job=train_job)
