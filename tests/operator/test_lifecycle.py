@@ -149,6 +149,9 @@ CASES = [
      "Preempted", True, None),
     ([pod(0), pod(1, "Running", node="node-5", conditions=[{"type": "DisruptionTarget", "status": "True", "reason": "DeletionByTaintManager"}])],
      "NodeLost", True, "node-5"),
+    # Pod GC deletes the pods of a node that is gone (the operator cannot read Nodes: this is how it knows).
+    ([pod(0), pod(1, "Running", node="node-6", conditions=[{"type": "DisruptionTarget", "status": "True", "reason": "DeletionByPodGC"}])],
+     "NodeLost", True, "node-6"),
     ([pod(0), pod(1, "Failed", exit_code=137, reason="OOMKilled")], "OOMKilled", True, None),
     ([pod(0), pod(1, "Failed", exit_code=137)], "Killed", True, None),
     ([pod(0, "Failed", exit_code=1, message=report(phase="Failed", reason="CollectiveTimeout", message="gloo timed out", step=12))],
