@@ -180,7 +180,7 @@ class LlamaFineTuneStatus(ApiModel):
     queue: str | None = None
     """The Kueue LocalQueue the job waits in or was admitted from."""
     job_name: str | None = None
-    """Name of the child PyTorchJob of the current attempt."""
+    """Name of the child job (PyTorchJob or TrainJob, see `backend`) of the current attempt."""
     rendezvous_id: str | None = None
     """torchrun rendezvous id of the current attempt (unique per attempt)."""
     attempt: int = 0
