@@ -1,6 +1,6 @@
 """kmock's KubernetesEmulator plus what kopf and these tests need of a real API server.
 
-Adds, per ../shared/reference/NOTES.md: uid, resourceVersion, generation (bumped on spec changes)
+Adds, as the Kubernetes API server has them: uid, resourceVersion, generation (bumped on spec changes)
 and creationTimestamp; JSON-patch `test` failures as 422 (kopf's finalizer patch relies on it);
 kind/apiVersion on lists; status-subresource isolation (the main endpoint ignores .status, /status
 changes only .status); label and field selectors on list and watch; PUT; metadata.resourceVersion
