@@ -32,6 +32,7 @@ def _cmd_crd(args: argparse.Namespace) -> int:
 
 MAX_ERRORS_PER_DOCUMENT = 50
 _NOTED: set[str] = set()
+"""Notes printed once per process (at most one key: "schemas"), however many documents are checked."""
 MAX_MESSAGE_CHARS = 1000
 
 

@@ -1,6 +1,6 @@
 """kmock's KubernetesEmulator plus what kopf and these tests need of a real API server.
 
-Adds, per ../shared/reference/NOTES.md: uid, resourceVersion, generation (bumped on spec changes)
+Adds, as the Kubernetes API server has them: uid, resourceVersion, generation (bumped on spec changes)
 and creationTimestamp; JSON-patch `test` failures as 422 (kopf's finalizer patch relies on it);
 kind/apiVersion on lists; status-subresource isolation (the main endpoint ignores .status, /status
 changes only .status); label and field selectors on list and watch; PUT; metadata.resourceVersion
@@ -54,13 +54,15 @@ import attrs
 import jsonpatch
 import kmock
 import yaml
-from kmock._internal import dicts, enums, k8s
+from kmock._internal import dicts
 from kmock._internal import parsing as kmock_parsing
 
 from tests.operator.apply import ApplyConflict
 from tests.operator.apply import apply as server_side_apply
 
 Obj = dict[str, Any]
+# kmock's public API (everything else used here) has no hook for two things: its merge/JSON patch
+# of a stored object (dicts.patch_dict) and the path parser that _parse_path corrects.
 _kmock_parse_path = kmock_parsing.parse_path
 
 
@@ -303,7 +305,7 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
             problems = admission_errors(obj)
             if problems:
                 name = obj.get("metadata", {}).get("name")
-                raise k8s.KubernetesError(status=422, reason="Invalid",
+                raise kmock.KubernetesError(status=422, reason="Invalid",
                                           message=f'TrainJob.trainer.kubeflow.org "{name}" is invalid: {"; ".join(problems)[:1500]}')
             return
         if (resource.group, resource.plural) != ("kubeflow.org", "pytorchjobs"):
@@ -313,7 +315,7 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         errors = validate_pytorchjob(obj, llamaft_rules=False)
         if errors:
             name = obj.get("metadata", {}).get("name")
-            raise k8s.KubernetesError(status=422, reason="Invalid",
+            raise kmock.KubernetesError(status=422, reason="Invalid",
                                       message=f'PyTorchJob.kubeflow.org "{name}" is invalid: {"; ".join(errors)[:1500]}')
 
     def _next_version(self) -> str:
@@ -439,7 +441,7 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
                     if ref.get("blockOwnerDeletion")}))))
         if request.resource is not None and request.resource.plural and self._info_for(request.resource) is None:
             # As the API server: an undeclared resource (a CRD not installed) is a 404, not stored.
-            return await self._render_error(k8s.KubernetesResourceNotFoundError())
+            return await self._render_error(kmock.KubernetesResourceNotFoundError())
         if request.resource is None:
             return await super()._handle(request)
         method = str(request.method.value if hasattr(request.method, "value") else request.method).upper()
@@ -460,20 +462,20 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
                 content_type = next((v for k, v in request.headers.items() if k.lower() == "content-type"), "")
                 if request.name is not None and method == "PATCH" and content_type.startswith("application/apply-patch"):
                     return await self._serve_apply(request)
-                if request.action == enums.action.CREATE:
+                if request.action == kmock.action.CREATE:
                     return await self._serve_create_request(request)
                 if request.name is not None and method in ("PATCH", "PUT"):
                     return await self._serve_write(request, status_only=False, replace=method == "PUT")
                 if request.name is not None and method == "DELETE":
                     return await self._serve_delete_request(request)
-        except k8s.KubernetesError as exc:
+        except kmock.KubernetesError as exc:
             return await self._render_error(exc)
         return await super()._handle(request)
 
     async def _serve_get(self, request: Any) -> Any:
         obj = self._current((request.resource, request.namespace, request.name))
         if obj is None:
-            raise k8s.KubernetesObjectNotFoundError()
+            raise kmock.KubernetesObjectNotFoundError()
         return aiohttp.web.json_response(obj)
 
     async def _serve_list_request(self, request: Any) -> Any:
@@ -495,11 +497,11 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
     # ---------------------------------------------------------------------------------- create
     async def _serve_create_request(self, request: Any) -> Any:
         if not isinstance(request.data, dict):
-            raise k8s.KubernetesError(status=400, reason="BadRequest", message="the body must be a JSON object")
+            raise kmock.KubernetesError(status=400, reason="BadRequest", message="the body must be a JSON object")
         key, obj = self._prepared_create(request, _copy(request.data))
         async with self._lock:
             if self._current(key) is not None:
-                raise k8s.KubernetesError(status=409, reason="AlreadyExists",
+                raise kmock.KubernetesError(status=409, reason="AlreadyExists",
                                           message=f'{request.resource.plural} "{obj["metadata"]["name"]}" already exists')
             stored = await self._store(key, obj, "ADDED")
         # The kubernetes client only decodes a create's body on 201.
@@ -513,7 +515,7 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         if "generateName" in meta and "name" not in meta:
             meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
         if not meta.get("name"):
-            raise k8s.KubernetesError(status=422, reason="Invalid", message="metadata.name: Required value")
+            raise kmock.KubernetesError(status=422, reason="Invalid", message="metadata.name: Required value")
         meta["uid"] = str(uuid.uuid4())
         meta["generation"] = 1
         meta["creationTimestamp"] = now_rfc3339()
@@ -541,10 +543,10 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         """PATCH with application/apply-patch+yaml (tests/operator/apply.py has the rules)."""
         manager = request.params.get("fieldManager")
         if not manager:
-            raise k8s.KubernetesError(status=422, reason="Invalid", message="PatchOptions.meta.k8s.io \"\" is invalid: "
+            raise kmock.KubernetesError(status=422, reason="Invalid", message="PatchOptions.meta.k8s.io \"\" is invalid: "
                                       "fieldManager: Required value: is required for apply patch")
         if not isinstance(request.data, dict):
-            raise k8s.KubernetesError(status=400, reason="BadRequest", message="the body must be a JSON or YAML object")
+            raise kmock.KubernetesError(status=400, reason="BadRequest", message="the body must be a JSON or YAML object")
         force = str(request.params.get("force", "")).lower() == "true"
         key = (request.resource, request.namespace, request.name)
         async with self._lock:
@@ -552,7 +554,7 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
             try:
                 new = server_side_apply(current, request.data, manager, force)
             except ApplyConflict as exc:
-                raise k8s.KubernetesError(status=409, reason="Conflict", message=str(exc)) from None
+                raise kmock.KubernetesError(status=409, reason="Conflict", message=str(exc)) from None
             if current is None:
                 new["metadata"]["name"] = request.name
                 key, new = self._prepared_create(request, new)
@@ -591,10 +593,10 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         async with self._lock:
             current = self._live(key)
             if current is None:
-                raise k8s.KubernetesObjectNotFoundError()
+                raise kmock.KubernetesObjectNotFoundError()
             if replace:
                 if not isinstance(request.data, dict):
-                    raise k8s.KubernetesError(status=400, reason="BadRequest", message="the body must be a JSON object")
+                    raise kmock.KubernetesError(status=400, reason="BadRequest", message="the body must be a JSON object")
                 wanted = str(request.data.get("metadata", {}).get("resourceVersion") or "")
                 new = _copy(request.data)
             else:
@@ -602,13 +604,13 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
                 try:
                     new = _copy(dict(dicts.patch_dict(current, request.data)))
                 except (jsonpatch.JsonPatchTestFailed, jsonpatch.JsonPatchConflict, jsonpatch.JsonPointerException) as exc:
-                    raise k8s.KubernetesError(status=422, reason="Invalid", message=f"the patch cannot be applied: {exc}") from None
+                    raise kmock.KubernetesError(status=422, reason="Invalid", message=f"the patch cannot be applied: {exc}") from None
             uid = str(request.data.get("metadata", {}).get("uid") or "") if isinstance(request.data, dict) else ""
             if uid and uid != current["metadata"].get("uid"):
-                raise k8s.KubernetesError(status=409, reason="Conflict", message=f"Precondition failed: UID in precondition: {uid}, "
+                raise kmock.KubernetesError(status=409, reason="Conflict", message=f"Precondition failed: UID in precondition: {uid}, "
                                           f"UID in object meta: {current['metadata'].get('uid')}")
             if wanted and wanted != current["metadata"].get("resourceVersion"):
-                raise k8s.KubernetesError(
+                raise kmock.KubernetesError(
                     status=409, reason="Conflict",
                     message=f"Operation cannot be fulfilled on {request.resource.plural} \"{request.name}\": "
                             "the object has been modified; please apply your changes to the latest version and try again")
@@ -660,13 +662,13 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         Returns (the object as it now is, whether it still exists)."""
         current = self._live(key)
         if current is None:
-            raise k8s.KubernetesObjectNotFoundError()
+            raise kmock.KubernetesObjectNotFoundError()
         meta = current["metadata"]
         for field in ("uid", "resourceVersion"):
             if (preconditions or {}).get(field) and preconditions[field] != meta.get(field):  # type: ignore[index]
-                raise k8s.KubernetesError(status=409, reason="Conflict", message=f"Precondition failed: {field} mismatch")
+                raise kmock.KubernetesError(status=409, reason="Conflict", message=f"Precondition failed: {field} mismatch")
         if policy not in (None, "Foreground", "Background", "Orphan"):
-            raise k8s.KubernetesError(status=400, reason="BadRequest", message=f"unknown propagationPolicy {policy!r}")
+            raise kmock.KubernetesError(status=400, reason="BadRequest", message=f"unknown propagationPolicy {policy!r}")
         info = self._info_for(key[0])
         is_pod = info is not None and info.kind == "Pod"
         if is_pod:
@@ -713,7 +715,7 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         async with self._lock:
             pod = self._live(key)
             if pod is None:
-                raise k8s.KubernetesObjectNotFoundError()
+                raise kmock.KubernetesObjectNotFoundError()
             if not pod["metadata"].get("deletionTimestamp") and pod.get("status", {}).get("phase") not in TERMINAL_PHASES:
                 status = pod.setdefault("status", {})
                 status["conditions"] = [c for c in status.get("conditions") or [] if c.get("type") != "DisruptionTarget"] + [{
@@ -732,13 +734,13 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         key = (request.resource, request.namespace, request.name)
         target = ((request.data or {}).get("target") or {}).get("name") if isinstance(request.data, dict) else None
         if not target:
-            raise k8s.KubernetesError(status=422, reason="Invalid", message="target.name: Required value")
+            raise kmock.KubernetesError(status=422, reason="Invalid", message="target.name: Required value")
         async with self._lock:
             pod = self._live(key)
             if pod is None:
-                raise k8s.KubernetesObjectNotFoundError()
+                raise kmock.KubernetesObjectNotFoundError()
             if pod.get("spec", {}).get("nodeName"):
-                raise k8s.KubernetesError(status=409, reason="Conflict",
+                raise kmock.KubernetesError(status=409, reason="Conflict",
                                           message=f"pod {request.name} is already assigned to node {pod['spec']['nodeName']!r}")
             pod.setdefault("spec", {})["nodeName"] = target
             status = pod.setdefault("status", {})
@@ -799,7 +801,7 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
                     await self._store(key, current, "MODIFIED")
                 continue
             policy = "Foreground" if waiting_for and dependents.get(meta.get("uid")) else "Background"
-            with contextlib.suppress(k8s.KubernetesError):
+            with contextlib.suppress(kmock.KubernetesError):
                 await self._delete(key, policy=policy)
 
         # Owners: release foreground deletions without blocking dependents, orphan on request.
@@ -847,7 +849,7 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
             seen.add(uid)
             first = self._orphaned_since.setdefault(uid, now)
             if now - first >= self.podgc_delay and self._current(key) is not None:
-                with contextlib.suppress(k8s.KubernetesError):
+                with contextlib.suppress(kmock.KubernetesError):
                     await self._delete(key, grace=0)
         self._orphaned_since = {uid: t for uid, t in self._orphaned_since.items() if uid in seen}
 

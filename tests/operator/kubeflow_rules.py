@@ -1,5 +1,6 @@
 """Checks a PyTorchJob the way the cluster would: the real Kubeflow CRD schema (training-operator
-v1.9, ../shared/reference) plus the training operator's validating-webhook rules (NOTES.md)."""
+v1.9, tests/fixtures/upstream/SOURCES.md) plus the training operator's validating-webhook rules
+(kubeflow/training-operator v1.9 pkg/webhooks/pytorch/pytorchjob_webhook.go)."""
 
 from __future__ import annotations
 

@@ -164,6 +164,63 @@ def test_a_new_etcd_image_rolls_out_without_a_new_attempt(etcd: LocalEtcd, tmp_p
             op.stop()
 
 
+def test_applied_children_are_those_whose_version_the_apply_changed() -> None:
+    """handlers.changed_children: an apply that writes nothing returns a version already seen (by
+    this process's last apply, or in the watch's copy of the object); only a write makes a new one."""
+    from llamaft.operator.handlers import changed_children, live_versions
+
+    cm, dep, svc = ("ConfigMap", "x-config"), ("Deployment", "x-etcd"), ("Service", "x-etcd")
+    after = {cm: "10", dep: "15", svc: "12"}
+    assert changed_children(after, {}) == ["ConfigMap x-config", "Deployment x-etcd", "Service x-etcd"], "nothing known"
+    # A restarted operator applied nothing yet; the watch shows every child as the apply finds it.
+    assert changed_children(after, {}, {cm: "10", dep: "15", svc: "12"}) == []
+    # The Deployment's status moved its version after our apply (10 -> 15); the apply is a no-op.
+    assert changed_children(after, {cm: "10", dep: "11", svc: "12"}, {dep: "15"}) == []
+    # The watch has not caught up with our last apply: that apply's version still counts as seen.
+    assert changed_children(after, {cm: "10", dep: "15", svc: "12"}, {cm: "7"}) == []
+    # A hand edit (12) repaired by this apply (13), a spec change (10 -> 16), a child re-created.
+    assert changed_children({cm: "16", dep: "15", svc: "13"}, {cm: "10", dep: "15", svc: "11"}, {svc: "12"}) == [
+        "ConfigMap x-config", "Service x-etcd"]
+    assert changed_children({svc: "20"}, {svc: "11"}, {}) == ["Service x-etcd"]
+    listed = {"Service": [{"metadata": {"name": "x-etcd", "resourceVersion": "12"}}],
+              "ConfigMap": [{"metadata": {"name": "y", "resourceVersion": None}}], "Deployment": []}
+    assert live_versions(listed) == {svc: "12"}
+
+
+def test_a_restart_or_a_status_change_applies_nothing_and_says_so(etcd: LocalEtcd, tmp_path: Path) -> None:
+    """Issue 24: an operator restarted mid-run posted a second ChildrenApplied listing every
+    unchanged child, and the managed etcd Deployment's status update (it became ready) posted
+    "applied Deployment ...". Events that say something happened when nothing did teach users to
+    ignore events. Only a change (here the scrape selector's labels) is reported, with what it
+    changed."""
+    def applied(own: Cluster) -> list[str]:
+        events = sorted(own.events("quiet"), key=lambda e: str(e.get("firstTimestamp") or e["metadata"]["creationTimestamp"]))
+        return [f'{e["reason"]}: {e["message"]}' for e in events if e["reason"] in ("ChildrenApplied", "DriftRepaired")]
+
+    with own_emulator(tmp_path) as (own, kubeconfig):
+        env = {"LLAMAFT_RENDEZVOUS_ADDRESS_OVERRIDE": etcd.endpoint}
+        op = Operator(kubeconfig, tmp_path / "a.log", **env).start()
+        try:
+            started(own, "quiet", tiny_spec(rendezvous=ETCD))  # and the etcd Deployment's status says ready
+            own.wait_reasons("quiet", "JobCreated")
+            before = applied(own)
+        finally:
+            op.stop()
+        assert before and "Deployment quiet-etcd" in before[0] and "ConfigMap quiet-config" in before[0]
+        op = Operator(kubeconfig, tmp_path / "b.log", **env).start()
+        try:
+            own.make_etcd_ready("quiet-etcd")  # another status-only write
+            own.patch_finetune("quiet", {"spec": {"monitoring": {"dcgm": {"scrapeSelector": {"team": "nlp"}}}}})
+            wait_for("relabelled", lambda: len(applied(own)) > len(before))
+            after = applied(own)[len(before):]
+        finally:
+            op.stop()
+    assert len(after) == 1 and "PodMonitor quiet-trainer" in after[0], after
+    assert not any(f"{kind} quiet-" in after[0] for kind in ("Deployment", "Service")), after
+    # The ConfigMap did change: it carries the whole spec (spec.json, the trackers' params).
+    assert "ConfigMap quiet-config" in after[0], after
+
+
 def test_deletion_is_left_to_the_garbage_collector(kubeconfig: Path, cluster: Cluster, operator: Operator,
                                                   emulator: EmulatorThread) -> None:
     started(cluster, "collected", tiny_spec(rendezvous=ETCD))

@@ -149,6 +149,9 @@ CASES = [
      "Preempted", True, None),
     ([pod(0), pod(1, "Running", node="node-5", conditions=[{"type": "DisruptionTarget", "status": "True", "reason": "DeletionByTaintManager"}])],
      "NodeLost", True, "node-5"),
+    # Pod GC deletes the pods of a node that is gone (the operator cannot read Nodes: this is how it knows).
+    ([pod(0), pod(1, "Running", node="node-6", conditions=[{"type": "DisruptionTarget", "status": "True", "reason": "DeletionByPodGC"}])],
+     "NodeLost", True, "node-6"),
     ([pod(0), pod(1, "Failed", exit_code=137, reason="OOMKilled")], "OOMKilled", True, None),
     ([pod(0), pod(1, "Failed", exit_code=137)], "Killed", True, None),
     ([pod(0, "Failed", exit_code=1, message=report(phase="Failed", reason="CollectiveTimeout", message="gloo timed out", step=12))],
@@ -158,7 +161,36 @@ CASES = [
     ([pod(0, "Failed", exit_code=1, message="Traceback ...\nRuntimeError: CUDA error: an illegal memory access")], "TrainerError", True, None),
     ([pod(0, "Failed", exit_code=143, message=report(phase="Failed", reason="Preempted", message="SIGTERM", step=12, checkpointStep=12))],
      "Preempted", True, None),
+    # etcd lost mid-run: torchrun's agent fails with RendezvousConnectionError and SIGTERMs the
+    # trainer; the evidence of the lost store wins over the SIGTERM's "Preempted".
+    ([pod(0, "Failed", exit_code=1, message="torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The "
+                                            "connection to etcd has failed. See inner exception for details.")],
+     "RendezvousLost", True, None),
+    ([pod(0, "Failed", exit_code=143, message=report(phase="Failed", reason="RendezvousLost", step=16, message=(
+        "torchrun's agent stopped the workers: its rendezvous store (etcd at x-etcd:2379) is unreachable: SIGTERM: "
+        "stopped after step 16"))), pod(1, "Failed", exit_code=143, message=report(phase="Failed", reason="Preempted",
+                                                                                  message="SIGTERM", step=16))],
+     "RendezvousLost", True, None),
+    ([pod(0, "Failed", exit_code=1, message="etcd.EtcdConnectionFailed: Connection to etcd failed due to "
+                                            "MaxRetryError"), pod(1, "Failed", exit_code=143, message=report(
+        phase="Failed", reason="Preempted", message="SIGTERM: stopped after step 16", step=16))],
+     "RendezvousLost", True, None),
 ]
+
+
+def test_the_trainers_precedence_follows_the_operators_priority() -> None:
+    """termination.PRECEDENCE (which failure a rank may overwrite in its pod's shared termination
+    message) must rank the trainer's reasons as failures.PRIORITY ranks them, TrainerError
+    standing for any other exception (OTHER_ERROR_PRECEDENCE); else a pod's message could keep a
+    cause the operator ranks below the one a peer overwrote."""
+    from llamaft_trainer import termination
+
+    ranks = {**termination.PRECEDENCE, failures.TRAINER_ERROR: termination.OTHER_ERROR_PRECEDENCE}
+    assert set(ranks) <= set(failures.PRIORITY)
+    by_trainer = sorted(ranks, key=lambda r: -ranks[r])
+    assert by_trainer == sorted(ranks, key=failures.PRIORITY.index)
+    assert len(set(ranks.values())) == len(ranks)
+    assert set(termination.PRECEDENCE) - {failures.TRAINER_ERROR} <= set(failures.TRAINER_REASONS)
 
 
 @pytest.mark.parametrize(("pods", "reason", "retryable", "node"), CASES, ids=[f"{c[1]}-{i}" for i, c in enumerate(CASES)])

@@ -34,12 +34,19 @@ def test_conditions_keep_transition_time_until_status_changes() -> None:
 
 
 def test_closed_rendezvous_is_found_in_job_conditions_or_termination_messages() -> None:
-    assert observe.closed_rendezvous(job(("Failed", "True", "f")), []) is None
+    """failures.classify finds it (observe.closed_rendezvous, which only this test called, is gone)."""
+    from llamaft.operator import failures
+
+    def closed(job_: dict[str, Any], pods: list[dict[str, Any]]) -> str | None:
+        found = failures.classify(job_, pods, None)
+        return found.message if found is not None and found.reason == failures.RENDEZVOUS_CLOSED else None
+
+    assert closed(job(("Failed", "True", "f")), []) is None
     failed = job(("Failed", "True", "PyTorchJobFailed"))
     failed["status"]["conditions"][0]["message"] = "torch.distributed.elastic.rendezvous.api.RendezvousClosedError: run closed"
-    assert "RendezvousClosedError" in (observe.closed_rendezvous(failed, []) or "")
+    assert "RendezvousClosedError" in (closed(failed, []) or "")
     pod = {"status": {"containerStatuses": [{"lastState": {"terminated": {"message": "... RendezvousClosedError ..."}}}]}}
-    assert observe.closed_rendezvous(job(("Failed", "True", "f")), [pod]) is not None
+    assert closed(job(("Failed", "True", "f")), [pod]) is not None
 
 
 def test_observe_status_progress_leader_and_events() -> None:

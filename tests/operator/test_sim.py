@@ -118,7 +118,7 @@ def test_job_runs_to_success_and_ttl_removes_it(sim: SimCluster, tiny_model: Pat
     name = job["metadata"]["name"]
     pod = sim.wait_pod_running(worker(job, 0), timeout=60)
     env = env_of(pod)
-    # The training operator's part of the env (NOTES.md) next to the template's.
+    # The training operator's part of the env (its PET_* variables) next to the template's.
     assert env["PYTHONUNBUFFERED"] == "1" and env["PET_NNODES"] == "2:2" and env["PET_NPROC_PER_NODE"] == "1"
     assert env["PET_RDZV_BACKEND"] == "etcd-v2" and env["PET_RDZV_ENDPOINT"] == "happy-etcd.default.svc:2379"
     assert env["PET_RDZV_ID"] == job["spec"]["elasticPolicy"]["rdzvId"] and env["PET_RDZV_CONF"] == "protocol=http"

@@ -1,4 +1,4 @@
-"""check_children (llamaft.render.admission): every rendered child of every example passes the Kubernetes
+"""render.admission.child_errors (through test_issue14.check_children): every rendered child of every example passes the Kubernetes
 schemas, the Kubeflow and Prometheus Operator CRDs and the pod rules; derived names fit; what the
 operator and the trainer read still parses under strict types; the rules are portable CEL."""
 
@@ -15,12 +15,12 @@ from llamaft.api.resource import MAX_ATTEMPTS, MAX_NAME_LENGTH
 from llamaft.api.spec import LlamaFineTuneSpec, TrainingJobConfig
 from llamaft.api.validation import validate_resource, validate_spec
 from llamaft.render import admission, desired
-from llamaft.render.admission import PLACEHOLDER_UID, check_children, child_errors, schema_errors
+from llamaft.render.admission import PLACEHOLDER_UID, child_errors, schema_errors
 from llamaft.render.naming import Owner
 
 from tests.conftest import EXAMPLES, REFERENCE, REPO
 from tests.validation import apiserver_model
-from tests.validation.test_issue14 import ADMISSION, RENDERED, base, with_
+from tests.validation.test_issue14 import ADMISSION, RENDERED, base, check_children, with_
 
 EXAMPLE_DOCS = {p.name: yaml.safe_load(p.read_text(encoding="utf-8")) for p in EXAMPLES}
 

@@ -1,5 +1,5 @@
 """Issue 14, case by case, with the exact message expected: what the API server now rejects at
-admission (schema, patterns, CEL rules), and what only the rendered children show (check_children).
+admission (schema, patterns, CEL rules), and what only the rendered children show (render.admission.child_errors).
 Every message names the field and says what to do."""
 
 from __future__ import annotations
@@ -8,10 +8,17 @@ import copy
 from typing import Any
 
 import pytest
+from llamaft.api.spec import LlamaFineTuneSpec
 from llamaft.api.validation import SpecInvalid, validate_resource
-from llamaft.render.admission import check_children
+from llamaft.render.admission import child_errors
 
 from tests.api.test_validation import base
+
+
+def check_children(spec: LlamaFineTuneSpec, name: str, namespace: str) -> list[str]:
+    """render.admission.child_errors as `<spec field>: <problem and fix>` lines (what `llamaft validate`
+    prints); a test helper, moved here from the admission checker, which had no other caller."""
+    return [str(e) for e in child_errors(spec, name, namespace)]
 
 
 def with_(*changes: tuple[str, Any]) -> dict[str, Any]:

@@ -199,3 +199,68 @@ def test_stdin(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[st
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(GOOD.encode())))
     assert main(["validate", "-"]) == 0
     assert capsys.readouterr().out.startswith("-: ok (ok: 2 worker(s)")
+
+
+DEEP = 100_000
+
+
+@pytest.mark.parametrize(("where", "text", "line"), [
+    ("a document of nested lists", "[" * DEEP + "]" * DEEP + "\n", 1),
+    ("nested lists inside spec", spec_with_overrides("{x: " + "[" * DEEP + "]" * DEEP + "}"), 4),
+    ("nested block lists", "- " * DEEP + "x\n", 1),
+])
+def test_100000_levels_are_refused_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str, text: str,
+                                           line: int) -> None:
+    """100,000 levels are refused as soon as the parser passes kubectl's 10,000 (once took minutes:
+    PyYAML's scanner walked every open level's possible key for each token, and the refused
+    document was then parsed to its end)."""
+    code, out, elapsed = run(tmp_path, capsys, text + GOOD.join(["---\n", ""]))
+    assert code == 1, out
+    assert f"F: line {line}: nested deeper than 10000 levels" in out.splitlines(), out
+    assert ("F: document at line 1: kubectl and the API server refuse objects nested deeper than 10000 levels; the "
+            "rest of the file is not read") in out.splitlines(), out
+    # Ten times past the limit costs what just past it does: a ratio of two runs side by side
+    # (CPU time, not wall time), plus the generous bound the 10,001-level cases have.
+    _, _, at_limit = run(tmp_path, capsys, text.replace("[" * DEEP, "[" * 10_001).replace("]" * DEEP, "]" * 10_001)
+                         .replace("- " * DEEP, "- " * 10_001))
+    assert elapsed < 3 * at_limit + 0.5 and elapsed < 3.0, (elapsed, at_limit)
+
+
+_EVENT_CASES = [
+    *(p.read_text() for p in sorted(Path("examples").glob("*.yaml"))),
+    GOOD, BOMB, nested(50), "[" * 1500 + "]" * 1500, "{" + ", ".join(f"k{i}: [" * 3 + "1" + "]" * 3 for i in range(400)) + "}",
+    "{" + "a" * 1100 + ": 1}", "[" * 300 + "\n" + "x: 1" + "]" * 300, "a:\n  b: [1,\n    2]\n  c: {d: e,\n f: g}\n",
+    "? [a, b]\n: c\n", "- [a, {b: c}, [d, e: f]]\n", "x: [&a 1, *a, !!str 2]\n---\ny: z\n...\n",
+]
+
+
+@pytest.mark.parametrize("text", _EVENT_CASES, ids=range(len(_EVENT_CASES)))
+def test_the_linear_scanner_reads_what_pyyaml_reads(text: str) -> None:
+    """documents._PyLoader changes how PyYAML's scanner finds its possible simple keys, not what
+    it finds: the same events (or the same error) as yaml.SafeLoader's, on the examples and on
+    flow collections deep, long, wide and spread over lines."""
+    from llamaft.api.documents import _PyLoader
+
+    def events(loader: type) -> list[Any]:
+        try:
+            return [(type(e).__name__, getattr(e, "value", None), getattr(e, "anchor", None), getattr(e, "tag", None),
+                     getattr(e.start_mark, "index", None), getattr(e.end_mark, "index", None)) for e in yaml.parse(text, Loader=loader)]
+        except yaml.YAMLError as exc:
+            return [str(exc)]
+
+    assert events(_PyLoader) == events(yaml.SafeLoader)
+
+
+@pytest.mark.parametrize("text", ["{a: b\nc: d}\n", "x: 1\ny\nz: 2\n", "a: [b\n c: d\n", "k" * 1030 + ": v\n",
+                                  "a:\n  b\n  c: d\n"])
+def test_the_linear_scanner_errs_as_pyyaml_does(text: str) -> None:
+    from llamaft.api.documents import _PyLoader
+
+    def error(loader: type) -> str:
+        try:
+            list(yaml.parse(text, Loader=loader))
+        except yaml.YAMLError as exc:
+            return str(exc)
+        return "no error"
+
+    assert error(_PyLoader) == error(yaml.SafeLoader)

@@ -145,6 +145,41 @@ def close_rendezvous(timeout_s: float = CLOSE_TIMEOUT_S) -> tuple[bool, str]:
     return outcome[0] if outcome else (False, f"closing the rendezvous took over {timeout_s:.0f} s")
 
 
+PROBE_TIMEOUT_S = 2.0
+"""How long a stopped worker tries to reach its agent's rendezvous store."""
+_DEFAULT_PORTS = {"etcd": 2379, "etcd-v2": 2379, "c10d": 29400}
+
+
+def rendezvous_lost(timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+    """After a SIGTERM under torchrun: why it came from the agent losing its rendezvous store, or
+    None (not under torchrun, no store to reach, or the store answers: a real preemption).
+
+    torchrun's agent that loses its store (etcd gone mid-run) raises RendezvousConnectionError and
+    SIGTERMs its workers; only its log says so, and the workers' own report would say Preempted. So
+    a stopped worker tries the store's address (a TCP connect, at most `timeout_s`): refused or
+    unreachable means the agent's error is what stopped it. Never raises."""
+    if not under_torchrun():
+        return None
+    try:
+        params, _ = rendezvous_parameters(timeout_s)
+        if params is None:
+            return None
+        endpoint = str(params.endpoint).split(",")[0].strip()
+        endpoint = endpoint.split("://", 1)[-1].rstrip("/")
+        host, _, port = endpoint.rpartition(":") if ":" in endpoint else (endpoint, "", "")
+        port_number = int(port) if port.isdigit() else _DEFAULT_PORTS.get(str(params.backend), 2379)
+        import socket
+
+        try:
+            socket.create_connection((host.strip("[]"), port_number), timeout=timeout_s).close()
+        except OSError as exc:
+            return (f"torchrun's agent stopped the workers: its rendezvous store ({params.backend} at {host}:{port_number}) "
+                    f"is unreachable ({exc.strerror or type(exc).__name__}; the agent's log says RendezvousConnectionError)")
+        return None
+    except Exception:  # the stop path must not fail
+        return None
+
+
 def end_job(timeout_s: float = CLOSE_TIMEOUT_S) -> None:
     """After a permanent error under torchrun: close the rendezvous, so no restart follows."""
     if not under_torchrun():

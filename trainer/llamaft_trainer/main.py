@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from llamaft.api.documents import parse_documents
 from llamaft.api.spec import FsdpImplementation, LoraExport, TrainingJobConfig
 from llamaft.api.validation import SpecInvalid, validate_resource
@@ -103,13 +102,6 @@ class Session:
     steps: int
     flops_per_token: float
     n_params: int
-
-
-def _agree(failed: bool, rt: Runtime) -> bool:
-    """True when any rank failed (so every rank stops instead of hanging in a collective)."""
-    flag = torch.tensor([1.0 if failed else 0.0], device=rt.device)
-    dist.all_reduce(flag)
-    return bool(flag.item() > 0)
 
 
 def build_model(cfg: TrainingJobConfig, rt: Runtime, model_config: Any) -> tuple[nn.Module, int]:
@@ -265,7 +257,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         healthy = True  # every rank got here together (a stop is agreed on collectively)
         if result.stopped is not None:
             message = result.stopped.message(record.checkpoint_step)
-            _report(termination.failed(termination.PREEMPTED, message, record, retryable=True), rt)
+            lost = elastic.rendezvous_lost()
+            reason = termination.PREEMPTED if lost is None else termination.RENDEZVOUS_LOST
+            _report(termination.failed(reason, message if lost is None else f"{lost}: {message}", record,
+                                       retryable=True), rt)
             if progress is not None:
                 progress.update(phase="Preempted")
             return EXIT_PREEMPTED

@@ -29,11 +29,16 @@ CONFIG_ERROR = "ConfigError"
 PREEMPTED = "Preempted"
 COLLECTIVE_TIMEOUT = "CollectiveTimeout"
 PEER_LOST = "PeerLost"
+RENDEZVOUS_LOST = "RendezvousLost"
+"""SIGTERM from torchrun's agent while its rendezvous store is unreachable: the agent lost the
+rendezvous (RendezvousConnectionError) and stopped the workers; no preemption happened."""
 
-PRECEDENCE = {CONFIG_ERROR: 4, PREEMPTED: 3, COLLECTIVE_TIMEOUT: 1, PEER_LOST: 0}
+PRECEDENCE = {CONFIG_ERROR: 5, RENDEZVOUS_LOST: 4, PREEMPTED: 3, COLLECTIVE_TIMEOUT: 1, PEER_LOST: 0}
 """Which failure a rank may overwrite in the shared file: a higher (or equal) rank wins; any other
-exception type ranks 2. The same order as the operator's (failures.PRIORITY): a preemption explains
-its peers' errors, and a timeout or a lost peer is usually the echo of another rank's failure."""
+exception type ranks 2. The same order as the operator's (failures.PRIORITY, "TrainerError" standing
+for any other exception; tests/operator/test_lifecycle.py checks it): a lost rendezvous explains the
+SIGTERM, a preemption explains its peers' errors, and a timeout or a lost peer is usually the echo
+of another rank's failure."""
 OTHER_ERROR_PRECEDENCE = 2
 
 _TIMED_OUT = re.compile(r"timed out|timeout|watchdog caught collective", re.IGNORECASE)
@@ -126,7 +131,7 @@ def exit_code(reason: str) -> int:
     """The trainer process's exit code for a failure `reason` (docs/progress-contract.md)."""
     if reason == CONFIG_ERROR:
         return EXIT_CONFIG_ERROR
-    if reason == PREEMPTED:
+    if reason in (PREEMPTED, RENDEZVOUS_LOST):  # both stopped on a SIGTERM
         return EXIT_PREEMPTED
     return EXIT_FAILURE
 

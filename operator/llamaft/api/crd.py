@@ -231,7 +231,7 @@ def crd() -> dict[str, Any]:
                         "openAPIV3Schema": {
                             "type": "object",
                             "description": "LlamaFineTune fine-tunes a Llama-shaped model with PyTorch FSDP "
-                            "on a Kubeflow PyTorchJob.",
+                            "on a Kubeflow PyTorchJob or TrainJob.",
                             "required": ["spec"],
                             "properties": {
                                 "apiVersion": {"type": "string"},

@@ -5,7 +5,8 @@ Limits, as kubectl and the API server have them:
 - a file of at most MAX_FILE_BYTES (the API server's request limit is 3 MiB);
 - UTF-8, or UTF-16 with a byte-order mark (kubectl reads both); anything else is refused with the
   line of the first bad byte;
-- nesting at most MAX_DEPTH levels (kubectl's YAML decoder stops at 10,000);
+- nesting at most MAX_DEPTH levels (kubectl's YAML decoder stops at 10,000): the file is read no
+  further than the first level past it, so 100,000 nested lists are refused as fast as 10,001;
 - each document, with its YAML aliases expanded, at most MAX_OBJECT_BYTES of JSON (etcd stores at
   most 1.5 MiB per object): a "billion laughs" document is refused as soon as it passes the limit,
   without expanding it;
@@ -29,6 +30,7 @@ from typing import Any
 
 import yaml
 from yaml import events as ev
+from yaml.scanner import ScannerError
 
 from llamaft.api import resource
 from llamaft.api.validation import MAX_DEPTH, FieldError, SpecInvalid, short
@@ -44,8 +46,37 @@ _MAP_TAGS = {None, "!", f"{_CORE}map"}
 _SEQ_TAGS = {None, "!", f"{_CORE}seq"}
 
 
-_PyLoader = yaml.SafeLoader
-"""Pure-Python parser: no nesting limit of its own (libyaml stops at 1000 levels)."""
+class _PyLoader(yaml.SafeLoader):
+    """Pure-Python parser: no nesting limit of its own (libyaml stops at 1000 levels), in linear time.
+
+    PyYAML's scanner keeps one possible simple key per open flow level and, for every token,
+    walks all of them twice (`stale_possible_simple_keys`, `next_possible_simple_key`): with
+    thousands of `[` or `{` on a line, up to 1024 keys are alive (a key is stale 1024 characters
+    on), so 10,000 levels took 30 s and 100,000 minutes. The keys are kept in a dict whose order
+    is their flow level's (a key is saved at the innermost open level, and a level's key is removed
+    when the level closes), which is also the order of their token numbers and positions. So the
+    nearest key is the first one, and the stale keys are a prefix: same answers, same errors, from
+    the front of the dict only (a differential test checks the events against PyYAML's own).
+    """
+
+    def next_possible_simple_key(self) -> int | None:
+        for key in self.possible_simple_keys.values():
+            return int(key.token_number)
+        return None
+
+    def stale_possible_simple_keys(self) -> None:
+        keys = self.possible_simple_keys
+        while keys:
+            level = next(iter(keys))
+            key = keys[level]
+            if key.line == self.line and self.index - key.index <= 1024:
+                return
+            if key.required:
+                raise ScannerError("while scanning a simple key", key.mark, "could not find expected ':'",
+                                   self.get_mark())
+            del keys[level]
+
+
 _CLoader: type | None = getattr(yaml, "CSafeLoader", None) if getattr(yaml, "__with_libyaml__", False) else None
 
 # Plain (unquoted, untagged) scalars are resolved as kubectl's YAML reader (go-yaml v2, through
@@ -151,6 +182,12 @@ class _BadDocument(Exception):
     def __init__(self, line: int, message: str) -> None:
         super().__init__(message)
         self.line, self.message = line, message
+
+
+class _TooDeep(_BadDocument):
+    """Nested past MAX_DEPTH: the rest of the file is not read (only the parser could skip the
+    document's remaining levels, at its pace: 100,000 levels would take seconds, for a file
+    that kubectl and the API server refuse whole)."""
 
 
 def _json_size(value: Any) -> int:
@@ -263,7 +300,7 @@ def _build(loader: Any, start_line: int) -> Any:
             if event.tag not in (_MAP_TAGS if is_map else _SEQ_TAGS):
                 raise _BadDocument(line, f"unsupported YAML tag {event.tag!r}: use plain mappings and lists")
             if len(stack) >= MAX_DEPTH:
-                raise _BadDocument(line, f"nested deeper than {MAX_DEPTH} levels")
+                raise _TooDeep(line, f"nested deeper than {MAX_DEPTH} levels")
             if event.anchor:
                 building.add(event.anchor)
             stack.append(_Frame({} if is_map else [], event.anchor, line))
@@ -343,6 +380,12 @@ def _parse(text: str, source: str, loader_class: type) -> list[Document]:
                     f"document at line {line}", f"larger than {MAX_OBJECT_BYTES // 1024} KiB as JSON once its YAML "
                     "aliases (*name) are expanded: the API server stores at most 1.5 MiB per object")]))
                 continue
+            except _TooDeep as deep:
+                docs.append(Document(source, index, None, line, [
+                    FieldError(f"line {deep.line}", deep.message),
+                    FieldError(f"document at line {line}", f"kubectl and the API server refuse objects nested deeper "
+                               f"than {MAX_DEPTH} levels; the rest of the file is not read")]))
+                break
             except _BadDocument as bad:
                 _skip_document(loader)
                 docs.append(Document(source, index, None, line, [FieldError(f"line {bad.line}", bad.message)]))

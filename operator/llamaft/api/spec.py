@@ -1017,7 +1017,7 @@ class TrainingJobConfig(ApiModel):
 
 
 class LlamaFineTuneSpec(TrainingJobConfig):
-    """A Llama fine-tuning run with PyTorch FSDP on a Kubeflow PyTorchJob."""
+    """A Llama fine-tuning run with PyTorch FSDP on a Kubeflow PyTorchJob or TrainJob."""
 
     model_config = api_config(
         HYBRID_GROUPS_RULE, HYBRID_DIVIDES_RULE, ELASTIC_HYBRID_RULE, LORA_FSDP1_RULE, HYBRID_WORLD_RULE,

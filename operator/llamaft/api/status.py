@@ -93,7 +93,7 @@ class FailureRecord(ApiModel):
     """The attempt that failed."""
     reason: str = Field(max_length=128)
     """Classified cause: ConfigError, Evicted, Preempted, NodeLost, OOMKilled, Killed, TrainerError,
-    CollectiveTimeout, RendezvousClosed, GPUXid, Stalled, DeadlineExceeded, JobFailed."""
+    CollectiveTimeout, RendezvousClosed, RendezvousLost, GPUXid, Stalled, DeadlineExceeded, JobFailed."""
     retryable: bool
     """Whether the policy treats this cause as retryable."""
     message: str = Field(default="", max_length=2048)
@@ -180,7 +180,7 @@ class LlamaFineTuneStatus(ApiModel):
     queue: str | None = None
     """The Kueue LocalQueue the job waits in or was admitted from."""
     job_name: str | None = None
-    """Name of the child PyTorchJob of the current attempt."""
+    """Name of the child job (PyTorchJob or TrainJob, see `backend`) of the current attempt."""
     rendezvous_id: str | None = None
     """torchrun rendezvous id of the current attempt (unique per attempt)."""
     attempt: int = 0

@@ -1,15 +1,18 @@
 """Evidence -> failure: why an attempt died, and whether running it again can help.
 
-Pure functions over the objects the operator reads (the attempt's PyTorchJob, its pods, the
-cluster's node names, the GPU health verdict, the trainer's progress). Each way an attempt can
+Pure functions over the objects the operator reads (the attempt's PyTorchJob or TrainJob, its pods,
+the GPU health verdict, the trainer's progress). Nodes are not among them: the operator has no
+RBAC to read Node objects, so a lost node is known from what the control plane writes on its pods
+(reason NodeLost, the taint manager's or pod GC's DisruptionTarget). Each way an attempt can
 die leaves its own evidence; this module reads all of it and names one cause:
 
 | evidence | cause | retryable | node excluded |
 | --- | --- | --- | --- |
 | the trainer's termination message, reason ConfigError (exit 2) | ConfigError | no | no |
-| pod on a node that is gone, pod reason NodeLost, DisruptionTarget DeletionByTaintManager | NodeLost | yes | yes |
+| pod reason NodeLost, DisruptionTarget DeletionByTaintManager or DeletionByPodGC | NodeLost | yes | yes |
 | pod reason Evicted, DisruptionTarget TerminationByKubelet (node pressure, shutdown) | Evicted | yes | yes |
 | DisruptionTarget EvictionByEvictionAPI (drain) | Evicted | yes | no |
+| torchrun's agent lost its rendezvous store: `RendezvousConnectionError` (or etcd's connection errors) in the container's message, or the trainer's reason RendezvousLost | RendezvousLost | yes | no |
 | DisruptionTarget PreemptionByScheduler, trainer reason Preempted (SIGTERM) | Preempted | yes | no |
 | container terminated reason OOMKilled | OOMKilled | yes | no |
 | container exit 137 / 143 without a trainer message | Killed | yes | no |
@@ -43,6 +46,7 @@ OOM_KILLED = "OOMKilled"
 KILLED = "Killed"
 GPU_XID = "GPUXid"
 RENDEZVOUS_CLOSED = "RendezvousClosed"
+RENDEZVOUS_LOST = "RendezvousLost"
 COLLECTIVE_TIMEOUT = "CollectiveTimeout"
 PEER_LOST = "PeerLost"
 TRAINER_ERROR = "TrainerError"
@@ -51,11 +55,14 @@ DEADLINE_EXCEEDED = "DeadlineExceeded"
 JOB_FAILED = "JobFailed"
 
 PRIORITY = [
-    CONFIG_ERROR, NODE_LOST, EVICTED, PREEMPTED, OOM_KILLED, GPU_XID, RENDEZVOUS_CLOSED,
+    CONFIG_ERROR, NODE_LOST, EVICTED, RENDEZVOUS_LOST, PREEMPTED, OOM_KILLED, GPU_XID, RENDEZVOUS_CLOSED,
     TRAINER_ERROR, KILLED, COLLECTIVE_TIMEOUT, PEER_LOST, STALLED, DEADLINE_EXCEEDED, JOB_FAILED,
 ]
 PERMANENT = frozenset({CONFIG_ERROR, DEADLINE_EXCEEDED})
 CLOSED_RENDEZVOUS_TEXT = "RendezvousClosedError"
+LOST_RENDEZVOUS_TEXTS = ("RendezvousConnectionError", "EtcdConnectionFailed", "The connection to etcd has failed")
+"""What torchrun's agent (and python-etcd under it) says when the rendezvous store is gone. The
+agent then SIGTERMs its workers, whose own report says Preempted: this evidence wins."""
 # DisruptionTarget reasons (Kubernetes pod disruption conditions) -> (cause, exclude the node)
 DISRUPTIONS = {
     "DeletionByTaintManager": (NODE_LOST, True),
@@ -66,7 +73,7 @@ DISRUPTIONS = {
 }
 TRAINER_REASONS = {
     CONFIG_ERROR: CONFIG_ERROR, "Preempted": PREEMPTED, COLLECTIVE_TIMEOUT: COLLECTIVE_TIMEOUT,
-    PEER_LOST: PEER_LOST,
+    PEER_LOST: PEER_LOST, RENDEZVOUS_LOST: RENDEZVOUS_LOST,
 }
 
 
@@ -135,7 +142,7 @@ def _node(pod: Obj) -> str | None:
     return str(node) if node else None
 
 
-def pod_failure(pod: Obj, nodes: frozenset[str] | None, last_step: int | None) -> Failure | None:
+def pod_failure(pod: Obj, last_step: int | None) -> Failure | None:
     """The evidence one pod carries, or None when it is healthy (running, pending or succeeded)."""
     status = pod.get("status", {})
     name, node = _name(pod), _node(pod)
@@ -147,7 +154,7 @@ def pod_failure(pod: Obj, nodes: frozenset[str] | None, last_step: int | None) -
         return Failure(CONFIG_ERROR, str(report.get("message", ""))[:1500], False, None, name, exit_code, step)
     if status.get("phase") == "Succeeded" or (state is not None and exit_code == 0):
         return None
-    if status.get("reason") == "NodeLost" or (nodes is not None and node is not None and node not in nodes):
+    if status.get("reason") == "NodeLost":
         return Failure(NODE_LOST, f"node {node} of pod {name} is gone", True, node, name, exit_code, step)
     disruption = _condition(pod, "DisruptionTarget")
     if disruption is not None:
@@ -164,6 +171,9 @@ def pod_failure(pod: Obj, nodes: frozenset[str] | None, last_step: int | None) -
     text = str(state.get("message") or "")
     if CLOSED_RENDEZVOUS_TEXT in text:
         return Failure(RENDEZVOUS_CLOSED, text[-1500:], True, None, name, exit_code, step)
+    if any(t in text for t in LOST_RENDEZVOUS_TEXTS):
+        return Failure(RENDEZVOUS_LOST, f"pod {name}: torchrun's agent lost its rendezvous store: {text[-1400:]}", True,
+                       None, name, exit_code, step)
     if state.get("reason") == "OOMKilled":
         return Failure(OOM_KILLED, f"pod {name} on {node} was OOM-killed (exit {exit_code})", True, None, name, exit_code, step)
     if report is not None and report.get("phase") == "Failed":
@@ -195,9 +205,9 @@ def most_specific(failures: Iterable[Failure]) -> Failure | None:
     return ranked[0] if ranked else None
 
 
-def classify(job: Obj | None, pods: Sequence[Obj], nodes: frozenset[str] | None, last_step: int | None) -> Failure | None:
+def classify(job: Obj | None, pods: Sequence[Obj], last_step: int | None) -> Failure | None:
     """The cause of the attempt's death, or None while nothing has failed."""
-    found = [f for f in (pod_failure(p, nodes, last_step) for p in pods) if f is not None]
+    found = [f for f in (pod_failure(p, last_step) for p in pods) if f is not None]
     return most_specific(found) or job_failure(job, last_step)
 
 

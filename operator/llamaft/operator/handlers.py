@@ -33,7 +33,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any, cast
@@ -640,7 +640,9 @@ class Step:
             self.memo["owner_checked"] = owner.uid
         applied: dict[tuple[str, str], str] = {}
         previous = self.memo["applied"].get(key, {})
-        changed: list[str] = []
+        # The versions each child is known to have had before this apply: what this process applied
+        # last, and the live object's (kopf's index, or the listing), either possibly the older.
+        seen = live_versions(self._indexed_children() if listed is None else listed)
         monitoring_missing: MonitoringUnavailable | None = None
         for child in wanted:
             kind, name = child["kind"], child["metadata"]["name"]
@@ -649,10 +651,8 @@ class Step:
             except MonitoringUnavailable as exc:
                 monitoring_missing = exc
                 continue
-            version = str(live.get("metadata", {}).get("resourceVersion", ""))
-            applied[(kind, name)] = version
-            if previous.get((kind, name)) != version:
-                changed.append(f"{kind} {name}")
+            applied[(kind, name)] = str(live.get("metadata", {}).get("resourceVersion", ""))
+        changed = changed_children(applied, previous, seen)
         pruned = self._prune(owner, set(applied) | {(c["kind"], c["metadata"]["name"]) for c in wanted}, listed, previous)
         self.memo["applied"][key] = applied
         self.memo["children_digest"] = digest
@@ -681,6 +681,13 @@ class Step:
         if handed is not None and handed[0] == source:
             return copy.deepcopy(handed[1])  # type: ignore[no-any-return]
         return desired.children(owner, spec, self.settings.etcd_image, dict(self.settings.dashboard_labels))
+
+    def _indexed_children(self) -> dict[str, list[Obj]]:
+        """This LlamaFineTune's labelled children as kopf's index has them ({} without the index)."""
+        if self.children_index is None:
+            return {}
+        entries = list(self.children_index.get((self.namespace, self.name), ()))
+        return {kind: [e for e in entries if e["kind"] == kind] for kind in CHILD_KINDS}
 
     def _labelled_children(self) -> dict[str, list[Obj]]:
         """The objects of the child kinds that carry this LlamaFineTune's label, by kind: from kopf's
@@ -861,7 +868,8 @@ CHILD_LABELS = {LABEL_FINETUNE: kopf.PRESENT}
 async def child_drifted(type: str | None, body: kopf.Body, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
     """A child llamaft applied changed in a way llamaft did not (a hand edit, a deletion): its
     owner's lifecycle applies the children again now. Our own applies are recognised by the
-    resourceVersion they returned; the Deployment's status updates cost one no-op apply."""
+    resourceVersion they returned; the Deployment's status updates cost one no-op apply (which
+    posts no event: changed_children)."""
     owner, namespace = (meta.get("labels") or {}).get(LABEL_FINETUNE), meta.get("namespace")
     if not owner or not namespace:
         return
@@ -877,6 +885,25 @@ async def child_drifted(type: str | None, body: kopf.Body, meta: kopf.Meta, memo
 CHILD_KINDS = ("ConfigMap", "Deployment", "Service", "PodMonitor", "PrometheusRule")
 
 
+def live_versions(listed: Mapping[str, Sequence[Obj]]) -> dict[tuple[str, str], str]:
+    """(kind, name) -> resourceVersion of the listed children (those that have one)."""
+    return {(kind, str(o["metadata"]["name"])): str(o["metadata"]["resourceVersion"])
+            for kind, objs in listed.items() for o in objs if (o.get("metadata") or {}).get("resourceVersion")}
+
+
+def changed_children(after: Mapping[tuple[str, str], str], *before: Mapping[tuple[str, str], str]) -> list[str]:
+    """The children a round of server-side applies changed, as "Kind name", in apply order.
+
+    `after`: the resourceVersion each apply returned; `before`: versions each child was known to
+    have had before it (what this process applied last, what the watch last showed). A server-side
+    apply that changes nothing is not written and returns the version it found, one already seen;
+    a write makes a new one. So an operator restarted mid-run, or a Deployment whose status alone
+    moved its version, reports no "applied" (issue 24: events that say something happened when
+    nothing did teach users to ignore events)."""
+    return [f"{kind} {name}" for (kind, name), version in after.items()
+            if not any(known.get((kind, name)) == version for known in before)]
+
+
 @kopf.index("", "v1", "configmaps", labels=CHILD_LABELS)
 @kopf.index("", "v1", "services", labels=CHILD_LABELS)
 @kopf.index("apps", "v1", "deployments", labels=CHILD_LABELS)
@@ -885,7 +912,7 @@ CHILD_KINDS = ("ConfigMap", "Deployment", "Service", "PodMonitor", "PrometheusRu
 async def children_by_owner(resource: kopf.Resource, meta: kopf.Meta, **_: Any) -> dict[tuple[str, str], Obj]:
     """Every labelled child, by (namespace, owner name), as much of it as the first apply of an
     incarnation looks at: its name, owners and deletion (the previous incarnation's objects to wait
-    for, this one's to prune). kopf lists the indexed kinds before it runs any other handler or
+    for, this one's to prune), and its resourceVersion (whether an apply changed it). kopf lists the indexed kinds before it runs any other handler or
     daemon (kopf/_core/reactor/processing.py: operator_indexed), so the index is complete at start;
     after that it follows the watches. It replaces five LISTs per new LlamaFineTune."""
     owner, namespace = (meta.get("labels") or {}).get(LABEL_FINETUNE), meta.get("namespace")
@@ -893,6 +920,8 @@ async def children_by_owner(resource: kopf.Resource, meta: kopf.Meta, **_: Any) 
         return {}
     return {(str(namespace), str(owner)): {"kind": resource.kind, "metadata": {
         "name": meta.get("name"), "deletionTimestamp": meta.get("deletionTimestamp"),
+        # the version the watch last showed: an apply that returns it changed nothing (changed_children)
+        **({"resourceVersion": meta["resourceVersion"]} if meta.get("resourceVersion") else {}),
         "ownerReferences": [{"uid": ref.get("uid")} for ref in meta.get("ownerReferences") or []]}}}
 
 

@@ -263,7 +263,7 @@ def _with_job(obs: Observed, attempt: int, d: Decision) -> Decision:
         last_progress = obs.now
         d.status["lastProgressTime"] = now
     if not suspended:
-        failure = failures.classify(obs.job, obs.pods, None, last_step) or obs.gpu
+        failure = failures.classify(obs.job, obs.pods, last_step) or obs.gpu
         job_phase, _, _ = observe.job_phase(obs.job)
         if failure is None and job_phase is Phase.RUNNING:
             failure = _stalled(obs, last_step, last_progress)

@@ -22,8 +22,6 @@ JOB_PHASE_PRIORITY = [
     ("Running", Phase.RUNNING),
     ("Created", Phase.CREATING),
 ]
-CLOSED_RENDEZVOUS = "RendezvousClosedError"
-
 Obj = Mapping[str, Any]
 
 
@@ -68,25 +66,6 @@ def job_phase(job: Obj | None) -> tuple[Phase, str, str]:
             c = by_type[type_]
             return phase, str(c.get("reason") or type_), str(c.get("message") or "")
     return Phase.CREATING, "JobCreated", "waiting for the training operator"
-
-
-def _termination_messages(pods: Iterable[Obj]) -> Iterable[str]:
-    for pod in pods:
-        for cs in pod.get("status", {}).get("containerStatuses", []) or []:
-            for state in (cs.get("state", {}), cs.get("lastState", {})):
-                message = (state or {}).get("terminated", {}).get("message")
-                if message:
-                    yield str(message)
-
-
-def closed_rendezvous(job: Obj | None, pods: Iterable[Obj]) -> str | None:
-    """The evidence that the run died of a closed rendezvous, or None."""
-    texts = [str(c.get("message", "")) for c in (job or {}).get("status", {}).get("conditions", [])]
-    texts += list(_termination_messages(pods))
-    for text in texts:
-        if CLOSED_RENDEZVOUS in text:
-            return text[:500]
-    return None
 
 
 def progress_status(doc: Mapping[str, Any] | None, previous: Mapping[str, Any]) -> dict[str, Any]:

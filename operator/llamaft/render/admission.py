@@ -6,7 +6,7 @@ objects of an attempt once (`desired.children`: ConfigMap, managed etcd, PodMoni
 PrometheusRule, dashboard; and the attempt's PyTorchJob, with `backend: TrainJob` the TrainJob of
 llamaft.render.trainjob instead), checks exactly those and returns the children to apply with the
 problems found; `child_errors(spec, name, namespace)` (`llamaft validate` / `render`, the sweep)
-checks the same for a spec alone, and `check_children` gives its problems as lines. Both check
+checks the same for a spec alone. Both check
 - every built-in object against the Kubernetes OpenAPI schemas (kubernetes-validate's strict
   JSON schemas: unknown fields are errors), the worker pod template included;
 - the PyTorchJob against the vendored Kubeflow CRD (training-operator v1.9) and its webhook's
@@ -68,20 +68,15 @@ OVERRIDES = "spec.cluster.podTemplateOverrides"
 TEMPLATE = ("spec", "pytorchReplicaSpecs", "Worker", "template")
 
 
-def check_children(spec: LlamaFineTuneSpec, name: str, namespace: str) -> list[str]:
-    """Every problem of the objects the operator would create for this (admitted) spec, as
-    `<spec field>: <problem and fix>` lines; empty when the cluster will accept them all.
-    Pure and deterministic; about 20-60 ms per call once the schemas are loaded (~1 s once)."""
-    return [str(e) for e in child_errors(spec, name, namespace)]
-
-
 def child_errors(
     spec: LlamaFineTuneSpec, name: str, namespace: str, *, uid: str = PLACEHOLDER_UID, attempt: int = 1,
     backend: Backend | None = None,
 ) -> list[FieldError]:
-    """check_children with the errors as FieldError (path, message). `backend`: the job kind to
-    check (default spec.backend; `auto` checks what it picks when both are served,
-    trainjob.preferred_backend)."""
+    """Every problem of the objects the operator would create for this (admitted) spec, as
+    FieldError (the spec field that causes it, the problem and fix); empty when the cluster will
+    accept them all. `backend`: the job kind to check (default spec.backend; `auto` checks what it
+    picks when both are served, trainjob.preferred_backend). Pure and deterministic; about 20-60 ms
+    per call once the schemas are loaded (~1 s once)."""
     backend = backend or trainjob.preferred_backend(spec)
     train_job = backend is Backend.TRAIN_JOB
     name_errors = _name_errors(spec, name, namespace, uid, train_job=train_job)
