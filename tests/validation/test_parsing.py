@@ -220,10 +220,10 @@ def test_100000_levels_are_refused_at_once(tmp_path: Path, capsys: pytest.Captur
     assert ("F: document at line 1: kubectl and the API server refuse objects nested deeper than 10000 levels; the "
             "rest of the file is not read") in out.splitlines(), out
     # Ten times past the limit costs what just past it does: a ratio of two runs side by side
-    # (CPU time, not wall time), plus the generous bound the 10,001-level cases have.
+    # (CPU time, not wall time); no absolute bound, which would measure the machine.
     _, _, at_limit = run(tmp_path, capsys, text.replace("[" * DEEP, "[" * 10_001).replace("]" * DEEP, "]" * 10_001)
                          .replace("- " * DEEP, "- " * 10_001))
-    assert elapsed < 3 * at_limit + 0.5 and elapsed < 3.0, (elapsed, at_limit)
+    assert elapsed < 3 * at_limit + 0.5, (elapsed, at_limit)
 
 
 _EVENT_CASES = [
