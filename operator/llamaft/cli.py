@@ -282,6 +282,7 @@ def _cmd_render(args: argparse.Namespace) -> int:
     from llamaft.api.spec import Backend
     from llamaft.render import trainjob
     from llamaft.render.admission import PLACEHOLDER_UID, child_errors
+    from llamaft.render.backends import backend_for
     from llamaft.render.desired import desired_objects
     from llamaft.render.naming import Owner
 
@@ -307,9 +308,8 @@ def _cmd_render(args: argparse.Namespace) -> int:
         _print_errors("error", problems, sys.stderr)
         return 1
     owner = Owner(body["metadata"]["name"], namespace, uid)
-    objects = desired_objects(owner, spec, args.attempt)
-    if backend is Backend.TRAIN_JOB:
-        objects = [trainjob.train_job(owner, spec, args.attempt) if o["kind"] == "PyTorchJob" else o for o in objects]
+    job = backend_for(backend).render(owner, spec, args.attempt)
+    objects = [job if o["kind"] == "PyTorchJob" else o for o in desired_objects(owner, spec, args.attempt)]
     sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False, width=120))
     return 0
 

@@ -47,18 +47,16 @@ from llamaft.api.status import TERMINAL_PHASES, Phase
 from llamaft.api.validation import SpecInvalid, validate_spec
 from llamaft.operator import failures, gpu_health, lifecycle, observe, rendezvous
 from llamaft.operator.http import HttpClient, HttpError
-from llamaft.operator.kube import JOBS, ForeignObject, Kube, MonitoringUnavailable, owned_by
+from llamaft.operator.kube import ForeignObject, Kube, MonitoringUnavailable, owned_by
 from llamaft.operator.metrics import FINETUNES, RECONCILE_SECONDS, RECONCILES, RENDEZVOUS_RESETS, RETRIES
 from llamaft.operator.settings import OperatorSettings
 from llamaft.planner import Admission, admission
 from llamaft.render import desired, trainjob
 from llamaft.render.admission import PLACEHOLDER_UID, checked_children
+from llamaft.render.backends import BACKENDS, JobBackend, backend_for
 from llamaft.render.naming import LABEL_FINETUNE, Owner
 
 RESOURCE = (resource.GROUP, resource.VERSION, resource.PLURAL)
-MISSING = {"PyTorchJob": "kubeflow.org/v1 PyTorchJobs (install the Kubeflow training operator v1.9)",
-           "TrainJob": "trainer.kubeflow.org/v1alpha1 TrainJobs (install Kubeflow Trainer v2.3 and its "
-                       "torch-distributed runtime)"}
 PRUNABLE = ("ConfigMap", "Deployment", "Service", "PrometheusRule")
 """Kinds of the children the spec can stop wanting: the dashboard ConfigMap and the alerts
 (monitoring.dcgm off), the managed etcd (rendezvous changed). The trainer's PodMonitor is always
@@ -305,6 +303,8 @@ class Step:
         self.settings = settings_of(memo)
         self.http: HttpClient = memo["http"]
         self.job_kind = "PyTorchJob"
+        self.backend: JobBackend = backend_for(self.job_kind)
+        """The run's job backend (status.backend), set with job_kind once the step resolves it."""
         self.children_index: Mapping[tuple[str, str], Any] | None = None
         """kopf's index of the labelled children (`children_by_owner`); None: list them."""
         self.created: Obj | None = None
@@ -334,6 +334,7 @@ class Step:
         if backend is None:
             return 30.0
         self.job_kind = status["backend"] = str(backend)
+        self.backend = backend_for(self.job_kind)
         parsed = validated(self.memo, obj, backend=self.job_kind)
         if isinstance(parsed, SpecInvalid):
             self._invalid(obj, status, parsed, generation)
@@ -352,7 +353,7 @@ class Step:
             if exc.status != 404:
                 raise
             # No job API: the Kubeflow training operator (or Trainer) is not installed (yet).
-            self._missing(obj, status, generation, f"the cluster does not serve {MISSING[self.job_kind]}; the run starts "
+            self._missing(obj, status, generation, f"the cluster does not serve {self.backend.install_hint}; the run starts "
                           "once it is there")
             return 30.0
         decision = lifecycle.decide(obs)
@@ -411,15 +412,13 @@ class Step:
         update handler applies a change at once; this repairs one it missed, e.g. made while the
         operator was down or changing leaders). A job Kueue manages is unsuspended by Kueue only."""
         wanted = spec.run_policy.suspend
-        actual = bool(job.get("spec", {}).get("suspend") if self.job_kind == trainjob.KIND
-                      else job.get("spec", {}).get("runPolicy", {}).get("suspend"))
+        actual = self.backend.suspended(job)
         if wanted == actual or (actual and spec.scheduling.queue_name):
             return
         if not wanted:
             self._reset(obj, owner, spec, [attempt])  # resumed pods must not meet a closed rendezvous
         name = job["metadata"]["name"]
-        self.kube.patch_job(self.namespace, name, {"spec": {"suspend": wanted}} if self.job_kind == trainjob.KIND
-                            else {"spec": {"runPolicy": {"suspend": wanted}}}, self.job_kind)
+        self.kube.patch_job(self.namespace, name, self.backend.suspend_patch(wanted), self.job_kind)
         self.event(obj, "Normal", "Suspended" if wanted else "Resumed",
                    f"{self.job_kind} {name} {'suspended' if wanted else 'resumed'} (as spec.runPolicy.suspend says)")
 
@@ -431,17 +430,17 @@ class Step:
         immutable). None when the cluster serves neither yet."""
         wanted = str((obj.get("spec") or {}).get("backend") or Backend.PYTORCH_JOB.value)
         if wanted != Backend.AUTO.value:
-            return wanted if wanted in JOBS else Backend.PYTORCH_JOB.value  # an invalid value fails validation
+            return wanted if wanted in BACKENDS else Backend.PYTORCH_JOB.value  # an invalid value fails validation
         try:
             first = trainjob.preferred_backend(validate_spec(obj.get("spec"))).value
         except SpecInvalid:
             first = Backend.TRAIN_JOB.value  # the validation step reports it, whichever backend is chosen
         for kind in (first, *(k for k in ("TrainJob", "PyTorchJob") if k != first)):
             if self.kube.serves(self.namespace, kind):
-                self.event(obj, "Normal", "BackendSelected", f"backend auto: this cluster serves {MISSING[kind]}: using {kind}")
+                self.event(obj, "Normal", "BackendSelected", f"backend auto: this cluster serves {BACKENDS[kind].install_hint}: using {kind}")
                 return kind
-        self._missing(obj, status, generation, f"backend auto: the cluster serves neither {MISSING['PyTorchJob']} nor "
-                      f"{MISSING['TrainJob']}; the run starts once one of them is there")
+        self._missing(obj, status, generation, f"backend auto: the cluster serves neither {BACKENDS['PyTorchJob'].install_hint} nor "
+                      f"{BACKENDS['TrainJob'].install_hint}; the run starts once one of them is there")
         return None
 
     def _missing(self, obj: Obj, status: Obj, generation: int | None, message: str) -> None:
@@ -500,10 +499,10 @@ class Step:
         stale = [j["metadata"]["name"] for j in jobs
                  if j["metadata"]["name"] != job_name and owned_by(j, owner.uid) and not j["metadata"].get("deletionTimestamp")]
         job = None if deleting else current
-        selector = trainjob.pod_selector(job_name) if kind == trainjob.KIND else f"training.kubeflow.org/job-name={job_name}"
-        pods = self.kube.list_pods(self.namespace, selector) if job else []
-        if job is not None and kind == trainjob.KIND:
-            job = trainjob.job_view(job, pods)
+        backend = backend_for(kind)
+        pods = self.kube.list_pods(self.namespace, backend.pod_selector(job_name)) if job else []
+        if job is not None:
+            job = dict(backend.view(job, pods))
         job_phase, _, _ = observe.job_phase(job)
         progress = self._leader_progress(pods, spec, status) if job_phase in (Phase.RUNNING, Phase.RESTARTING) else None
         gpu = self._gpu(obj, owner, job_name, status, job_phase is Phase.RUNNING, progress)
@@ -586,8 +585,7 @@ class Step:
             self._condition(obj, patch, "RendezvousReady", False, "RendezvousResetFailed", str(exc))
             return 5.0
         excluded = patch.get("excludedNodes", status.get("excludedNodes")) or []
-        rendered = (trainjob.train_job(owner, spec, attempt, excluded) if self.job_kind == trainjob.KIND
-                    else desired.pytorch_job(owner, spec, attempt, excluded))
+        rendered = self.backend.render(owner, spec, attempt, excluded)
         job = adopted(rendered, obj)
         created = k.create_job(ns, job)
         if created is not None:
@@ -850,7 +848,7 @@ async def child_changed(type: str | None, body: kopf.Body, meta: kopf.Meta, memo
     owner, namespace = (meta.get("labels") or {}).get(LABEL_FINETUNE), meta.get("namespace")
     if not owner or not namespace:
         return
-    if body.get("kind") in JOBS:
+    if body.get("kind") in BACKENDS:
         ours = memo["created_jobs"].pop((namespace, meta.get("name")), None)
         if type == "ADDED" and ours is not None and ours == str(meta.get("resourceVersion")):
             return
@@ -1031,8 +1029,8 @@ def spec_changed(body: kopf.Body, old: Any, new: Any, meta: kopf.Meta, memo: kop
             # e.g. a default written out explicitly: nothing the run sees differs, so nothing restarts.
             k.patch_finetune_status(namespace, name, {"observedGeneration": generation})
             return
-        # A TrainJob's node count is immutable (Trainer v2 has no elastic mode): a new attempt.
-        scalable = parsed.cluster.elastic is not None and kind == "PyTorchJob"
+        backend = backend_for(kind)
+        scalable = backend.scalable(parsed)
         if all(in_place(path) for path in changed) and (("cluster", "workers") not in changed or scalable):
             if ("runPolicy", "suspend") in changed:
                 if not parsed.run_policy.suspend:
@@ -1040,12 +1038,11 @@ def spec_changed(body: kopf.Body, old: Any, new: Any, meta: kopf.Meta, memo: kop
                     reset_rendezvous(settings, memo["http"], owner, parsed, [attempt],
                                      lambda r, m: kopf.info(body, reason=r, message=m))
                 suspend = parsed.run_policy.suspend
-                k.patch_job(namespace, job_name, {"spec": {"suspend": suspend}} if kind == trainjob.KIND
-                            else {"spec": {"runPolicy": {"suspend": suspend}}}, kind)
+                k.patch_job(namespace, job_name, backend.suspend_patch(suspend), kind)
                 kopf.info(body, reason="Suspended" if parsed.run_policy.suspend else "Resumed",
                           message=f"{kind} {job_name} {'suspended' if parsed.run_policy.suspend else 'resumed'}")
             if ("cluster", "workers") in changed:
-                k.patch_job(namespace, job_name, {"spec": {"pytorchReplicaSpecs": {"Worker": {"replicas": parsed.cluster.workers}}}})
+                k.patch_job(namespace, job_name, backend.scale_patch(parsed.cluster.workers), kind)
                 kopf.info(body, reason="Scaled", message=f"elastic workers -> {parsed.cluster.workers}")
             if any(path[:2] == ("monitoring", "dcgm") for path in changed):
                 kopf.info(body, reason="MonitoringChanged", message="monitoring applied in place; training continues")

@@ -13,11 +13,11 @@ from typing import Any, cast
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from llamaft.render.backends import BACKENDS
+
 Obj = dict[str, Any]
-PYTORCHJOBS = ("kubeflow.org", "v1", "pytorchjobs")
-TRAINJOBS = ("trainer.kubeflow.org", "v1alpha1", "trainjobs")
-JOBS = {"PyTorchJob": PYTORCHJOBS, "TrainJob": TRAINJOBS}
-"""An attempt's job, by backend (spec.backend / status.backend)."""
+JOBS = {kind: (b.resource.group, b.resource.version, b.resource.plural) for kind, b in BACKENDS.items()}
+"""An attempt's job resource, by backend (spec.backend / status.backend): render.backends says."""
 FIELD_MANAGER = "llamaft"
 USER_AGENT = "llamaft-operator"
 APPLY_PATCH = "application/apply-patch+yaml"

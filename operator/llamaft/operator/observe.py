@@ -1,7 +1,7 @@
 """observed objects -> status. Pure functions: the kopf handlers feed them what they read.
 
-Phase comes from the PyTorchJob's conditions (Created, Running, Restarting, Succeeded, Failed,
-Suspended); worker counts from replicaStatuses; progress from the trainer's /progress document
+Phase comes from the job's conditions as its backend reads them (render.backends: a PyTorchJob's
+Created, Running, Restarting, Succeeded, Failed, Suspended; a TrainJob's Complete, Failed, Suspended); worker counts from replicaStatuses; progress from the trainer's /progress document
 (docs/progress-contract.md). Conditions follow the Kubernetes API conventions.
 """
 
@@ -12,16 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llamaft.api.status import Phase
-from llamaft.render import trainjob
+from llamaft.render import backends
 
-JOB_PHASE_PRIORITY = [
-    ("Failed", Phase.FAILED),
-    ("Succeeded", Phase.SUCCEEDED),
-    ("Suspended", Phase.SUSPENDED),
-    ("Restarting", Phase.RESTARTING),
-    ("Running", Phase.RUNNING),
-    ("Created", Phase.CREATING),
-]
 Obj = Mapping[str, Any]
 
 
@@ -54,18 +46,8 @@ def set_condition(
 
 
 def job_phase(job: Obj | None) -> tuple[Phase, str, str]:
-    """(phase, reason, message) from a PyTorchJob's true conditions, or a TrainJob's (trainjob.job_phase)."""
-    if job is None:
-        return Phase.CREATING, "JobPending", "the PyTorchJob is being created"
-    if job.get("kind") == trainjob.KIND:
-        return trainjob.job_phase(job)
-    conditions = [c for c in job.get("status", {}).get("conditions", []) if c.get("status") == "True"]
-    by_type = {c.get("type"): c for c in conditions}
-    for type_, phase in JOB_PHASE_PRIORITY:
-        if type_ in by_type:
-            c = by_type[type_]
-            return phase, str(c.get("reason") or type_), str(c.get("message") or "")
-    return Phase.CREATING, "JobCreated", "waiting for the training operator"
+    """(phase, reason, message) from the job's conditions, read by its backend (render.backends)."""
+    return backends.job_phase(job)
 
 
 def progress_status(doc: Mapping[str, Any] | None, previous: Mapping[str, Any]) -> dict[str, Any]:
