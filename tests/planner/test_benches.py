@@ -38,3 +38,31 @@ def test_plan_accuracy_one_case(tmp_path: Path) -> None:
     (row,) = json.loads(out.read_text())
     assert row["case"] == "tiny fp32, batch 8 x 128" and abs(row["error"]) <= 0.15
     assert row["measured"] > 0 and "(target: within 15%)" in proc.stdout
+
+
+def test_gpu_suite_cpu_smoke(tmp_path: Path) -> None:
+    """bench/gpu_suite.py --cpu-smoke: every throughput variant (bf16, compile's row, float8 through
+    torchao's emulation, selective-op AC) trains with the trainer's own code and has its planner
+    estimate beside it, and `llamaft run --local` runs, checkpoints, resumes and exports."""
+    pytest.importorskip("transformers")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_suite.py"), "--cpu-smoke", "--out", str(tmp_path)],
+        env=trainer_env(), capture_output=True, text=True, timeout=600, cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_suite.json").read_text())
+    assert report["environment"]["cpu_smoke"] is True and report["environment"]["torch"]
+    rows = {row["case"]: row for row in report["rows"]}
+    throughput = [row for name, row in rows.items() if name != "llamaft run --local"]
+    assert [r["case"].split(", ", 1)[1] for r in throughput] == [
+        "bf16", "bf16 + compile", "bf16 + compile + float8", "bf16 + selective-op AC"]
+    for row in throughput:
+        assert row["status"] == "Measured", row
+        assert row["tokens_per_s_per_gpu"] > 0 and row["estimate_bytes"] > 0 and row["params"] > 0
+        assert all(loss == loss and 0 < loss < 20 for loss in row["losses"]), row["losses"]  # finite, plausible
+    assert "compile off in the CPU smoke" in rows["tiny shape (CPU smoke), bf16 + compile"]["notes"]
+    run = rows["llamaft run --local"]
+    assert run["status"] == "Measured", run
+    assert run["first"]["done"]["step"] == 6 and run["resumed"]["resume"]["step"] == 6
+    assert run["resumed"]["done"]["step"] == 9 and run["export"]["params"] > 0
+    assert "resumed from step 6 to 9" in proc.stdout
