@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from llamaft.api.spec import FsdpSpec, LoraSpec, MixedPrecision
+from llamaft.api.spec import FsdpSpec, LoraSpec
 from llamaft_trainer import float8
 from llamaft_trainer import model as model_step
 from llamaft_trainer.errors import ConfigError
@@ -124,29 +124,63 @@ steps' drift while a broken conversion (wrong scales: losses off by orders of ma
 or one that did nothing is still caught (the latter by the `differs` check)."""
 
 
-def _case(tiny_model: Path, tmp: Path, name: str, **float8_spec: Any) -> dict[str, Any]:
+EVERY, STOP = 3, 5
+LORA = {"r": 16, "alpha": 32, "dropout": 0.1, "targetModules": ["q_proj", "v_proj"]}
+
+
+def _case(tiny_model: Path, tmp: Path, name: str, directory: str, *, steps: int = STEPS, resume: bool = False,
+          lora: bool = False, **float8_spec: Any) -> dict[str, Any]:
     fsdp: dict[str, Any] = {"mixedPrecision": "bf16"}
     if float8_spec:
         fsdp["float8"] = {"enabled": True, **float8_spec}
-    config = base_config(tiny_model, tmp / name, fsdp=fsdp, training={"maxSteps": STEPS})
-    return {"name": name, "config": config, "steps": STEPS}
+    training: dict[str, Any] = {"maxSteps": STEPS, **({"lora": LORA} if lora else {})}
+    config = base_config(tiny_model, tmp / directory, fsdp=fsdp, training=training,
+                         checkpointing={"everyNSteps": EVERY, "keepLast": 2, "resume": resume})
+    return {"name": name, "config": config, "steps": steps}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One torchrun launch (2 ranks, gloo): bf16; tensorwise + float8 all-gather and rowwise, each
+    straight; tensorwise and LoRA + tensorwise also stopped after step 5 and resumed from step 3."""
+    tmp = tmp_path_factory.mktemp("float8")
+    tensorwise = {"recipe": "tensorwise", "allGather": True}
+    cases = [
+        _case(tiny_model, tmp, "bf16", "bf16"),
+        _case(tiny_model, tmp, "tensorwise", "tensorwise", **tensorwise),
+        _case(tiny_model, tmp, "tensorwise/stopped", "tensorwise-stopped", steps=STOP, **tensorwise),
+        _case(tiny_model, tmp, "tensorwise/resumed", "tensorwise-stopped", resume=True, **tensorwise),
+        _case(tiny_model, tmp, "rowwise", "rowwise", recipe="rowwise", allGather=False),
+        _case(tiny_model, tmp, "lora-bf16", "lora-bf16", lora=True),
+        _case(tiny_model, tmp, "lora-tensorwise", "lora", lora=True, **tensorwise),
+        _case(tiny_model, tmp, "lora-tensorwise/stopped", "lora-stopped", steps=STOP, lora=True, **tensorwise),
+        _case(tiny_model, tmp, "lora-tensorwise/resumed", "lora-stopped", resume=True, lora=True, **tensorwise),
+    ]
+    return run_harness(tmp, 2, cases)
 
 
 @pytest.mark.slow
-def test_float8_trains_close_to_bf16_on_two_ranks(tiny_model: Path, tmp_path: Path) -> None:
-    cases = [
-        _case(tiny_model, tmp_path, "bf16"),
-        _case(tiny_model, tmp_path, "tensorwise", recipe="tensorwise", allGather=True),
-        _case(tiny_model, tmp_path, "rowwise", recipe="rowwise", allGather=False),
-    ]
-    out = run_harness(tmp_path, 2, cases)
-    want = out["bf16"]["losses"]
-    for name in ("tensorwise", "rowwise"):
-        got = out[name]["losses"]
-        assert len(got) == len(want) == STEPS
-        assert got == pytest.approx(want, rel=LOSS_TOLERANCE), name
-        assert got != want, f"{name}: identical to bf16, so nothing ran in float8"
-        assert got[-1] < got[0], f"{name}: the loss should fall"
-        ranks = out[name]["param_sums"]
-        assert ranks[0] == ranks[1], "both ranks see the same full parameters"
-    assert MixedPrecision.BF16.value == "bf16"
+@pytest.mark.parametrize(("name", "reference"), [("tensorwise", "bf16"), ("rowwise", "bf16"),
+                                                 ("lora-tensorwise", "lora-bf16")])
+def test_float8_trains_close_to_bf16_on_two_ranks(runs: dict[str, Any], name: str, reference: str) -> None:
+    want, got = runs[reference]["losses"], runs[name]["losses"]
+    assert len(got) == len(want) == STEPS
+    assert got == pytest.approx(want, rel=LOSS_TOLERANCE), name
+    assert got != want, f"{name}: identical to bf16, so nothing ran in float8"
+    assert got[-1] < got[0], f"{name}: the loss should fall"
+    ranks = runs[name]["param_sums"]
+    assert ranks[0] == ranks[1], "both ranks see the same full parameters"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tensorwise", "lora-tensorwise"])
+def test_float8_resumes_bit_identically(runs: dict[str, Any], name: str) -> None:
+    """DCP saves and loads the Float8Linear modules' parameters (plain DTensors with float8
+    all-gather's wrapper subclass underneath) and the optimizer state; resumed from step 3, steps
+    4-6 replay the straight run's losses, grad norms and final parameters bit for bit."""
+    straight, stopped, resumed = (runs[n] for n in (name, f"{name}/stopped", f"{name}/resumed"))
+    assert len(stopped["losses"]) == STOP
+    assert len(resumed["losses"]) == STEPS - EVERY, "resumed from the step-3 checkpoint"
+    assert resumed["losses"] == straight["losses"][EVERY:]
+    assert resumed["grad_norms"] == straight["grad_norms"][EVERY:]
+    assert resumed["checksum"] == straight["checksum"]
