@@ -38,7 +38,8 @@ def test_float8_is_refused_on_instance_types_without_fp8(instance: str) -> None:
 
 def test_float8_by_gpu_model_and_where_it_is_fine() -> None:
     onprem = make_spec(**FLOAT8, **{"cluster.instanceType": None, "cluster.gpuModel": "A100"})
-    assert float8_problem(onprem) is not None and "cluster.gpuModel A100" in float8_problem(onprem)  # type: ignore[operator]
+    problem = float8_problem(onprem)
+    assert problem is not None and "cluster.gpuModel A100" in problem
     for ok in (
         make_spec(**FLOAT8, **{"cluster.instanceType": "p5.48xlarge"}),
         make_spec(**FLOAT8, **{"cluster.instanceType": "g6e.48xlarge"}),
