@@ -96,6 +96,12 @@ def _validate_document(doc: Document, render: bool) -> bool:
         _print_errors(doc.label, errors)
         return False
     name = doc.body["metadata"]["name"]
+    from llamaft.planner.plan import float8_problem
+
+    problem = float8_problem(spec)  # a GPU the trainer refuses: not advisory like the memory estimate
+    if problem is not None:
+        _print_errors(doc.label, [problem])
+        return False
     if render:
         from llamaft.render.admission import child_errors, schemas_available
 

@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 COMPLETE = "COMPLETE"
@@ -414,16 +415,31 @@ def _stager_for(model: nn.Module) -> Any:
     blocking copy), kept instead of rebuilt per save. FSDP1: `BlockingAsyncStager`, because
     DefaultStager cannot copy ShardedTensors (`_state_dict_stager.py` `_offload_tensor` calls
     `data_ptr()`, which ShardedTensor rejects); it caches only into pinned memory, i.e. on a GPU.
-    GPU: page-locked host buffers kept between saves (the device-to-host copy is the stall)."""
+    GPU: page-locked host buffers kept between saves (the device-to-host copy is the stall).
+    Shards held by a wrapper tensor subclass (fsdp.float8 with allGather: torchao's
+    WeightWithDynamicFloat8CastTensor): `BlockingAsyncStager` too, because DefaultStager copies
+    a tensor through its untyped storage, and a wrapper subclass has none (data_ptr() 0): it gets
+    an uninitialized tensor of the same shape and the checkpoint holds garbage (seen with torch
+    2.13 and torchao 0.18; tests/trainer/test_float8.py resumes such a run bit for bit).
+    BlockingAsyncStager copies with `copy_` / `.to("cpu")`, which the subclass dispatches."""
     from torch.distributed.checkpoint.staging import BlockingAsyncStager, DefaultStager, StagingOptions
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     if torch.cuda.is_available():
         return BlockingAsyncStager(cache_staged_state_dict=True)
-    if isinstance(model, FullyShardedDataParallel):
+    if isinstance(model, FullyShardedDataParallel) or _has_storageless_shards(model):
         return BlockingAsyncStager()
     return DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
                                         use_non_blocking_copy=False))
+
+
+def _has_storageless_shards(model: nn.Module) -> bool:
+    """Whether a parameter's local shard is a wrapper tensor subclass without storage of its own."""
+    for param in model.parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        if local.numel() > 0 and local.data_ptr() == 0:
+            return True
+    return False
 
 
 def _rng_state(scaler: Any | None = None) -> dict[str, Any]:

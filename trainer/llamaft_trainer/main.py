@@ -35,7 +35,7 @@ from llamaft.api.validation import SpecInvalid, validate_resource
 from torch import nn
 
 from llamaft_trainer import data as data_step
-from llamaft_trainer import elastic, kubeflow_progress, loading, termination, tracking
+from llamaft_trainer import elastic, float8, kubeflow_progress, loading, termination, tracking
 from llamaft_trainer import model as model_step
 from llamaft_trainer.checkpoint import Checkpointer, TrainState
 from llamaft_trainer.errors import EXIT_CONFIG_ERROR, EXIT_FAILURE, EXIT_PREEMPTED, ConfigError
@@ -126,6 +126,7 @@ def build_model(cfg: TrainingJobConfig, rt: Runtime, model_config: Any) -> tuple
 def setup(cfg: TrainingJobConfig, rt: Runtime) -> Session:
     torch.manual_seed(cfg.training.seed)
     tracking.check(cfg)  # on every rank, before any collective: rank 0 alone must not fail later
+    float8.check_device(cfg.fsdp, rt.device)  # likewise: each rank its own GPU
     tokenizer = model_step.load_tokenizer(cfg.model, rt)
     model_config = model_step.load_config(cfg.model, rt)
     data_step.check_sequence_length(cfg.dataset, getattr(model_config, "max_position_embeddings", None))

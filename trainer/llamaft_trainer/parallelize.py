@@ -1,7 +1,8 @@
 """Parallelize step: activation checkpointing, compile and FSDP, kept apart from model and loop.
 
-Order matters (as in torchtitan): activation checkpointing and torch.compile wrap each decoder
-layer first, then every FSDP unit is created bottom-up (decoder layers, then the root), on the
+Order matters (as in torchtitan): float8 conversion of the linears first (float8.py; torchtitan
+converts when it builds the model), then activation checkpointing and torch.compile wrap each decoder
+layer, then every FSDP unit is created bottom-up (decoder layers, then the root), on the
 device mesh `runtime.build_mesh` made from the spec.
 
 Strategy mapping (FSDP2):
@@ -39,6 +40,8 @@ from llamaft.api.spec import (
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from llamaft_trainer import float8
 
 CPU_OVERLAP_ENV = "LLAMAFT_FSDP_CPU_OVERLAP"
 """Set to 0 to keep FSDP2's defaults on CPU too (bench/cpu_scaling.py --compare measures both)."""
@@ -229,7 +232,8 @@ def _to_empty(module: nn.Module, device: torch.device) -> None:
 
 
 def parallelize(model: nn.Module, fsdp: FsdpSpec, mesh: DeviceMesh, device: torch.device) -> nn.Module:
-    """Apply AC, compile and FSDP to a meta-device model, as the spec says."""
+    """Apply float8, AC, compile and FSDP to a meta-device model, as the spec says."""
+    float8.convert(model, fsdp, device)
     layers = decoder_layers(model)
     apply_activation_checkpointing(
         layers, fsdp.activation_checkpointing.mode, fsdp.activation_checkpointing.every_n_layers

@@ -42,7 +42,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import get_scheduler
 
-from llamaft_trainer import profiling
+from llamaft_trainer import float8, profiling
 from llamaft_trainer.checkpoint import Checkpointer, TrainState
 from llamaft_trainer.data import IGNORE_INDEX, Data
 from llamaft_trainer.errors import ConfigError
@@ -133,7 +133,8 @@ def _all_reduce_max(value: float, device: torch.device) -> float:
 
 
 def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any, cfg: TrainingJobConfig) -> float:
-    """Unscale (fp16), clip to training.maxGradNorm, step, zero the gradients; the global grad norm.
+    """Unscale (fp16), clip to training.maxGradNorm, step, zero the gradients, and with float8
+    all-gather precompute the float8 weights' scales; the global grad norm.
     (bench/plan_accuracy.py replays the trainer's step with this and `_micro_step`.)"""
     if scaler is not None:
         scaler.unscale_(optimizer)
@@ -145,6 +146,7 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: A
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    float8.after_optimizer_step(model, cfg.fsdp)
     return grad_norm
 
 

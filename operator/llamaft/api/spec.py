@@ -376,6 +376,41 @@ class WrapPolicySpec(ApiModel):
     """Threshold for `sizeBased`."""
 
 
+class Float8Recipe(ApiEnum):
+    """torchao's float8 scaling recipes (`Float8LinearConfig.from_recipe_name`)."""
+
+    TENSORWISE = "tensorwise"
+    ROWWISE = "rowwise"
+
+
+class Float8Spec(ApiModel):
+    """float8 matmuls for the decoder layers' linears (torchao's float8 training, as torchtitan
+    uses it). Inputs, weights and output gradients are cast to float8 with dynamic scales for each
+    matmul; master weights, gradients and optimizer state keep their dtype (fsdp.mixedPrecision).
+    Needs GPUs with FP8 tensor cores (compute capability 8.9 or newer: H100, H200, L40S); on CPU
+    the trainer emulates float8 (tests and smoke runs only: not faster)."""
+
+    model_config = api_config(
+        cel_rule(
+            "!self.enabled || self.recipe == 'tensorwise' || !self.allGather",
+            message="fsdp.float8.allGather (float8 all-gather under FSDP2) works only with tensorwise scaling "
+            "(torchao): set fsdp.float8.allGather to false for recipe rowwise, or use recipe tensorwise",
+            field_path=".allGather",
+        ),
+    )
+
+    enabled: bool = False
+    """Train the decoder layers' linears (not lm_head; only those whose in and out features are
+    divisible by 16) with float8 matmuls."""
+    recipe: Float8Recipe = Float8Recipe.TENSORWISE
+    """`tensorwise` (one scale per tensor: fastest, and FSDP2 can all-gather float8 weights) or
+    `rowwise` (one scale per row: closer to bf16 accuracy, slower)."""
+    all_gather: bool = True
+    """With tensorwise: cast each weight shard to float8 before FSDP2's all-gather, so the
+    all-gather moves half the bytes of bf16 (torchao's enable_fsdp_float8_all_gather); the scales
+    of all weights are then computed in one all-reduce after each optimizer step."""
+
+
 class FsdpSpec(ApiModel):
     """How the model is sharded across ranks."""
 
@@ -389,6 +424,18 @@ class FsdpSpec(ApiModel):
             "!self.cpuOffload || self.shardingStrategy != 'NO_SHARD'",
             message="cpuOffload offloads shards: it needs FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD, not NO_SHARD",
             field_path=".cpuOffload",
+        ),
+        cel_rule(
+            "!has(self.float8) || !self.float8.enabled || self.implementation == 'fsdp2'",
+            message="fsdp.float8 converts linears for FSDP2 (torchao's float8 all-gather and scales are FSDP2's): "
+            "set fsdp.implementation to fsdp2 or fsdp.float8.enabled to false",
+            field_path=".float8.enabled",
+        ),
+        cel_rule(
+            "!has(self.float8) || !self.float8.enabled || self.mixedPrecision != 'fp16'",
+            message="fsdp.float8 needs bf16, pure-bf16 or fp32 high precision (torchao's float8 training "
+            "supports bf16 and fp32, not fp16 with gradient scaling): set fsdp.mixedPrecision to bf16",
+            field_path=".float8.enabled",
         ),
     )
 
@@ -411,6 +458,8 @@ class FsdpSpec(ApiModel):
     """torch.compile each decoder layer."""
     wrap_policy: WrapPolicySpec = Field(default_factory=WrapPolicySpec)
     """Which modules become FSDP units."""
+    float8: Float8Spec = Field(default_factory=Float8Spec)
+    """float8 training of the decoder layers' linears (torchao); needs FP8 GPUs (H100, H200, L40S)."""
 
 
 # ------------------------------------------------------------------------------- checkpointing

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llamaft.api.spec import LlamaFineTuneSpec, PreflightMode
-from llamaft.planner.plan import Plan, build_plan, component_label, gib
+from llamaft.planner.plan import Plan, build_plan, component_label, float8_problem, gib
 from llamaft.planner.shapes import UnknownShape, resolve_shape
 
 FITS = "Fits"
@@ -15,6 +15,7 @@ WILL_NOT_FIT = "WillNotFit"
 UNKNOWN_MODEL_SHAPE = "UnknownModelShape"
 UNKNOWN_GPU = "UnknownGpu"
 CPU_ONLY = "CpuOnly"
+NO_FLOAT8 = "Float8Unsupported"
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,9 @@ def verdict(plan: Plan) -> Admission:
     est = plan.memory
     name, biggest = est.biggest_component()
     part = f"the biggest part is {component_label(name)} ({gib(biggest)})"
+    problem = float8_problem(spec)
+    if problem is not None:  # the trainer would refuse it at start on these GPUs anyway
+        return Admission(False, NO_FLOAT8, problem, plan, spec.preflight)
     if plan.cpu_only:
         return Admission(
             None, CPU_ONLY,

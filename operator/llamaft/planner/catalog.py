@@ -21,6 +21,9 @@ Sources:
             from: H100 80GB HBM3 81559 MiB, H200 143771 MiB, L40S 46068 MiB, A10G 23028 MiB,
             L4 23034 MiB, A100-SXM4-80GB 81920 MiB, A100-SXM4-40GB 40960 MiB (as printed by
             nvidia-smi on those GPUs in public logs).
+  [cc]      NVIDIA CUDA GPU compute capabilities, https://developer.nvidia.com/cuda-gpus: A100 8.0,
+            A10G (A10) 8.6, L4 and L40S 8.9 (Ada), H100 and H200 9.0 (Hopper). FP8 tensor cores
+            (float8 matmuls, torch._scaled_mm) need 8.9 or newer.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from typing import Any
 
 MiB = 2**20
 GiB = 2**30
+FP8_MIN_CAPABILITY = (8, 9)
+"""The oldest compute capability with FP8 tensor cores (llamaft_trainer/float8.py checks the same)."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,15 @@ class GpuModel:
     peak_bf16_flops: float | None
     """Dense (no sparsity) bf16 tensor-core peak; None when unknown (then no time estimate)."""
     source: str
+    compute_capability: tuple[int, int] | None = None
+    """CUDA compute capability [cc]; None when unknown."""
+
+    @property
+    def fp8(self) -> bool | None:
+        """FP8 tensor cores (spec.fsdp.float8): compute capability 8.9 or newer; None when unknown."""
+        if self.compute_capability is None:
+            return None
+        return self.compute_capability >= FP8_MIN_CAPABILITY
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -62,14 +76,14 @@ class InstanceType:
 GPUS: dict[str, GpuModel] = {
     g.name: g
     for g in (
-        GpuModel("A100-40GB", 40960 * MiB, 312e12, "a100, smi"),
-        GpuModel("A100-80GB", 81920 * MiB, 312e12, "a100, smi"),
-        GpuModel("H100", 81559 * MiB, 989.5e12, "h100 (SXM), smi"),
-        GpuModel("H100-PCIe", 81559 * MiB, 756.5e12, "h100 (PCIe), smi (80 GB)"),
-        GpuModel("H200", 143771 * MiB, 989.5e12, "h200 (SXM), smi"),
-        GpuModel("L40S", 46068 * MiB, 362.05e12, "l40s, smi"),
-        GpuModel("A10G", 23028 * MiB, 125e12, "a10, smi"),
-        GpuModel("L4", 23034 * MiB, 121e12, "l4, smi"),
+        GpuModel("A100-40GB", 40960 * MiB, 312e12, "a100, smi, cc", (8, 0)),
+        GpuModel("A100-80GB", 81920 * MiB, 312e12, "a100, smi, cc", (8, 0)),
+        GpuModel("H100", 81559 * MiB, 989.5e12, "h100 (SXM), smi, cc", (9, 0)),
+        GpuModel("H100-PCIe", 81559 * MiB, 756.5e12, "h100 (PCIe), smi (80 GB), cc", (9, 0)),
+        GpuModel("H200", 143771 * MiB, 989.5e12, "h200 (SXM), smi, cc", (9, 0)),
+        GpuModel("L40S", 46068 * MiB, 362.05e12, "l40s, smi, cc", (8, 9)),
+        GpuModel("A10G", 23028 * MiB, 125e12, "a10, smi, cc", (8, 6)),
+        GpuModel("L4", 23034 * MiB, 121e12, "l4, smi, cc", (8, 9)),
     )
 }
 
@@ -87,6 +101,16 @@ _ALIASES = {
 def _norm(text: str) -> str:
     text = text.lower().replace("nvidia", "").replace("tensorcore", "")
     return re.sub(r"[\s_\-]", "", text)
+
+
+def fp8_gpus() -> list[str]:
+    """Catalog GPUs with FP8 tensor cores."""
+    return [g.name for g in GPUS.values() if g.fp8]
+
+
+def fp8_instance_types() -> list[str]:
+    """Catalog instance types whose GPUs have FP8 tensor cores."""
+    return [i.name for i in INSTANCES.values() if GPUS[i.gpu].fp8]
 
 
 def gpu_model(name: str) -> GpuModel | None:

@@ -56,6 +56,7 @@ from typing import Any
 from llamaft.api.spec import (
     AttentionImplementation,
     CheckpointingMode,
+    Float8Recipe,
     FsdpImplementation,
     LlamaFineTuneSpec,
     MixedPrecision,
@@ -110,6 +111,9 @@ class Setup:
     """None: one unit per decoder layer; else only layers with at least this many parameters."""
     device: str = "cuda"
     """`cuda` (streams overlap: forward prefetch) or `cpu` (what the CPU bench runs)."""
+    float8_all_gather: bool = False
+    """fsdp.float8 tensorwise with allGather: FSDP2 all-gathers the converted linears' weights
+    in float8 (1 byte per element instead of the compute dtype's)."""
     sync_between_micro_steps: bool = False
     """False: as train.py does today, gradient sync is off on all but the last micro-step, so FSDP2
     keeps unsharded gradients between micro-steps. True: a trainer that reduce-scatters every
@@ -163,6 +167,8 @@ def setup_from_spec(spec: LlamaFineTuneSpec | TrainingJobConfig, *, world_size: 
         implementation=fsdp.implementation,
         wrap_min_params=fsdp.wrap_policy.min_num_params if fsdp.wrap_policy.type is WrapPolicyType.SIZE_BASED else None,
         device=device,
+        float8_all_gather=fsdp.float8.enabled and fsdp.float8.recipe is Float8Recipe.TENSORWISE
+        and fsdp.float8.all_gather and fsdp.implementation is FsdpImplementation.FSDP2,
         sync_between_micro_steps=TRAINER_SYNCS_EVERY_MICRO_STEP,
     )
 
@@ -240,6 +246,22 @@ def _unit(name: str, tensors: list[tuple[tuple[int, ...], bool]], group: int, im
         padded = sum(_padded(s, group) for s, _ in tensors)
         padded_trainable = sum(_padded(s, group) for s, t in tensors if t)
     return Unit(name, numel, trainable, padded, padded_trainable, count)
+
+
+FLOAT8_DIVISOR = 16
+"""llamaft_trainer/float8.py converts a linear only when in and out features are multiples of 16."""
+
+
+def float8_gathered_numel(shape: ModelShape, setup: Setup) -> int:
+    """Padded elements of one decoder layer's weights that FSDP2 all-gathers in float8 (the
+    converted projections; LoRA's base layers too, never its adapters, norms or biases)."""
+    if not setup.float8_all_gather:
+        return 0
+    return sum(
+        _padded((out_f, in_f), setup.shard_size)
+        for out_f, in_f in shape.linear_shapes().values()
+        if out_f % FLOAT8_DIVISOR == 0 and in_f % FLOAT8_DIVISOR == 0
+    )
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -503,7 +525,9 @@ def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
         tl.sub("gathered_parameters", root_gathered)
         tl.add("temporaries", c * shape.hidden_size * tokens)  # embedding output
         gathered: set[int] = set()
-        layer_gather = c * layer.padded
+        # float8 all-gather: the converted weights arrive as 1-byte float8 (torchao casts each
+        # shard before the all-gather); masters, gradients and optimizer state are unchanged.
+        layer_gather = c * layer.padded - (c - 1) * float8_gathered_numel(shape, setup)
 
         def gather(index: int, event: str) -> None:
             if index in gathered or index >= wrapped or index < 0:

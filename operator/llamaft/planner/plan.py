@@ -123,6 +123,24 @@ def resolve_gpu(spec: LlamaFineTuneSpec) -> GpuInfo:
     return GpuInfo(model, memory, inst, source or "unknown", tuple(warnings))
 
 
+def float8_problem(spec: LlamaFineTuneSpec) -> str | None:
+    """Why spec.fsdp.float8 cannot run on the spec's GPUs (no FP8 tensor cores), or None (float8
+    off, the GPU has FP8, or the GPU is unknown: the trainer checks the device itself)."""
+    if not spec.fsdp.float8.enabled or spec.cluster.gpus_per_worker == 0:
+        return None
+    gpu = resolve_gpu(spec)
+    if gpu.model is None or gpu.model.fp8 is not False:
+        return None
+    from llamaft.planner.catalog import fp8_gpus, fp8_instance_types
+
+    capability = gpu.model.compute_capability or (0, 0)
+    where = f", from {gpu.source}" if gpu.source != "unknown" else ""
+    return (f"spec.fsdp.float8.enabled: the {gpu.model.name} (compute capability {capability[0]}.{capability[1]}"
+            f"{where}) has no FP8 tensor cores; float8 training needs compute capability 8.9 or newer: "
+            f"{', '.join(fp8_gpus())} (instance types {', '.join(fp8_instance_types())}); "
+            "set fsdp.float8.enabled to false or choose such GPUs")
+
+
 def _gpu_names() -> list[str]:
     from llamaft.planner.catalog import GPUS
 
