@@ -14,6 +14,8 @@ from llamaft.planner.memory import (
     estimate_memory,
     layer_activation_bytes_per_token,
     master_bytes,
+    op_sac_recomputed_fraction,
+    op_sac_saved_bytes,
     reduce_bytes,
     setup_from_spec,
     units,
@@ -142,6 +144,63 @@ def test_activation_checkpointing() -> None:
     final_norm = (4 * 256 + 2 * 2 * 256) * tokens
     assert full.components["activations"] == 4 * 2 * 256 * tokens + shared + final_norm  # only layer inputs
     assert half.components["activations"] == (2 * 2 * 256 + 2 * 11_680) * tokens + shared + final_norm
+
+
+def test_selective_op_keeps_the_odd_matmuls_and_attention() -> None:
+    """selective-op (torchtitan's op policy): a layer keeps its input, the outputs of its 1st, 3rd,
+    5th and 7th matmul (q, v, gate, down) and sdpa's output and log-sum-exp; bf16 by hand."""
+    h, q, kv, i, heads = 256, 256, 128, 688, 8
+    tokens = 8 * 256
+    op = setup(batch=8, ac_mode=CheckpointingMode.SELECTIVE_OP)
+    per_token = 2 * (h + q + kv + i + h) + 2 * q + 4 * heads
+    assert per_token == 3_712
+    assert op_sac_saved_bytes(SMALL, op, tokens) == per_token * tokens
+    none, full, sac = (estimate_memory(SMALL, s) for s in (setup(batch=8), setup(batch=8, ac_mode=CheckpointingMode.FULL), op))
+    shared = (24 + 2 * 2 * 32) * tokens
+    final_norm = (4 * 256 + 2 * 2 * 256) * tokens
+    assert sac.components["activations"] == 4 * per_token * tokens + shared + final_norm
+    assert full.peak_bytes < sac.peak_bytes < none.peak_bytes
+    # eager attention is recomputed (no kernel output kept)
+    eager = setup(batch=8, ac_mode=CheckpointingMode.SELECTIVE_OP, attention=AttentionImplementation.EAGER)
+    assert op_sac_saved_bytes(SMALL, eager, tokens) == 2 * (h + q + kv + i + h) * tokens
+    # recomputed: k, o and up of q, k, v, o, gate, up, down
+    assert op_sac_recomputed_fraction(SMALL, op) == pytest.approx((128 * 256 + 256 * 256 + 688 * 256) / LAYER_MATMUL)
+    # LoRA on q and v: q, q.A, q.B, k, v, v.A, v.B, o, gate, up, down: keep q, q.B, v, v.B, gate, down
+    lora = setup(batch=8, ac_mode=CheckpointingMode.SELECTIVE_OP, lora_rank=8, lora_targets=("q_proj", "v_proj"))
+    assert op_sac_saved_bytes(SMALL, lora, tokens) == (2 * (h + q + q + kv + kv + i + h) + 2 * q + 4 * heads) * tokens
+    # DoRA adds the dense adapters lora_B(lora_A(eye)) (in x out), kept once per layer
+    dora = dataclasses.replace(lora, lora_dora=True)
+    assert op_sac_saved_bytes(SMALL, dora, tokens) == op_sac_saved_bytes(SMALL, lora, tokens) + 2 * (256 * 256 + 256 * 128)
+    assert any(n.startswith("selective-op with useDora") for n in estimate_memory(SMALL, dora).notes)
+
+
+LAYER_MATMUL = LAYER - 2 * 256  # the layer's parameters without its two norms
+
+
+def test_loss_chunks_divide_the_logits() -> None:
+    """lossChunks N: the logits, their fp32 copy, log-softmax and its gradients exist for one slice
+    of ceil(seq / N) positions; nothing vocabulary-wide is kept from forward to backward."""
+    vocab, tokens = 2048, 2 * 256
+    one = estimate_memory(SMALL, setup())
+    four = estimate_memory(SMALL, setup(loss_chunks=4))
+    three = estimate_memory(SMALL, setup(loss_chunks=3))  # 256 = 86 + 85 + 85: the largest counts
+    # bf16: at the cross-entropy backward, the saved log-softmax and two fp32 gradients
+    assert one.phase_peaks["loss"] - four.phase_peaks["loss"] == 12 * vocab * (tokens - tokens // 4)
+    assert one.phase_peaks["loss"] - three.phase_peaks["loss"] == 12 * vocab * (tokens - 2 * 86)
+    assert four.peak_bytes < one.peak_bytes
+    assert setup_from_spec(make_spec(**{"training.lossChunks": 4})).loss_chunks == 4
+
+
+def test_a_note_suggests_loss_chunks_when_the_logits_dominate() -> None:
+    big_vocab = dataclasses.replace(SMALL, vocab_size=128_256)
+    est = estimate_memory(big_vocab, setup(batch=1, seq=4096))
+    note = [n for n in est.notes if n.startswith("logits and cross-entropy are")]
+    assert note and "training.lossChunks" in note[0] and "128,256" in note[0]
+    assert est.components["logits"] >= 0.25 * est.peak_bytes
+    chunked = estimate_memory(big_vocab, setup(batch=1, seq=4096, loss_chunks=8))
+    assert not any(n.startswith("logits and cross-entropy are") for n in chunked.notes)
+    assert chunked.components["logits"] < est.components["logits"] / 4
+    assert not any(n.startswith("logits and cross-entropy are") for n in estimate_memory(SMALL, setup()).notes)
 
 
 def test_lora_trains_adapters_only() -> None:

@@ -3,11 +3,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
-from llamaft.api.spec import CheckpointingMode
+from llamaft.api.spec import CheckpointingMode, ShardingStrategy
 from llamaft_trainer.parallelize import apply_activation_checkpointing, decoder_layers
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from tests.trainer.tensor_memory import LiveBytes
 
 
 def tiny(seed: int = 0) -> LlamaForCausalLM:
@@ -51,3 +56,88 @@ def test_checkpointed_layers_recompute_in_backward_and_nothing_else_changes(
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=name)
 
+
+
+def full_step(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """`step` without Hugging Face's KV cache (as the trainer calls the model): a cache filled in
+    forward changes what the recompute computes, which selective checkpointing refuses."""
+    ids = torch.arange(24).remainder(64).view(2, 12)
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def test_selective_op_gradients_are_bitwise_those_without_checkpointing() -> None:
+    reference, model = tiny(), tiny()
+    expected = full_step(reference)
+    assert apply_activation_checkpointing(decoder_layers(model), CheckpointingMode.SELECTIVE_OP, 2) == 4
+    got = full_step(model)
+    assert list(model.state_dict()) == list(reference.state_dict())
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=name)
+
+
+class MatmulCount(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mm = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.mm += func is torch.ops.aten.mm.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_selective_op_recomputes_every_second_matmul() -> None:
+    """Backward's matmuls: two per projection (input and weight gradients) and the LM head's, plus
+    what the recompute runs: selective-op recomputes the 2nd, 4th and 6th of a layer's 7
+    projections (k, o, up); the kept q, v, gate and down outputs come from its cache."""
+    counts = {}
+    for mode in (CheckpointingMode.NONE, CheckpointingMode.SELECTIVE_OP):
+        model = tiny()
+        apply_activation_checkpointing(decoder_layers(model), mode, 2)
+        ids = torch.arange(24).remainder(64).view(2, 12)
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        with MatmulCount() as count:
+            loss.backward()
+        counts[mode] = count.mm
+    assert counts[CheckpointingMode.NONE] == 4 * 7 * 2 + 2
+    assert counts[CheckpointingMode.SELECTIVE_OP] == counts[CheckpointingMode.NONE] + 4 * 3
+
+
+def activation_bytes(mode: CheckpointingMode, tokens: tuple[int, int] = (2, 12)) -> int:
+    """Bytes the decoder layers keep between forward and backward (LiveBytes: storages created in
+    forward still alive; saved_tensors_hooks cannot see inside a checkpointed region)."""
+    model = tiny()
+    apply_activation_checkpointing(decoder_layers(model), mode, 2)
+    batch, seq = tokens
+    ids = torch.arange(batch * seq).remainder(64).view(batch, seq)
+    hidden = model.model.embed_tokens(ids).detach().requires_grad_()
+    positions = torch.arange(seq).unsqueeze(0)
+    rotary = model.model.rotary_emb(hidden, positions)
+    with LiveBytes() as live:
+        out = hidden
+        for layer in decoder_layers(model):
+            out = layer(out, position_embeddings=rotary, attention_mask=None, position_ids=positions)
+        kept = live.now
+        out.sum().backward()
+    return kept
+
+
+def test_selective_op_keeps_activations_between_none_and_full_as_the_planner_says() -> None:
+    from llamaft.api.spec import MixedPrecision
+    from llamaft.planner.memory import Setup, op_sac_saved_bytes
+    from llamaft.planner.shapes import ModelShape
+
+    none, full, op = (activation_bytes(m) for m in (CheckpointingMode.NONE, CheckpointingMode.FULL,
+                                                      CheckpointingMode.SELECTIVE_OP))
+    assert full < op < none
+    tokens = 2 * 12
+    # 4 layers of the tiny Llama, fp32 on CPU: what the planner counts per layer
+    shape = ModelShape(name="tiny", hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+                       head_dim=8, vocab_size=64)
+    setup = Setup(strategy=ShardingStrategy.FULL_SHARD, world_size=1, shard_size=1, precision=MixedPrecision.FP32,
+                  batch=2, seq=12, ac_mode=CheckpointingMode.SELECTIVE_OP, device="cpu")
+    assert full == 4 * 4 * 32 * tokens  # each layer's input only
+    assert op == 4 * op_sac_saved_bytes(shape, setup, tokens)
+    # input, q, v, gate, down, the attention output and its log-sum-exp
+    assert op == 4 * tokens * 4 * (32 + 32 + 16 + 64 + 32 + 32 + 4 * 4 / 4)

@@ -66,27 +66,100 @@ def mixed_precision_policy(precision: MixedPrecision) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
 
 
-def checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+def checkpointed(forward: Callable[..., Any], context_fn: Callable[[], Any] | None = None) -> Callable[..., Any]:
     """`forward`, its activations recomputed in backward instead of kept (torch.utils.checkpoint,
-    non-reentrant, the RNG state preserved: what torchtitan's wrapper calls too)."""
+    non-reentrant, the RNG state preserved: what torchtitan's wrapper calls too). `context_fn`:
+    checkpoint's selective-checkpointing contexts (`op_sac_context`); None keeps nothing inside."""
+    extra: dict[str, Any] = {} if context_fn is None else {"context_fn": context_fn}
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
-        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
 
     return run
 
 
+def _op_sac_save_ops() -> frozenset[Any]:
+    """The ops whose outputs op-level selective checkpointing keeps: torchtitan's
+    `_op_sac_save_list` (torchtitan/models/llama3/infra/parallelize.py at 1f029641b5, used by
+    `_apply_op_sac` in torchtitan/distributed/activation_checkpoint.py): the matmuls (aten.mm,
+    aten.linear where a backend keeps it whole), every scaled_dot_product_attention kernel, the
+    functional reduce-scatter (tensor parallelism; never issued here, kept for parity), aten.max
+    (float8's amax) and FlexAttention. Added here: the CPU SDPA kernel
+    (`_scaled_dot_product_flash_attention_for_cpu`, what sdpa runs on CPU), so the CPU tests and
+    bench exercise the same policy as CUDA's flash/efficient kernels. Ops a torch build lacks
+    (cudnn, flex attention, ...) are left out rather than failing."""
+    names = [
+        "aten.mm.default", "aten.linear.default",
+        "aten._scaled_dot_product_efficient_attention.default",
+        "aten._scaled_dot_product_flash_attention.default",
+        "aten._scaled_dot_product_cudnn_attention.default",
+        "aten._scaled_dot_product_attention_math.default",
+        "aten._scaled_dot_product_fused_attention_overrideable.default",
+        "aten._scaled_dot_product_flash_attention_for_cpu.default",
+        "_c10d_functional.reduce_scatter_tensor.default",
+        "aten.max.default",
+    ]
+    ops: set[Any] = set()
+    for name in names:
+        target: Any = torch.ops
+        try:
+            for part in name.split("."):
+                target = getattr(target, part)
+        except (AttributeError, RuntimeError):
+            continue
+        ops.add(target)
+    flex = getattr(getattr(torch, "_higher_order_ops", None), "flex_attention", None)
+    if flex is not None:
+        ops.add(flex)
+    return frozenset(ops)
+
+
+OP_SAC_SAVE_OPS = _op_sac_save_ops()
+MATMUL_OPS = frozenset(op for op in (getattr(torch.ops.aten.mm, "default", None),
+                                     getattr(torch.ops.aten.linear, "default", None)) if op is not None)
+
+
+def op_sac_context() -> Any:
+    """One checkpointed call's selective-checkpointing contexts (a fresh pair per call, as
+    `context_fn` asks): keep the outputs of OP_SAC_SAVE_OPS, recompute everything else, and of
+    the matmuls keep only the odd-numbered ones of the call (1st, 3rd, ...), as torchtitan's
+    `_apply_op_sac` policy does: half the matmul outputs kept, half recomputed. Forward and the
+    recompute count separately, so the recompute makes the same decisions in the same order
+    (torch.utils.checkpoint.create_selective_checkpoint_contexts pops the kept outputs by order).
+    For a plain Llama layer (q, k, v, o, gate, up, down) the q, v, gate and down outputs are kept
+    and k, o and up recomputed."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    counts = {"forward": 0, "recompute": 0}
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if func not in OP_SAC_SAVE_OPS:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if func in MATMUL_OPS:
+            key = "recompute" if ctx.is_recompute else "forward"
+            counts[key] += 1
+            if counts[key] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 def apply_activation_checkpointing(layers: nn.ModuleList, mode: CheckpointingMode, every_n: int) -> int:
     """Checkpoint decoder layers' forwards; returns how many were. `full`: every layer;
-    `selective`: layer i when i % every_n == 0. The layer's own forward is replaced (not the
-    layer wrapped in another module), so parameter names, checkpoints and FSDP's units are the
-    same with and without it, and only public torch APIs are involved."""
+    `selective`: layer i when i % every_n == 0; `selective-op`: every layer, keeping what
+    `op_sac_context` keeps. The layer's own forward is replaced (not the layer wrapped in another
+    module), so parameter names, checkpoints and FSDP's units are the same with and without it,
+    and only public torch APIs are involved."""
     if mode is CheckpointingMode.NONE:
         return 0
     wrapped = 0
     for index, layer in enumerate(list(layers)):
-        if mode is CheckpointingMode.FULL or index % every_n == 0:
+        if mode is CheckpointingMode.SELECTIVE_OP:
+            layer.forward = checkpointed(layer.forward, op_sac_context)  # type: ignore[method-assign]
+            wrapped += 1
+        elif mode is CheckpointingMode.FULL or index % every_n == 0:
             layer.forward = checkpointed(layer.forward)  # type: ignore[method-assign]
             wrapped += 1
     return wrapped

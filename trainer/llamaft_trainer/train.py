@@ -109,10 +109,17 @@ def build_scaler(cfg: TrainingJobConfig, rt: Runtime) -> Any | None:
     return ShardedGradScaler(device=rt.device.type)
 
 
-def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
-    """Sum of next-token cross-entropy over target tokens, and their count."""
+def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device,
+                   chunks: int = 1) -> tuple[torch.Tensor, int]:
+    """Sum of next-token cross-entropy over target tokens, and their count. `chunks` > 1: the LM
+    head and the loss over that many slices of the sequence (training.lossChunks, loss.py)."""
     input_ids = batch["input_ids"].to(device)
     labels = batch["labels"].to(device)
+    if chunks > 1:
+        from llamaft_trainer.loss import chunked_token_loss_sum
+
+        loss = chunked_token_loss_sum(model, input_ids, batch["attention_mask"].to(device), labels, chunks)
+        return loss, int((labels[:, 1:] != IGNORE_INDEX).sum())
     out = model(input_ids=input_ids, attention_mask=batch["attention_mask"].to(device), use_cache=False)
     logits = out.logits[:, :-1, :].float()
     targets = labels[:, 1:]
@@ -178,14 +185,16 @@ def clip_gradients(model: nn.Module, max_norm: float, cfg: TrainingJobConfig) ->
     return float(norm)
 
 
-def evaluate(model: nn.Module, data: Data, rt: Runtime) -> float | None:
+def evaluate(model: nn.Module, data: Data, rt: Runtime, loss_chunks: int = 1) -> float | None:
+    """The validation loss per target token; `loss_chunks` as in training (the logits of a whole
+    micro-batch need not fit during evaluation either)."""
     if data.validation_loader is None:
         return None
     model.eval()
     loss_sum, tokens = 0.0, 0
     with torch.no_grad():
         for batch in data.validation_loader:
-            loss, n = token_loss_sum(model, batch, rt.device)
+            loss, n = token_loss_sum(model, batch, rt.device, loss_chunks)
             loss_sum += float(loss)
             tokens += n
     model.train()
@@ -267,7 +276,7 @@ def train_loop(
         for index, batch in enumerate(group):
             with _micro_step(model, index == accum - 1, cfg):
                 with profiling.phase("forward"):
-                    loss, _ = token_loss_sum(model, batch, rt.device)
+                    loss, _ = token_loss_sum(model, batch, rt.device, tc.loss_chunks)
                     scaled = loss * scale
                 with profiling.phase("backward"):
                     (scaler.scale(scaled) if scaler is not None else scaled).backward()
@@ -315,7 +324,7 @@ def train_loop(
             if progress is not None:
                 progress.record_step(metrics)
         if tc.eval_interval and state.step % tc.eval_interval == 0 and state.step < steps:
-            _run_eval(model, data, rt, state, progress, result, record, evaluator)
+            _run_eval(model, data, rt, state, progress, result, record, evaluator, tc.loss_chunks)
         if checkpointer is not None:
             _report_completed(checkpointer, rt, result, record)  # a background save that finished (no collective)
         if stop is not None and stop_votes > 0:
@@ -324,7 +333,7 @@ def train_loop(
         if checkpointer is not None and (state.step % cfg.checkpointing.every_n_steps == 0 or state.step == steps):
             _save(model, optimizer, scheduler, state, rt, checkpointer, result, record, scaler)
     if state.step >= steps:
-        _run_eval(model, data, rt, state, progress, result, record, evaluator)
+        _run_eval(model, data, rt, state, progress, result, record, evaluator, tc.loss_chunks)
         record.peak_memory_bytes = int(_all_reduce_max(float(peak_memory_bytes(rt.device)), rt.device))
     if checkpointer is not None:
         checkpointer.wait()  # the last save, written in the background during the final eval
@@ -410,9 +419,9 @@ def _on_every_rank(ok: bool, device: torch.device) -> bool:
 
 def _run_eval(
     model: nn.Module, data: Data, rt: Runtime, state: TrainState, progress: Progress | None, result: LoopResult,
-    record: RunRecord, evaluator: Evaluator | None = None,
+    record: RunRecord, evaluator: Evaluator | None = None, loss_chunks: int = 1,
 ) -> None:
-    eval_loss = evaluate(model, data, rt)
+    eval_loss = evaluate(model, data, rt, loss_chunks)
     if eval_loss is None:
         return
     result.eval_losses.append(eval_loss)

@@ -301,6 +301,14 @@ class TrainingSpec(ApiModel):
     """Evaluate every N optimizer steps and at the end (0: only at the end)."""
     log_interval: int = Field(default=1, ge=1, le=100_000)
     """Log and publish metrics every N optimizer steps."""
+    loss_chunks: int = Field(default=1, ge=1, le=64)
+    """Compute the LM head and the cross-entropy over this many slices of the sequence, one at a
+    time, in forward and again in backward (each slice recomputed there), so the fp32 logits of
+    the whole micro-batch (micro-batch x sequence x vocabulary x 4 bytes, and as much again for
+    their gradient) never exist at once: peak logits memory divided by about N, for one more LM
+    head forward per step. Worth it when the vocabulary is large and sequences long (a 128k
+    vocabulary at 8k tokens is 4 GiB of fp32 logits per sequence); same loss and gradients (up to
+    float rounding), training and evaluation."""
     collective_timeout_seconds: int = Field(default=600, ge=10, le=86_400)
     """Timeout of every collective (init_process_group's timeout): a dead or hung peer becomes an
     error in bounded time instead of a job that holds its GPUs forever."""
@@ -335,6 +343,7 @@ class CheckpointingMode(ApiEnum):
     NONE = "none"
     FULL = "full"
     SELECTIVE = "selective"
+    SELECTIVE_OP = "selective-op"
 
 
 class FsdpImplementation(ApiEnum):
@@ -361,9 +370,14 @@ class ActivationCheckpointingSpec(ApiModel):
     """Recompute activations in backward to save memory."""
 
     mode: CheckpointingMode = CheckpointingMode.FULL
-    """`none`, `full` (every decoder layer) or `selective` (every N-th layer)."""
+    """`none`, `full` (every decoder layer keeps only its input and recomputes the rest in backward),
+    `selective` (every N-th layer checkpointed as in `full`, the others keep everything) or
+    `selective-op` (every layer keeps the outputs of its attention kernel and of every second matrix
+    multiply, and recomputes the rest (norms, RoPE, SwiGLU, the other projections): torchtitan's
+    op-level policy; memory between `none` and `full`, and without LoRA only the k, o and up
+    projections' matmuls are recomputed (about 40% of a Llama layer's, `full` recomputes all))."""
     every_n_layers: int = Field(default=2, ge=1, le=1024)
-    """With `selective`: checkpoint one decoder layer out of every N."""
+    """With `selective`: checkpoint one decoder layer out of every N (ignored by the other modes)."""
 
 
 class WrapPolicySpec(ApiModel):

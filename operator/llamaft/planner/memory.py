@@ -34,7 +34,12 @@ What it follows (FSDP2, `fully_shard` per decoder layer plus the root, as parall
     and takes the norm of W + s*BA (`dora_temporary_bytes`).
   * logits and loss: train.py computes `logits[:, :-1].float()` and cross-entropy: bf16 logits,
     an fp32 copy and log-softmax's fp32 output in forward; in backward the saved log-softmax plus
-    two fp32 gradients (12 bytes per vocabulary entry per token at the peak).
+    two fp32 gradients (12 bytes per vocabulary entry per token at the peak). With
+    training.lossChunks N (loss.py) the same tensors exist for one slice of the sequence at a
+    time (the largest: ceil(seq / N) positions), in forward and again in backward's recompute of
+    each slice, and nothing vocabulary-wide is kept between them.
+  * selective-op checkpointing: each layer keeps its input, the odd-numbered matmul outputs and
+    the attention kernel's outputs (`op_sac_saved_bytes`); backward recomputes the rest.
   * optimizer step: AdamW's foreach implementation (the trainer asks for it on every device)
     allocates one temporary the size of the trainable shard (sqrt of exp_avg_sq).
   * CPU offload: parameters, gradients and optimizer state live in host memory (and the step runs
@@ -70,6 +75,9 @@ TRAINER_SYNCS_EVERY_MICRO_STEP = True
 """Mirrors llamaft_trainer.train._micro_step: gradients are reduce-scattered on every micro-step, so
 they stay sharded between micro-steps (False models a trainer that turned gradient sync off until
 the last micro-step, keeping them unsharded). Flip when the trainer changes."""
+
+LOGITS_NOTE_SHARE = 0.25
+"""Above this share of the peak, the logits get a note suggesting training.lossChunks."""
 
 COMPONENTS: dict[str, str] = {
     "parameters": "sharded parameters (master copy)",
@@ -114,6 +122,8 @@ class Setup:
     float8_all_gather: bool = False
     """fsdp.float8 tensorwise with allGather: FSDP2 all-gathers the converted linears' weights
     in float8 (1 byte per element instead of the compute dtype's)."""
+    loss_chunks: int = 1
+    """training.lossChunks: the LM head and cross-entropy over this many slices of the sequence."""
     sync_between_micro_steps: bool = False
     """False: as train.py does today, gradient sync is off on all but the last micro-step, so FSDP2
     keeps unsharded gradients between micro-steps. True: a trainer that reduce-scatters every
@@ -169,6 +179,7 @@ def setup_from_spec(spec: LlamaFineTuneSpec | TrainingJobConfig, *, world_size: 
         device=device,
         float8_all_gather=fsdp.float8.enabled and fsdp.float8.recipe is Float8Recipe.TENSORWISE
         and fsdp.float8.all_gather and fsdp.implementation is FsdpImplementation.FSDP2,
+        loss_chunks=spec.training.loss_chunks,
         sync_between_micro_steps=TRAINER_SYNCS_EVERY_MICRO_STEP,
     )
 
@@ -288,9 +299,58 @@ def units(shape: ModelShape, setup: Setup) -> tuple[Unit, Unit, int]:
 
 # -------------------------------------------------------------------------- activations
 def _checkpointed(index: int, setup: Setup) -> bool:
-    if setup.ac_mode is CheckpointingMode.FULL:
+    if setup.ac_mode in (CheckpointingMode.FULL, CheckpointingMode.SELECTIVE_OP):
         return True
     return setup.ac_mode is CheckpointingMode.SELECTIVE and index % setup.ac_every == 0
+
+
+def layer_matmuls(shape: ModelShape, setup: Setup) -> list[tuple[str, int, int, int]]:
+    """Every aten.mm of one decoder layer's forward, in order: (what, output elements per token,
+    output elements per forward, multiply-adds per token). Each projection's base matmul; on a
+    LoRA-adapted one then lora_A and lora_B (peft lora.Linear: base_layer(x) first); with DoRA
+    first the dense adapter lora_B(lora_A(eye(in))) (in x r, then in x out, once per forward:
+    DoraLinearLayer.forward) before lora_A(x) and lora_B. Attention's own products are batched
+    matmuls (eager) or one SDPA kernel, not aten.mm."""
+    targets = set(setup.lora_targets) & set(LORA_MODULES) if setup.lora else set()
+    r = setup.lora_rank or 0
+    out: list[tuple[str, int, int, int]] = []
+    for name, (out_f, in_f) in shape.linear_shapes().items():
+        out.append((name, out_f, 0, out_f * in_f))
+        if name in targets:
+            if setup.lora_dora:
+                out += [(f"{name} DoRA eye @ A", 0, in_f * r, 0), (f"{name} DoRA (eye A) @ B", 0, in_f * out_f, 0)]
+            out += [(f"{name} lora_A", r, 0, r * in_f), (f"{name} lora_B", out_f, 0, out_f * r)]
+    return out
+
+
+def op_sac_saved_bytes(shape: ModelShape, setup: Setup, tokens: int) -> float:
+    """What one decoder layer keeps under `selective-op` (llamaft_trainer.parallelize.op_sac_context,
+    torchtitan's op-level policy): its input (the checkpoint's), the outputs of the odd-numbered
+    matmuls of its forward (`layer_matmuls`: q, v, gate and down for a full fine-tune) and the
+    attention kernel's outputs (sdpa/flash: the output and the fp32 log-sum-exp per head; eager
+    attention is recomputed). Everything else is recomputed in backward. With DoRA, the dense
+    adapters built from eye() are among the kept matmul outputs: weight-sized, once per layer.
+    (Measured on CPU in tests/trainer/test_parallelize.py: the same bytes.)"""
+    c = compute_bytes(setup.precision)
+    per_token = float(shape.hidden_size)
+    per_forward = 0.0
+    for index, (_, width, constant, _) in enumerate(layer_matmuls(shape, setup), start=1):
+        if index % 2 == 1:
+            per_token += width
+            per_forward += constant
+    total = c * (per_token * tokens + per_forward)
+    if setup.attention is not AttentionImplementation.EAGER:
+        total += (c * shape.q_dim + 4 * shape.num_heads) * tokens
+    return total
+
+
+def op_sac_recomputed_fraction(shape: ModelShape, setup: Setup) -> float:
+    """The share of a decoder layer's matmul work `selective-op` runs again in backward (the
+    even-numbered matmuls, `layer_matmuls`); `full` recomputes all of it."""
+    matmuls = layer_matmuls(shape, setup)
+    work = sum(m[3] for m in matmuls)
+    again = sum(m[3] for index, m in enumerate(matmuls, start=1) if index % 2 == 0)
+    return again / work if work else 0.0
 
 
 def layer_activation_bytes_per_token(shape: ModelShape, setup: Setup) -> float:
@@ -499,13 +559,23 @@ def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
 
     act_layer = layer_activation_bytes_per_token(shape, setup) * tokens
     act_ckpt = c * shape.hidden_size * tokens
+    op_sac = setup.ac_mode is CheckpointingMode.SELECTIVE_OP
+    if op_sac:
+        # the layer keeps its input and the selected op outputs; the recompute rebuilds the rest
+        act_ckpt = op_sac_saved_bytes(shape, setup, tokens)
+        act_recomputed = max(act_layer - act_ckpt, 0.0) + c * shape.hidden_size * tokens
+    else:
+        act_recomputed = act_layer
     dora_tmp = dora_temporary_bytes(shape, setup)
     shared = shared_activation_bytes(shape, setup)
     norm_act = final_norm_bytes_per_token(shape, setup) * tokens
     bwd_tmp = backward_temporaries_per_token(shape, setup) * tokens
     vocab = shape.vocab_size
-    logits_c = c * vocab * tokens
-    logits_f = 4.0 * vocab * tokens
+    chunked = setup.loss_chunks > 1
+    # lossChunks: one slice of the sequence at a time (the largest, where it does not divide)
+    logit_tokens = setup.batch * -(-setup.seq // setup.loss_chunks) if chunked else tokens
+    logits_c = c * vocab * logit_tokens
+    logits_f = 4.0 * vocab * logit_tokens
     lm_head_trainable = not setup.lora
     embed_grad = c * shape.embedding_parameters if lm_head_trainable else 0.0
     head_grad = 0.0 if shape.tie_word_embeddings else embed_grad
@@ -565,6 +635,11 @@ def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
         tl.add("logits", logits_f, "loss:cross-entropy forward")
         # token_loss_sum returns: the bf16 logits and the fp32 copy are released
         tl.sub("logits", logits_c + (logits_f if c != 4 else 0.0))
+        if chunked:
+            # a checkpointed slice keeps no log-softmax; backward recomputes one slice at a time
+            tl.sub("logits", logits_f)
+            tl.add("logits", logits_c + (logits_f if c != 4 else 0.0) + logits_f, "loss:slice recompute")
+            tl.sub("logits", logits_c + (logits_f if c != 4 else 0.0))
         # -------- backward: cross-entropy (saved log-softmax + two fp32 gradients)
         tl.add("logits", 2 * logits_f, "loss:cross-entropy backward")
         tl.sub("logits", 2 * logits_f)  # saved output and nll gradient released
@@ -585,7 +660,7 @@ def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
             is_unit = index < wrapped
             gather(index, f"backward:layer {index} all-gather")
             gather(index - 1, f"backward:layer {index - 1} prefetch")
-            recompute = act_layer + dora_tmp if ckpt else 0.0
+            recompute = act_recomputed + dora_tmp if ckpt else 0.0
             unit_grads = c * layer.trainable if is_unit else 0.0
             tl.add("temporaries", recompute + bwd_tmp)
             tl.add("reduce_buffers", unit_grads, f"backward:layer {index}")
@@ -660,6 +735,19 @@ def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
             f"gradientAccumulationSteps {setup.accumulation}: the trainer turns gradient sync off between "
             f"micro-steps, so each rank keeps all {trainable:,} trainable parameters' gradients unsharded "
             f"({_gib(rd * trainable)} in the reduce dtype)"
+        )
+    logits_at_peak = tl.at_peak["logits"]
+    if not chunked and logits_at_peak >= LOGITS_NOTE_SHARE * tl.peak:
+        notes.append(
+            f"logits and cross-entropy are {_gib(logits_at_peak)} of the {_gib(tl.peak)} peak (vocabulary "
+            f"{vocab:,} x {tokens:,} tokens per micro-batch): training.lossChunks: N computes them one slice of "
+            f"the sequence at a time, dividing that by about N for one more LM head forward"
+        )
+    if setup.ac_mode is CheckpointingMode.SELECTIVE_OP and setup.lora_dora:
+        kept = sum(m[2] for i, m in enumerate(layer_matmuls(shape, setup), start=1) if i % 2 == 1)
+        notes.append(
+            f"selective-op with useDora keeps the dense DoRA adapters it builds (every second matmul is kept): "
+            f"{_gib(c * kept * shape.num_layers)} over the layers"
         )
     if setup.wrap_min_params is not None and wrapped < shape.num_layers:
         notes.append(

@@ -22,6 +22,7 @@ from llamaft.planner.memory import (
     Setup,
     estimate_memory,
     master_bytes,
+    op_sac_recomputed_fraction,
     setup_from_spec,
 )
 from llamaft.planner.shapes import ModelShape
@@ -370,6 +371,9 @@ def recompute_factor(shape: ModelShape, setup: Setup) -> float:
     layers = shape.num_layers
     ckpt = layers if setup.ac_mode is CheckpointingMode.FULL else len(range(0, layers, setup.ac_every))
     layer_share = layers * shape.layer_parameters / max(shape.parameters - shape.embedding_parameters, 1)
+    if setup.ac_mode is CheckpointingMode.SELECTIVE_OP:
+        # every layer, but only the matmuls the policy does not keep (op_sac_recomputed_fraction)
+        return 1.0 + (2.0 / 6.0) * layer_share * op_sac_recomputed_fraction(shape, setup)
     return 1.0 + (2.0 / 6.0) * layer_share * ckpt / layers
 
 
