@@ -558,7 +558,7 @@ def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
     on_gpu = 0.0 if offload else 1.0
 
     act_layer = layer_activation_bytes_per_token(shape, setup) * tokens
-    act_ckpt = c * shape.hidden_size * tokens
+    act_ckpt: float = c * shape.hidden_size * tokens
     op_sac = setup.ac_mode is CheckpointingMode.SELECTIVE_OP
     if op_sac:
         # the layer keeps its input and the selected op outputs; the recompute rebuilds the rest
