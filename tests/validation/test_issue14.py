@@ -75,7 +75,7 @@ ADMISSION: list[tuple[str, dict[str, Any], list[str]]] = [
     # camelCase only
     ("fsdp.cpu_offload", with_(("spec.fsdp", {"cpu_offload": True})),
      [f"spec.fsdp.cpu_offload: unknown field; did you mean 'cpuOffload'? {SNAKE}activationCheckpointing, compile, "
-      "cpuOffload, hybridShard, implementation, mixedPrecision, shardingStrategy, wrapPolicy"]),
+      "cpuOffload, float8, hybridShard, implementation, mixedPrecision, shardingStrategy, wrapPolicy"]),
     ("run_policy", with_(("spec.run_policy", {"suspend": True})),
      [f"spec.run_policy: unknown field; did you mean 'runPolicy'? {SNAKE}backend, cache, checkpointing, cluster, dataset, evaluation, fsdp, model, "
       "monitoring, preflight, rendezvous, runPolicy, scheduling, tracking, trainJob, training"]),
