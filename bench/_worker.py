@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 from llamaft.api.spec import TrainingJobConfig
-from llamaft_trainer.runtime import build_mesh, init_runtime
+from llamaft_trainer.runtime import build_mesh, init_runtime, sharding_plan
 from llamaft_trainer.shutdown import exit_process
 
 
@@ -34,7 +34,8 @@ def load(mode: str, cfg: TrainingJobConfig) -> dict[str, float]:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(cfg.model.source, dtype=torch.float32)
-        model = parallelize(model, cfg.fsdp, build_mesh(cfg.fsdp, rt), rt.device)
+        fsdp_plan = sharding_plan(cfg.fsdp, rt, force_fsdp=True)  # FSDP itself is measured
+        model = parallelize(model, cfg.fsdp, fsdp_plan, build_mesh(fsdp_plan, rt), rt.device)
     dist.barrier()
     return {"rank": rt.rank, "before_mb": before, "peak_mb": peak_rss_mb(), "seconds": time.perf_counter() - started}
 

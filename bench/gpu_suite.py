@@ -111,7 +111,7 @@ def measure_case(case: dict[str, Any], steps: int, warmup: int) -> dict[str, Any
     from llamaft_trainer import model as model_step
     from llamaft_trainer.metrics import flops_per_token, peak_flops
     from llamaft_trainer.parallelize import parallelize
-    from llamaft_trainer.runtime import build_mesh, init_runtime
+    from llamaft_trainer.runtime import build_mesh, init_runtime, sharding_plan
     from llamaft_trainer.train import _micro_step, build_optimizer, optimizer_step, token_loss_sum
     from transformers import LlamaConfig
 
@@ -122,7 +122,8 @@ def measure_case(case: dict[str, Any], steps: int, warmup: int) -> dict[str, Any
     config = LlamaConfig(**shape_config(case), max_position_embeddings=seq)
     model = model_step.build_meta_model(config, cfg.model, model_step.master_dtype(cfg.fsdp.mixed_precision))
     n_params = sum(p.numel() for p in model.parameters())
-    model = parallelize(model, cfg.fsdp, build_mesh(cfg.fsdp, rt), rt.device)
+    fsdp_plan = sharding_plan(cfg.fsdp, rt, force_fsdp=True)  # FSDP itself is measured
+    model = parallelize(model, cfg.fsdp, fsdp_plan, build_mesh(fsdp_plan, rt), rt.device)
     model.to_empty(device=rt.device)
     with torch.no_grad():
         for p in model.parameters():

@@ -75,7 +75,7 @@ def worker(mode: str, cfg_path: str, out_path: str) -> None:
     from llamaft_trainer import model as model_step
     from llamaft_trainer.main import build_model
     from llamaft_trainer.parallelize import parallelize
-    from llamaft_trainer.runtime import build_mesh, init_runtime
+    from llamaft_trainer.runtime import build_mesh, init_runtime, sharding_plan
     from llamaft_trainer.shutdown import exit_process, teardown
 
     cfg = TrainingJobConfig.model_validate(json.loads(Path(cfg_path).read_text()))
@@ -88,7 +88,8 @@ def worker(mode: str, cfg_path: str, out_path: str) -> None:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(cfg.model.source, dtype=torch.float32)
-        model = parallelize(model, cfg.fsdp, build_mesh(cfg.fsdp, rt), rt.device)
+        fsdp_plan = sharding_plan(cfg.fsdp, rt, force_fsdp=True)  # FSDP itself is measured
+        model = parallelize(model, cfg.fsdp, fsdp_plan, build_mesh(fsdp_plan, rt), rt.device)
     dist.barrier()
     result = {"rank": rt.rank, "before_mb": before, "seconds": time.perf_counter() - started,
               "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}

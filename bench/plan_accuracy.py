@@ -162,7 +162,7 @@ def run_case(case: dict[str, Any], rt: Any, steps: int = 2, meter: str = "tracke
     from llamaft.api.spec import MixedPrecision, TrainingJobConfig
     from llamaft_trainer import model as model_step
     from llamaft_trainer.parallelize import parallelize
-    from llamaft_trainer.runtime import build_mesh
+    from llamaft_trainer.runtime import build_mesh, sharding_plan
     from llamaft_trainer.train import _micro_step, build_optimizer, optimizer_step, token_loss_sum
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from transformers import LlamaConfig
@@ -176,7 +176,8 @@ def run_case(case: dict[str, Any], rt: Any, steps: int = 2, meter: str = "tracke
     model = model_step.build_meta_model(config, cfg.model, dtype)
     if lora is not None:
         model = model_step.apply_lora(model, lora)
-    model = parallelize(model, cfg.fsdp, build_mesh(cfg.fsdp, rt), rt.device)
+    fsdp_plan = sharding_plan(cfg.fsdp, rt, force_fsdp=True)  # FSDP itself is measured
+    model = parallelize(model, cfg.fsdp, fsdp_plan, build_mesh(fsdp_plan, rt), rt.device)
     # FSDP2 wants offloaded shards materialised on the CPU (the trainer's build_model calls
     # to_empty(rt.device), which FSDP2's lazy init rejects on CUDA with cpuOffload)
     offload_cpu = cfg.fsdp.cpu_offload and rt.device.type == "cuda"

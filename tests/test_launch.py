@@ -7,12 +7,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 from llamaft.api.documents import load_finetune
+from llamaft.api.spec import LlamaFineTuneSpec
 from llamaft.launch import localize, torchrun_launch
-from llamaft.local import agent, plan
+from llamaft.local import agent, local_threads, plan
 from llamaft.render import desired
 from llamaft.render.naming import CONFIG_FILE, Owner
 
@@ -23,7 +25,8 @@ EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 MACHINE_BOUND = {"PET_RDZV_ENDPOINT", "LLAMAFT_CONFIG", "LLAMAFT_SPEC", "LLAMAFT_METRICS_PORT", "LLAMAFT_TERMINATION_LOG",
                  "PET_NPROC_PER_NODE", "CUDA_VISIBLE_DEVICES",
                  "LLAMAFT_CACHE", "HF_HOME", "LLAMAFT_CACHE_SHARED",  # this machine's download caches (launch.local_cache)
-                 "LLAMAFT_RUN_UID"}  # a local run is its checkpoint directory (LocalPlan.run_uid)
+                 "LLAMAFT_RUN_UID",  # a local run is its checkpoint directory (LocalPlan.run_uid)
+                 "OMP_NUM_THREADS"}  # this machine's cores per process (local.local_threads)
 
 
 def pod_env(job: dict) -> dict[str, str]:  # type: ignore[type-arg]
@@ -87,3 +90,43 @@ def test_run_local_runs_the_cluster_launch(name: str, tmp_path: Path) -> None:
     assert p.config_path.read_text() == desired.config_map(owner, spec)["data"][CONFIG_FILE], \
         "the trainer reads the ConfigMap's own JSON"
     assert p.rdzv_id != plan(path, nproc_per_worker=None, run_dir=tmp_path / "run")[0].rdzv_id, "a rerun gets a new id"
+
+
+# ------------------------------------------------------------------ threads per trainer process
+def _spec(cluster: dict) -> LlamaFineTuneSpec:  # type: ignore[type-arg]
+    return LlamaFineTuneSpec.model_validate({
+        "model": {"source": "hf://meta-llama/Llama-2-7b-hf"},
+        "dataset": {"format": "samsum", "source": "hf://knkarthick/samsum"}, "cluster": cluster,
+    })
+
+
+@pytest.mark.parametrize(("cluster", "threads"), [
+    ({"workers": 2, "gpusPerWorker": 8, "resources": {"cpu": "96"}}, "12"),
+    ({"workers": 1, "gpusPerWorker": 8, "resources": {"cpu": "90"}}, "11"),
+    ({"workers": 1, "gpusPerWorker": 0, "resources": {"cpu": "4"}}, "4"),
+    ({"workers": 1, "gpusPerWorker": 4, "resources": {"cpu": "2"}}, "1"),
+    ({"workers": 1, "gpusPerWorker": 0, "resources": {"cpu": "500m"}}, "1"),
+    ({"workers": 2, "gpusPerWorker": 8}, "1"),
+])
+def test_each_process_gets_its_share_of_the_workers_cpus(cluster: dict, threads: str) -> None:  # type: ignore[type-arg]
+    spec = _spec(cluster)
+    env = pod_env(desired.pytorch_job(Owner("t", "ns", "uid"), spec, 1))
+    assert env["OMP_NUM_THREADS"] == threads == str(desired.threads_per_process(spec))
+
+
+def test_the_users_omp_num_threads_wins_in_the_pod_and_here() -> None:
+    spec = _spec({"workers": 2, "gpusPerWorker": 0, "resources": {"cpu": "8"},
+                  "env": [{"name": "OMP_NUM_THREADS", "value": "3"}]})
+    assert pod_env(desired.pytorch_job(Owner("t", "ns", "uid"), spec, 1))["OMP_NUM_THREADS"] == "3"
+    assert local_threads(spec, "cpu", 2, {"OMP_NUM_THREADS": "5"}) is None, "the launch carries the spec's 3"
+    plain = _spec({"workers": 2, "gpusPerWorker": 0})
+    assert local_threads(plain, "cpu", 2, {"OMP_NUM_THREADS": "5"}) == "5", "this shell's value"
+
+
+def test_a_local_cpu_run_shares_this_machines_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    spec = _spec({"workers": 2, "gpusPerWorker": 0, "resources": {"cpu": "64"}})
+    assert local_threads(spec, "cpu", 2, {}) == "4"
+    assert local_threads(spec, "cpu", 1, {}) == "8"
+    assert local_threads(spec, "cpu", 16, {}) == "1"
+    assert local_threads(spec, "cuda", 2, {}) is None, "a GPU run here keeps the pod's share"

@@ -105,12 +105,12 @@ def local_cache(environ: Mapping[str, str]) -> dict[str, str]:
 
 def localize(launch: Launch, *, rdzv_endpoint: str, config_path: str, nproc_per_node: int | None,
              metrics_port: int, termination_log: str, cpu_only: bool, cache: Mapping[str, str] | None = None,
-             run_uid: str | None = None) -> Localized:
+             run_uid: str | None = None, threads: str | None = None) -> Localized:
     """The cluster launch on this machine: the rendezvous on a local address, the config file at
     a local path, a free metrics port per agent, the termination message in a file, the local
     download caches (`cache`: local_cache's values), the run's identity for its trackers
-    (`run_uid`), and (without enough GPUs) one CPU process per worker; `torchrun` is this
-    interpreter's torch.distributed.run."""
+    (`run_uid`), this machine's threads per process (`threads`: OMP_NUM_THREADS), and (without
+    enough GPUs) one CPU process per worker; `torchrun` is this interpreter's torch.distributed.run."""
     env = dict(launch.env)
     overrides = {
         "PET_RDZV_ENDPOINT": rdzv_endpoint,
@@ -126,6 +126,8 @@ def localize(launch: Launch, *, rdzv_endpoint: str, config_path: str, nproc_per_
         overrides["CUDA_VISIBLE_DEVICES"] = ""
     if run_uid is not None:
         overrides["LLAMAFT_RUN_UID"] = run_uid
+    if threads is not None:
+        overrides["OMP_NUM_THREADS"] = threads
     changed = {k: (env.get(k), v) for k, v in overrides.items() if env.get(k) != v}
     env.update(overrides)
     argv = list(launch.argv)

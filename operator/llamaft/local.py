@@ -39,7 +39,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -73,6 +73,8 @@ class LocalPlan:
     """What every worker pod of the cluster's PyTorchJob runs (llamaft.launch)."""
     checkpoints: str
     resume: bool
+    threads: str | None = None
+    """OMP_NUM_THREADS of every trainer process when it differs from the pod's (local_threads)."""
 
     @property
     def run_uid(self) -> str:
@@ -126,7 +128,22 @@ def plan(path: str | Path, *, nproc_per_worker: int | None, run_dir: str | Path 
     return LocalPlan(
         name, spec.cluster.workers, nproc, device, spec.rendezvous.backend, directory, config_path, launch,
         spec.checkpointing.directory, spec.checkpointing.resume,
+        local_threads(spec, device, spec.cluster.workers * nproc, os.environ),
     ), spec
+
+
+def local_threads(spec: LlamaFineTuneSpec, device: str, processes: int, environ: Mapping[str, str]) -> str | None:
+    """Threads per trainer process here: the spec's own OMP_NUM_THREADS (cluster.env, which the
+    launch carries), else this shell's, else on CPU this machine's cores shared among the run's
+    processes (the pod's value, from cluster.resources.cpu, describes a cluster node). None: the
+    launch's value stands."""
+    if any(e.name == "OMP_NUM_THREADS" for e in spec.cluster.env):
+        return None
+    if environ.get("OMP_NUM_THREADS"):
+        return environ["OMP_NUM_THREADS"]
+    if device != "cpu":
+        return None
+    return str(max(1, len(os.sched_getaffinity(0)) // max(processes, 1)))
 
 
 def with_local_tracking(spec: LlamaFineTuneSpec) -> LlamaFineTuneSpec:
@@ -147,7 +164,7 @@ def agent(p: LocalPlan, endpoint: str, index: int) -> Localized:
     """Agent (\"node\") `index` of the local run: the cluster's launch, localized."""
     return localize(p.launch, rdzv_endpoint=endpoint, config_path=str(p.config_path), nproc_per_node=p.nproc_per_worker,
                     metrics_port=free_port(), termination_log=str(p.run_dir / f"termination-{index}.json"),
-                    cpu_only=p.device == "cpu", cache=local_cache(os.environ), run_uid=p.run_uid)
+                    cpu_only=p.device == "cpu", cache=local_cache(os.environ), run_uid=p.run_uid, threads=p.threads)
 
 
 @contextlib.contextmanager

@@ -1500,7 +1500,10 @@ class SimCluster:
                 if not ref.get("optional"):
                     return Waiting("CreateContainerConfigError", f'secret "{ref.get("name")}" not found')
         env.update({"HOSTNAME": spec.get("hostname") or meta["name"], "LLAMAFT_TERMINATION_LOG": str(run.dir / "termination-log"),
-                    "LLAMAFT_METRICS_HOST": run.ip})
+                    "LLAMAFT_METRICS_HOST": run.ip,
+                    # Every simulated node shares this machine's few cores: one thread per
+                    # trainer, whatever CPU share the pod's spec gives it.
+                    "OMP_NUM_THREADS": "1"})
         env = {k: rewrite(v) for k, v in env.items()}
         if "PET_RDZV_ENDPOINT" in env:
             resolved = self._resolve(meta["namespace"], env["PET_RDZV_ENDPOINT"])

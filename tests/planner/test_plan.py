@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from llamaft.api.quantity import parse_quantity
 from llamaft.api.spec import LlamaFineTuneSpec
 from llamaft.manifests import load_finetune
 from llamaft.planner import (
@@ -27,7 +28,7 @@ from llamaft.planner import (
     resolve_shape,
     setup_from_spec,
 )
-from llamaft.planner.catalog import GiB, MiB, parse_quantity
+from llamaft.planner.catalog import GiB, MiB
 from llamaft.planner.plan import (
     CUDA_CONTEXT_BYTES,
     FRAGMENTATION,

@@ -64,6 +64,7 @@ def main(cases_path: str, out_path: str) -> None:
             "param_sums": gathered,
             "checksum": own,
             "step": result.state.step,
+            "wrapper": type(session.model).__name__,
         }
         del session
     if rt.is_leader:

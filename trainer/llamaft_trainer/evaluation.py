@@ -22,6 +22,7 @@ from torch import nn
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from llamaft_trainer import store as store_mod
+from llamaft_trainer.parallelize import unwrapped
 from llamaft_trainer.runtime import Runtime
 
 
@@ -70,7 +71,7 @@ def generate(model: nn.Module, samples: list[Sample], tokenizer: PreTrainedToken
         with torch.no_grad():
             for sample in samples:
                 ids = torch.tensor([sample.prompt_ids], device=rt.device)
-                out = model.generate(  # type: ignore[operator]
+                out = unwrapped(model).generate(  # type: ignore[operator]
                     input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                     do_sample=False, synced_gpus=rt.world_size > 1, pad_token_id=pad,
                     eos_token_id=tokenizer.eos_token_id,

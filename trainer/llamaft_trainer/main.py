@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 from llamaft.api.documents import parse_documents
-from llamaft.api.spec import FsdpImplementation, LoraExport, TrainingJobConfig
+from llamaft.api.sharding import Wrapper
+from llamaft.api.spec import LoraExport, TrainingJobConfig
 from llamaft.api.validation import SpecInvalid, validate_resource
 from torch import nn
 
@@ -42,9 +43,9 @@ from llamaft_trainer.errors import EXIT_CONFIG_ERROR, EXIT_FAILURE, EXIT_PREEMPT
 from llamaft_trainer.evaluation import build_evaluator
 from llamaft_trainer.export import export_hugging_face
 from llamaft_trainer.metrics import Progress, flops_per_token, log_json, peak_flops
-from llamaft_trainer.parallelize import parallelize
+from llamaft_trainer.parallelize import parallelize, replicate
 from llamaft_trainer.preemption import StopSignal
-from llamaft_trainer.runtime import Runtime, build_mesh, init_runtime
+from llamaft_trainer.runtime import Runtime, build_mesh, init_runtime, sharding_plan
 from llamaft_trainer.shutdown import exit_process, teardown
 from llamaft_trainer.termination import RunRecord
 from llamaft_trainer.train import (
@@ -106,7 +107,8 @@ class Session:
 
 def build_model(cfg: TrainingJobConfig, rt: Runtime, model_config: Any) -> tuple[nn.Module, int]:
     """Meta model -> (LoRA) -> parallelize -> allocate shards -> pretrained weights streamed into
-    the shards (loading.py: each rank reads only its own rows, or rank 0 broadcasts tensor by tensor)."""
+    the shards (loading.py: each rank reads only its own rows, or rank 0 broadcasts tensor by tensor)
+    -> DDP where the sharding plan replicates without FSDP."""
     dtype = model_step.master_dtype(cfg.fsdp.mixed_precision)
     lora = cfg.training.lora if cfg.training.lora is not None and cfg.training.lora.enabled else None
     model = model_step.build_meta_model(model_config, cfg.model, dtype)
@@ -114,13 +116,13 @@ def build_model(cfg: TrainingJobConfig, rt: Runtime, model_config: Any) -> tuple
         model = model_step.apply_lora(model, lora)
     n_params = sum(p.numel() for p in model.parameters())
     want = loading.wanted(model)  # the checkpoint's names, before wrappers rename the parameters
-    mesh = build_mesh(cfg.fsdp, rt)
-    model = parallelize(model, cfg.fsdp, mesh, rt.device)
-    if cfg.fsdp.implementation is FsdpImplementation.FSDP2:
+    plan = sharding_plan(cfg.fsdp, rt)
+    model = parallelize(model, cfg.fsdp, plan, build_mesh(plan, rt), rt.device)
+    if plan.wrapper is not Wrapper.FSDP1:  # FSDP1 allocates its units itself (param_init_fn)
         model.to_empty(device=rt.device)
     model_step.rebuild_rotary_buffers(model, rt.device)
     loading.load_weights(model, want, cfg.model, rt, config=model_config, dtype=dtype, lora=lora, seed=cfg.training.seed)
-    return model, n_params
+    return replicate(model, plan, rt.device), n_params
 
 
 def setup(cfg: TrainingJobConfig, rt: Runtime) -> Session:
@@ -156,7 +158,8 @@ def run(
     if rt.is_leader:
         log_json(
             "setup", parameters=s.n_params, world_size=rt.world_size, device=str(rt.device),
-            strategy=cfg.fsdp.sharding_strategy.value, precision=cfg.fsdp.mixed_precision.value,
+            strategy=cfg.fsdp.sharding_strategy.value, wrapper=sharding_plan(cfg.fsdp, rt).wrapper.value,
+            precision=cfg.fsdp.mixed_precision.value,
             activation_checkpointing=cfg.fsdp.activation_checkpointing.mode.value,
             **s.data.info, total_steps=s.steps, seconds=round(time.perf_counter() - started, 2),
         )

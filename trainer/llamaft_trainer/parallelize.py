@@ -3,7 +3,8 @@
 Order matters (as in torchtitan): float8 conversion of the linears first (float8.py; torchtitan
 converts when it builds the model), then activation checkpointing and torch.compile wrap each decoder
 layer, then every FSDP unit is created bottom-up (decoder layers, then the root), on the
-device mesh `runtime.build_mesh` made from the spec.
+device mesh `runtime.build_mesh` made from the sharding plan (llamaft.api.sharding, which also
+decides when no FSDP wrapper is needed: one process, or DDP for NO_SHARD in full precision).
 
 Strategy mapping (FSDP2):
   FULL_SHARD    -> 1-D mesh, reshard_after_forward=True
@@ -29,9 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
+from llamaft.api.sharding import ShardingPlan, Wrapper
 from llamaft.api.spec import (
     CheckpointingMode,
-    FsdpImplementation,
     FsdpSpec,
     MixedPrecision,
     ShardingStrategy,
@@ -177,7 +178,7 @@ def _sharded_units(model: nn.Module, layers: nn.ModuleList, fsdp: FsdpSpec) -> l
     return [layer for layer in layers if sum(p.numel() for p in layer.parameters()) >= threshold]
 
 
-def apply_fsdp2(model: nn.Module, fsdp: FsdpSpec, mesh: DeviceMesh) -> nn.Module:
+def apply_fsdp2(model: nn.Module, fsdp: FsdpSpec, plan: ShardingPlan, mesh: DeviceMesh) -> nn.Module:
     layers = decoder_layers(model)
     common: dict[str, Any] = {
         "mesh": mesh,
@@ -185,7 +186,7 @@ def apply_fsdp2(model: nn.Module, fsdp: FsdpSpec, mesh: DeviceMesh) -> nn.Module
         # Pinned host memory speeds host<->GPU copies; it needs CUDA, and on CPU there is no copy.
         "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if fsdp.cpu_offload else OffloadPolicy(),
     }
-    reshard = fsdp.sharding_strategy is not ShardingStrategy.SHARD_GRAD_OP
+    reshard = plan.reshard_after_forward
     units = _sharded_units(model, layers, fsdp)
     for index, unit in enumerate(units):
         # The last layer's parameters are needed again first in backward: keeping them avoids one
@@ -304,8 +305,11 @@ def _to_empty(module: nn.Module, device: torch.device) -> None:
     module.to_empty(device=device, recurse=False)
 
 
-def parallelize(model: nn.Module, fsdp: FsdpSpec, mesh: DeviceMesh, device: torch.device) -> nn.Module:
-    """Apply float8, AC, compile and FSDP to a meta-device model, as the spec says."""
+def parallelize(model: nn.Module, fsdp: FsdpSpec, plan: ShardingPlan, mesh: DeviceMesh | None,
+                device: torch.device) -> nn.Module:
+    """Apply float8, AC, compile and the plan's FSDP wrapper to a meta-device model, as the spec
+    says. Without an FSDP wrapper (llamaft.api.sharding) the model comes back unwrapped: the caller
+    allocates and loads it, then `replicate` wraps it in DDP where the plan says so."""
     float8.convert(model, fsdp, device)
     layers = decoder_layers(model)
     apply_activation_checkpointing(
@@ -313,6 +317,32 @@ def parallelize(model: nn.Module, fsdp: FsdpSpec, mesh: DeviceMesh, device: torc
     )
     if fsdp.compile:
         apply_compile(layers)
-    if fsdp.implementation is FsdpImplementation.FSDP1:
+    if not plan.fsdp:
+        return model
+    if mesh is None:
+        raise ValueError(f"the sharding plan wraps with {plan.wrapper.value}: it needs a device mesh")
+    if plan.wrapper is Wrapper.FSDP1:
         return apply_fsdp1(model, fsdp, mesh, device)
-    return apply_fsdp2(model, fsdp, mesh)
+    return apply_fsdp2(model, fsdp, plan, mesh)
+
+
+def replicate(model: nn.Module, plan: ShardingPlan, device: torch.device) -> nn.Module:
+    """DDP around the loaded model where the plan replicates without FSDP (its constructor
+    broadcasts rank 0's parameters, which every rank loaded alike). Buffers are not broadcast
+    on every forward: the only ones are the rotary tables, computed alike on every rank. The
+    gradients are the buckets' views (no second copy of them)."""
+    if plan.wrapper is not Wrapper.DDP:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None,
+        broadcast_buffers=False, gradient_as_bucket_view=True,
+    )
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside DDP (generation calls the causal LM's own methods); others as they are."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model

@@ -16,7 +16,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from llamaft.api.spec import FsdpSpec, ShardingStrategy
+from llamaft.api.sharding import ShardingPlan, plan_sharding
+from llamaft.api.spec import FsdpSpec
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
@@ -61,32 +62,27 @@ def init_runtime(timeout_s: float = 600.0) -> Runtime:
     return Runtime(rank, local_rank, world, local_world, device, float(timeout_s))
 
 
-def build_mesh(fsdp: FsdpSpec, rt: Runtime) -> DeviceMesh:
-    """The (replicate, shard) mesh FSDP2 uses.
+def sharding_plan(fsdp: FsdpSpec, rt: Runtime, *, force_fsdp: bool | None = None) -> ShardingPlan:
+    """This run's sharding plan (llamaft.api.sharding): the wrapper, the mesh, the gradient sync.
+    `force_fsdp`: the spec's FSDP wrapper even where none is needed (the benchmarks that measure
+    FSDP itself)."""
+    return plan_sharding(fsdp, rt.world_size, rt.local_world_size, force_fsdp=force_fsdp)
+
+
+def build_mesh(plan: ShardingPlan, rt: Runtime) -> DeviceMesh | None:
+    """The mesh FSDP shards over (None when the plan has no FSDP wrapper: DDP and a plain module
+    use the default group).
 
     FULL_SHARD / SHARD_GRAD_OP: 1-D, shard over every rank. HYBRID_SHARD: shard inside groups of
-    shardGroupSize (default: the ranks of one node), replicate across them. NO_SHARD: replicate over
-    every rank with shard groups of one, i.e. DDP semantics with FSDP2's mixed-precision policy.
+    shardGroupSize (default: the ranks of one node), replicate across them. NO_SHARD under FSDP:
+    replicate over every rank with shard groups of one, i.e. DDP semantics with FSDP's
+    mixed-precision policy.
     """
-    mesh = _init_mesh(fsdp, rt)
+    if not plan.fsdp:
+        return None
+    mesh = init_device_mesh(rt.device.type, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
     # DeviceMesh creates the groups of a 2-D mesh with new_group's default timeout (30 min for
     # gloo, torch 2.13), not the default group's: give every group the spec's timeout.
     for name in mesh.mesh_dim_names or ():
         mesh.get_group(name).set_timeout(timedelta(seconds=rt.timeout_s))
     return mesh
-
-
-def _init_mesh(fsdp: FsdpSpec, rt: Runtime) -> DeviceMesh:
-    device_type = rt.device.type
-    strategy = fsdp.sharding_strategy
-    if strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
-        return init_device_mesh(device_type, (rt.world_size,), mesh_dim_names=("shard",))
-    if strategy is ShardingStrategy.NO_SHARD:
-        shard = 1
-    elif fsdp.hybrid_shard is not None:
-        shard = fsdp.hybrid_shard.shard_group_size
-    else:
-        shard = rt.local_world_size
-    if rt.world_size % shard:
-        raise ValueError(f"fsdp.hybridShard.shardGroupSize {shard} does not divide world size {rt.world_size}")
-    return init_device_mesh(device_type, (rt.world_size // shard, shard), mesh_dim_names=("replicate", "shard"))

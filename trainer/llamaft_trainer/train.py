@@ -162,7 +162,11 @@ def _micro_step(model: nn.Module, last: bool, cfg: TrainingJobConfig) -> Any:
     it in. `last`: the micro-step whose backward completes the optimizer step's gradients."""
     import contextlib
 
+    from torch.nn.parallel import DistributedDataParallel
+
     strategy = cfg.fsdp.sharding_strategy
+    if isinstance(model, DistributedDataParallel):
+        return model.no_sync() if not last else contextlib.nullcontext()
     if cfg.fsdp.implementation is FsdpImplementation.FSDP1:
         if strategy is ShardingStrategy.NO_SHARD and not last:
             return model.no_sync()  # type: ignore[operator]

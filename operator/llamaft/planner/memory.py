@@ -58,6 +58,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from llamaft.api import sharding
 from llamaft.api.spec import (
     AttentionImplementation,
     CheckpointingMode,
@@ -135,16 +136,8 @@ class Setup:
 
 
 def shard_group_size(spec: LlamaFineTuneSpec) -> int:
-    """Ranks a parameter is sharded over, as runtime.build_mesh decides."""
-    world = spec.world_size
-    strategy = spec.fsdp.sharding_strategy
-    if strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
-        return world
-    if strategy is ShardingStrategy.NO_SHARD:
-        return 1
-    if spec.fsdp.hybrid_shard is not None:
-        return spec.fsdp.hybrid_shard.shard_group_size
-    return max(spec.cluster.gpus_per_worker, 1)
+    """Ranks a parameter is sharded over, as the trainer's sharding plan decides (llamaft.api.sharding)."""
+    return sharding.shard_size(spec.fsdp, spec.world_size, max(spec.cluster.gpus_per_worker, 1))
 
 
 def setup_from_spec(spec: LlamaFineTuneSpec | TrainingJobConfig, *, world_size: int | None = None,

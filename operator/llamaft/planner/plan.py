@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from llamaft.api.quantity import parse_quantity
 from llamaft.api.spec import (
     CheckpointingMode,
     FsdpImplementation,
@@ -15,7 +16,7 @@ from llamaft.api.spec import (
     MixedPrecision,
     ShardingStrategy,
 )
-from llamaft.planner.catalog import GiB, GpuModel, InstanceType, gpu_model, instance_type, parse_quantity
+from llamaft.planner.catalog import GiB, GpuModel, InstanceType, gpu_model, instance_type
 from llamaft.planner.memory import (
     COMPONENTS,
     MemoryEstimate,

@@ -25,6 +25,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from llamaft.api.quantity import quantity_value
 from llamaft.api.sources import CACHE_MOUNT, PVC_MOUNT_ROOT, SourceKind, parse_source
 from llamaft.api.spec import KUEUE_TOPOLOGY_ANNOTATIONS, LlamaFineTuneSpec, RendezvousBackend
 from llamaft.render.naming import (
@@ -154,6 +155,16 @@ def _tracking_env(spec: LlamaFineTuneSpec) -> list[Obj]:
     return env
 
 
+def threads_per_process(spec: LlamaFineTuneSpec) -> int:
+    """CPU threads each trainer process may use (OMP_NUM_THREADS): the worker's CPU share
+    (cluster.resources.cpu, requests = limits) split among its processes, one when the share is
+    not known (torchrun's own default for several processes a node). A `cluster.env` entry for
+    OMP_NUM_THREADS still wins (it comes later in the container's env)."""
+    if spec.cluster.resources.cpu is None:
+        return 1
+    return max(1, int(quantity_value(spec.cluster.resources.cpu) // max(spec.cluster.gpus_per_worker, 1)))
+
+
 def _env(owner: Owner, spec: LlamaFineTuneSpec) -> list[Obj]:
     env: list[Obj] = [
         # Which fine-tune this is: one tracker run per LlamaFineTune, continued by every attempt.
@@ -172,7 +183,7 @@ def _env(owner: Owner, spec: LlamaFineTuneSpec) -> list[Obj]:
         # let them use the whole grace period the kubelet gives the pod.
         {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(spec.cluster.termination_grace_period_seconds)},
         {"name": "TORCH_NCCL_ASYNC_ERROR_HANDLING", "value": "1"},
-        {"name": "OMP_NUM_THREADS", "value": "1"},
+        {"name": "OMP_NUM_THREADS", "value": str(threads_per_process(spec))},
         {"name": "TOKENIZERS_PARALLELISM", "value": "false"},
     ]
     if spec.cluster.efa_devices_per_worker > 0:
