@@ -22,6 +22,7 @@ def _peer_python() -> Path:
     spec = importlib.util.spec_from_file_location("bench_peers", PEERS)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     try:
         python: Path = module.ensure_venv()
