@@ -222,9 +222,9 @@ class Tree:
     """time.time() just before the launch."""
     peak_rss_mb: float
     seconds: float
-    spawned: list[tuple[float, str]]
-    """(seconds after the launch, the command's first words) of every process of the tree, as first
-    seen. Relative to the root's create_time, which psutil has to within a second of the clock."""
+    spawned: list[tuple[float, str, float]]
+    """(seconds after the launch, the command's first words, its own peak RSS MB) of every process of
+    the tree. Times relative to the root's create_time (psutil has it to within a second of the clock)."""
 
 
 def run_tree(argv: list[str], env: dict[str, str], cwd: Path, log: Path, timeout_s: float) -> Tree:
@@ -237,6 +237,7 @@ def run_tree(argv: list[str], env: dict[str, str], cwd: Path, log: Path, timeout
     root = psutil.Process(proc.pid)
     peak = 0
     seen: dict[int, tuple[float, str]] = {}
+    own: dict[int, int] = {}
     while proc.poll() is None:
         if time.perf_counter() - started > timeout_s:
             for child in root.children(recursive=True):
@@ -251,7 +252,9 @@ def run_tree(argv: list[str], env: dict[str, str], cwd: Path, log: Path, timeout
             break
         for p in tree:
             try:
-                total += p.memory_info().rss
+                rss = p.memory_info().rss
+                total += rss
+                own[p.pid] = max(own.get(p.pid, 0), rss)
                 if p.pid not in seen:
                     words = [Path(w).name if w.startswith("/") else w for w in p.cmdline()[:4]]
                     seen[p.pid] = (round(p.create_time() - root.create_time(), 2), " ".join(words))
@@ -263,7 +266,8 @@ def run_tree(argv: list[str], env: dict[str, str], cwd: Path, log: Path, timeout
     seconds = time.perf_counter() - started
     if code != 0:
         raise SystemExit(f"{' '.join(argv[:4])} ... exited {code}; log {log}:\n" + "\n".join(log.read_text().splitlines()[-40:]))
-    return Tree(launched, peak / 2**20, seconds, sorted(seen.values()))
+    spawned = sorted((at, cmd, round(own[pid] / 2**20, 1)) for pid, (at, cmd) in seen.items())
+    return Tree(launched, peak / 2**20, seconds, spawned)
 
 
 def rates(tokens: list[float], seconds: list[float], ends: list[float]) -> tuple[float, float]:
@@ -350,7 +354,7 @@ def run_hf(name: str, pair: Pair, steps: int, model: Path, batches: Path, work: 
 
 def timeline(run: Run) -> str:
     """When each process of the run's tree appeared, the trainer's first events, and step 1's end."""
-    marks = [f"{cmd} {t:.1f}" for t, cmd in run.extra.get("spawned", [])]
+    marks = [f"{cmd} {t:.1f}" for t, cmd, _ in run.extra.get("spawned", [])]
     marks += [f"{event} {t:.1f}" for event, t in run.extra.get("trainer_events_s", {}).items()]
     return ", ".join([*marks, f"step 1 {run.startup_s:.1f}"])
 
