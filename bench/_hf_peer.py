@@ -1,0 +1,146 @@
+"""HF Trainer side of bench/peers.py (started by it in .venv-peers, directly or under torchrun; not a test).
+
+    python bench/_hf_peer.py CONFIG.json                    # 1 process
+    python -m torch.distributed.run --nproc_per_node 2 ... bench/_hf_peer.py CONFIG.json   # DDP
+
+transformers' own Trainer (with accelerate; DDP over gloo under torchrun) on the model directory and
+the exported batches that llamaft trains on (bench/peers.py writes both; nothing of llamaft is
+imported here, so this runs in a venv with only torch, transformers and accelerate). The batches
+file holds every rank's micro-batches interleaved, global batch k*W + r being rank r's k-th, so
+the sequential sampler plus accelerate's batch sharding (process r takes batches r, r+W, ...) hand
+each rank exactly llamaft's batches, in llamaft's order; every batch is checked against that.
+
+Writes (rank 0) CONFIG["out"]: per optimizer step its wall-clock end (time.time() at on_step_end),
+its span (from the start of fetching the step's batch to on_step_end: the span llamaft's
+step_seconds covers) and the logged loss, learning rate and grad norm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import transformers
+from torch.utils.data import Dataset
+from transformers import (
+    LlamaForCausalLM,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+    default_data_collator,
+)
+
+NAMES = ("input_ids", "labels", "attention_mask")
+
+
+class Blocks(Dataset[dict[str, torch.Tensor]]):
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return int(self.tensors["input_ids"].shape[0])
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {name: self.tensors[name][index] for name in NAMES}
+
+
+class TimedTrainer(Trainer):
+    """Trainer, plus: when each step's batch fetch starts, and a check that it is llamaft's batch."""
+
+    expected: torch.Tensor
+    """This rank's input_ids, (steps, batch, seq)."""
+    fetch_started = 0.0
+    mismatches = 0
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> Any:
+        self.fetch_started = time.perf_counter()
+        batches, items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        step = self.state.global_step
+        if batches and step < len(self.expected) and not torch.equal(batches[0]["input_ids"].cpu(), self.expected[step]):
+            self.mismatches += 1
+        return batches, items
+
+
+class Record(TrainerCallback):
+    def __init__(self, trainer: TimedTrainer) -> None:
+        self.trainer = trainer
+        self.steps: dict[int, dict[str, float]] = {}
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        now, wall = time.perf_counter(), time.time()
+        self.steps[state.global_step] = {"step": state.global_step, "end": wall, "seconds": now - self.trainer.fetch_started}
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kwargs: Any) -> None:
+        row = self.steps.get(state.global_step)
+        if row is not None and logs and "loss" in logs:
+            row.update(loss=float(logs["loss"]), lr=float(logs["learning_rate"]),
+                       grad_norm=float(logs.get("grad_norm") or 0.0))
+
+
+def main() -> None:
+    cfg: dict[str, Any] = json.loads(open(sys.argv[1]).read())
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    tensors: dict[str, torch.Tensor] = torch.load(cfg["batches"])
+    batch, steps = int(cfg["batch_size"]), int(cfg["steps"])
+    seq = int(tensors["input_ids"].shape[1])
+    mine = tensors["input_ids"].view(steps, world, batch, seq)[:, rank]
+    model = LlamaForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32)
+    model.config.use_cache = False  # llamaft's forward passes use_cache=False too
+    args = TrainingArguments(
+        output_dir=cfg["output_dir"],
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        max_steps=steps,
+        learning_rate=cfg["learning_rate"],
+        warmup_steps=cfg["warmup_steps"],
+        lr_scheduler_type=cfg["lr_scheduler_type"],
+        weight_decay=cfg["weight_decay"],
+        adam_beta1=cfg["adam_beta1"],
+        adam_beta2=cfg["adam_beta2"],
+        adam_epsilon=cfg["adam_epsilon"],
+        max_grad_norm=cfg["max_grad_norm"],
+        optim=cfg["optim"],
+        seed=cfg["seed"],
+        logging_steps=1,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+        train_sampling_strategy="sequential",
+        dataloader_drop_last=True,
+        dataloader_num_workers=0,
+        dataloader_pin_memory=False,
+        # Every parameter gets a gradient: skip DDP's search for unused ones (HF's default, True
+        # without gradient checkpointing, walks the autograd graph every step).
+        ddp_find_unused_parameters=False,
+        ddp_backend="gloo" if world > 1 else None,
+    )
+    trainer = TimedTrainer(model=model, args=args, train_dataset=Blocks(tensors), data_collator=default_data_collator)
+    trainer.expected = mine
+    record = Record(trainer)
+    trainer.add_callback(record)
+    trainer.train()
+    mismatches = torch.tensor([trainer.mismatches])
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(mismatches)  # every rank's check, after the measured steps
+    if rank == 0:
+        result = {
+            "world_size": world, "threads": torch.get_num_threads(), "tokens_per_step": world * batch * seq,
+            "mismatched_batches": int(mismatches.item()), "steps": [record.steps[k] for k in sorted(record.steps)],
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                         "accelerate": __import__("accelerate").__version__},
+        }
+        with open(cfg["out"], "w") as out:
+            json.dump(result, out)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,503 @@
+"""llamaft against HF Trainer on the CPU, side by side: tokens/s, start-up and peak RSS, and the
+loss trace on identical batches.
+
+The workload is examples/tiny.yaml's: the tiny Llama of `llamaft make-tiny-model`, samsum packed
+into sequences of 128 tokens (examples/data/samsum-tiny.jsonl, validationSplit 0), 4 sequences per
+process and step, fp32, AdamW (lr 3e-3, torch's betas and eps, no weight decay), 5 warm-up steps
+then cosine decay, gradients clipped to norm 1.0, no accumulation, --steps optimizer steps.
+
+- llamaft: the product path. A LlamaFineTune YAML (examples/tiny.yaml with the pair's workers,
+  threads, sharding strategy and steps; logInterval 1, no eval, no export, one checkpoint at the
+  end) run by `llamaft run --local` (the venv's console script), so start-up includes the CLI,
+  torchrun and the trainer. The pod's OMP_NUM_THREADS=1 is overridden through spec.cluster.env.
+- HF: transformers' own Trainer with accelerate (bench/_hf_peer.py, in .venv-peers, which this
+  script creates on first use from bench/peers-requirements.txt), DDP over gloo under torchrun for
+  2 processes, on the same model directory and on exactly the batches llamaft trains on: before
+  the runs, llamaft's own data code (data.build_store, data.loaders and the train loop's batch
+  iterator, with the spec's seed) writes every rank's batches in order to a file the HF side reads
+  (sequential sampler; accelerate's sharding hands rank r its own). Both sides start from
+  tokenized data: each llamaft run's checkpoint directory links to that token store, which the
+  trainer reuses as a later attempt does (the run fails if it does not); HF loads the file.
+
+Pairs (1 process: tiny.yaml's FULL_SHARD, which on one rank has nothing to communicate):
+  1p1t     1 process, OMP_NUM_THREADS=1 on both sides
+  1p2t     1 process, 2 threads
+  2p       2 processes of 1 thread; llamaft NO_SHARD (replicas, all-reduced gradients: DDP's work)
+  2p-full  the same with llamaft FULL_SHARD (an extra row; HF is DDP again)
+Each round runs every pair's two tools back to back, alternating which goes first; the table is
+the median over rounds (ratio and delta: the median of the per-round ones).
+
+Columns, per run:
+  tok/s      job tokens per second, the median over the steps after the first 5 of each step's
+             rate (every token is real: packing has no padding). llamaft: the tokens_per_second of
+             its step log lines (its step_seconds: from fetching the batch to the end of the step's
+             loss all-reduce, after the optimizer step). HF: from fetching the step's batch
+             (get_batch_samples) to on_step_end (after optimizer, scheduler and zero_grad). The
+             `cadence` line adds every per-step cost of the loop (logging included): the tokens of
+             those steps over the wall-clock time between the ends of step 5 and of the last step.
+  start-up   seconds from launching the subprocess to the end of the first optimizer step: the
+             wall-clock timestamp of llamaft's step-1 log line (its `ts`, in ms), or of HF's
+             on_step_end of step 1, minus the launch time.
+  peak RSS   the largest sum of RSS over the whole process tree (the CLI or torchrun agent and
+             every trainer process), polled every 0.2 s with psutil.
+Loss parity: on 1p1t, the largest |llamaft loss - HF loss| over every step (and the learning
+rates, which must agree exactly: the same schedule); above --loss-tolerance (1e-4) the script
+exits 1. fp32 on the same batches leaves only summation-order differences (foreach vs per-tensor
+AdamW and clipping): ~1e-6 after 80 steps; a batch out of order or a schedule off by one step
+moves the loss by 1e-3 or more. The other pairs' differences are reported, not checked.
+
+Run it on a quiet machine: on a 2-vCPU machine the 2-process pairs and 1p2t have no spare core, so
+other load changes both sides' figures a lot (the load average is printed at the start and end).
+
+    .venv/bin/python bench/peers.py                         # 3 rounds of every pair, 80 steps
+    .venv/bin/python bench/peers.py --rounds 1 --steps 20   # a quick look
+    .venv/bin/python bench/peers.py --pairs 1p1t,2p --json peers.json
+    .venv/bin/python bench/peers.py --hf-python .venv/bin/python   # HF side in another venv
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import DATASET, REPO  # noqa: E402
+from cpu_scaling import json_events, load_average  # noqa: E402
+
+HF_PEER = Path(__file__).with_name("_hf_peer.py")
+REQUIREMENTS = Path(__file__).with_name("peers-requirements.txt")
+VENV = REPO / ".venv-peers"
+EXAMPLE = REPO / "examples" / "tiny.yaml"
+SKIP = 5
+"""Steps left out of the rates (the first ones: allocator and caches warming up)."""
+TOLERANCE = 1e-4
+
+
+@dataclass(frozen=True)
+class Pair:
+    processes: int
+    threads: int
+    strategy: str
+    """llamaft's fsdp.shardingStrategy."""
+
+
+PAIRS = {
+    "1p1t": Pair(1, 1, "FULL_SHARD"),
+    "1p2t": Pair(1, 2, "FULL_SHARD"),
+    "2p": Pair(2, 1, "NO_SHARD"),
+    "2p-full": Pair(2, 1, "FULL_SHARD"),
+}
+
+
+@dataclass
+class Run:
+    tool: str
+    tps: float
+    """Median step rate over the steps after SKIP, job tokens/s."""
+    cadence_tps: float
+    """Tokens of the steps after SKIP over the wall-clock time from the end of step SKIP to the last."""
+    startup_s: float
+    peak_rss_mb: float
+    seconds: float
+    """The whole subprocess, launch to exit."""
+    losses: list[float] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class VenvError(RuntimeError):
+    """.venv-peers could not be made (no package index, or the pins do not resolve)."""
+
+
+# ----------------------------------------------------------------------------------- the venv
+def pins() -> dict[str, str]:
+    out = {}
+    for line in REQUIREMENTS.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, version = line.split("==")
+            out[name.strip()] = version.strip()
+    return out
+
+
+def _installed(python: Path) -> dict[str, str] | None:
+    probe = ("import json, importlib.metadata as m; print(json.dumps({n: m.version(n) for n in "
+             + repr(sorted(pins())) + "}))")
+    try:
+        proc = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode != 0:
+        return None
+    found: dict[str, str] = json.loads(proc.stdout)
+    return found
+
+
+def _matches(found: dict[str, str] | None) -> bool:
+    # torch's local label (2.13.0+cpu) satisfies ==2.13.0, as pip has it.
+    return found is not None and all(found.get(n, "").split("+")[0] == v for n, v in pins().items())
+
+
+def ensure_venv(venv: Path = VENV) -> Path:
+    """The peer venv's python, made (python -m venv, then pip install the pins) when missing or
+    when its versions differ from the pins."""
+    python = venv / "bin" / "python"
+    if python.exists() and _matches(_installed(python)):
+        return python
+    print(f"peers: creating {venv} ({', '.join(f'{n}=={v}' for n, v in pins().items())}); minutes, once", flush=True)
+    if not python.exists():
+        shutil.rmtree(venv, ignore_errors=True)
+        made = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True)
+        if made.returncode != 0:
+            raise VenvError(f"python -m venv {venv} failed: {made.stderr[-2000:]}")
+    pip = subprocess.run([str(python), "-m", "pip", "install", "-q", "-r", str(REQUIREMENTS)], capture_output=True, text=True)
+    if pip.returncode != 0 or not _matches(_installed(python)):
+        raise VenvError(f"pip install -r {REQUIREMENTS} into {venv} failed:\n{(pip.stdout + pip.stderr)[-3000:]}")
+    return python
+
+
+# ------------------------------------------------------------------------------ preparation
+def example_spec(name: str, pair: Pair, steps: int, model: Path, checkpoints: Path) -> dict[str, Any]:
+    """examples/tiny.yaml, as this pair runs it."""
+    import yaml
+
+    doc: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"]["name"] = name
+    spec = doc["spec"]
+    spec["model"]["source"] = str(model)
+    spec["dataset"].update(source=str(DATASET), validationSplit=0)
+    training = spec["training"]
+    training.pop("epochs", None)
+    training.update(maxSteps=steps, evalInterval=0, logInterval=1)
+    spec["fsdp"]["shardingStrategy"] = pair.strategy
+    spec["checkpointing"] = {"directory": str(checkpoints), "everyNSteps": 10_000_000, "exportHuggingFace": False,
+                             "resume": False}
+    spec["cluster"]["workers"] = pair.processes
+    spec["cluster"]["env"] = [{"name": "OMP_NUM_THREADS", "value": str(pair.threads)}]
+    return doc
+
+
+def export_batches(doc: dict[str, Any], model: Path, store_root: Path, world: int, steps: int, out: Path) -> None:
+    """Every rank's micro-batches of the first `steps` optimizer steps, as the trainer makes them
+    (its data code, its seed), interleaved: row block k * world + r is rank r's k-th batch."""
+    import torch
+    from llamaft.api.spec import LlamaFineTuneSpec
+    from llamaft_trainer.checkpoint import TrainState
+    from llamaft_trainer.data import build_store, loaders
+    from llamaft_trainer.train import _micro_batches
+    from transformers import AutoTokenizer
+
+    spec = LlamaFineTuneSpec.model_validate(doc["spec"])
+    tok = AutoTokenizer.from_pretrained(model)
+    if tok.pad_token_id is None:  # as model.load_tokenizer
+        tok.pad_token = tok.eos_token
+    tc = spec.training
+    store = build_store(spec.dataset, tok, tc.seed, store_root)
+    per_rank = []
+    for rank in range(world):
+        data = loaders(store, spec.dataset, int(tok.pad_token_id), tc.per_device_batch_size, tc.seed, rank, world)
+        groups = _micro_batches(data, TrainState(), tc.gradient_accumulation_steps)
+        per_rank.append([next(groups)[0] for _ in range(steps)])
+    rows = [per_rank[r][k] for k in range(steps) for r in range(world)]
+    torch.save({name: torch.cat([b[name] for b in rows]) for name in ("input_ids", "labels", "attention_mask")}, out)
+
+
+# ------------------------------------------------------------------------------------ running
+@dataclass
+class Tree:
+    launched: float
+    """time.time() just before the launch."""
+    peak_rss_mb: float
+    seconds: float
+    spawned: list[tuple[float, str, float]]
+    """(seconds after the launch, the command's first words, its own peak RSS MB) of every process of
+    the tree. Times relative to the root's create_time (psutil has it to within a second of the clock)."""
+
+
+def run_tree(argv: list[str], env: dict[str, str], cwd: Path, log: Path, timeout_s: float) -> Tree:
+    """Run `argv` to its end, polling its process tree's RSS."""
+    import psutil
+
+    with log.open("w") as out:
+        launched, started = time.time(), time.perf_counter()
+        proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
+    root = psutil.Process(proc.pid)
+    peak = 0
+    seen: dict[int, tuple[float, str]] = {}
+    own: dict[int, int] = {}
+    while proc.poll() is None:
+        if time.perf_counter() - started > timeout_s:
+            for child in root.children(recursive=True):
+                child.kill()
+            proc.kill()
+            proc.wait()
+            raise SystemExit(f"{argv[:3]} ran past {timeout_s:.0f} s; log {log}")
+        total = 0
+        try:
+            tree = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            break
+        for p in tree:
+            try:
+                rss = p.memory_info().rss
+                total += rss
+                own[p.pid] = max(own.get(p.pid, 0), rss)
+                if p.pid not in seen:
+                    words = [Path(w).name if w.startswith("/") else w for w in p.cmdline()[:4]]
+                    seen[p.pid] = (round(p.create_time() - root.create_time(), 2), " ".join(words))
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                pass
+        peak = max(peak, total)
+        time.sleep(0.2)
+    code = proc.wait()
+    seconds = time.perf_counter() - started
+    if code != 0:
+        raise SystemExit(f"{' '.join(argv[:4])} ... exited {code}; log {log}:\n" + "\n".join(log.read_text().splitlines()[-40:]))
+    spawned = sorted((at, cmd, round(own[pid] / 2**20, 1)) for pid, (at, cmd) in seen.items())
+    return Tree(launched, peak / 2**20, seconds, spawned)
+
+
+def rates(tokens: list[float], seconds: list[float], ends: list[float]) -> tuple[float, float]:
+    """(median step rate, cadence rate) over the steps after SKIP (lists indexed by step - 1)."""
+    skip = min(SKIP, len(tokens) // 2)
+    median = statistics.median(t / s for t, s in zip(tokens[skip:], seconds[skip:], strict=True))
+    cadence = sum(tokens[skip:]) / (ends[-1] - ends[skip - 1]) if skip else float("nan")
+    return median, cadence
+
+
+def run_llamaft(name: str, pair: Pair, steps: int, model: Path, store_root: Path, work: Path, timeout_s: float,
+                nproc_layout: bool) -> Run:
+    import yaml
+
+    folder = work / "llamaft" / name
+    checkpoints = folder / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    (checkpoints / "data").symlink_to(store_root, target_is_directory=True)  # the trainer's store root
+    doc = example_spec(name, pair, steps, model, checkpoints)
+    argv = [str(Path(sys.executable).with_name("llamaft")), "run", "--local", str(folder / "finetune.yaml"),
+            "--run-dir", str(folder / "run")]
+    if nproc_layout and pair.processes > 1:  # one torchrun agent with every process, as HF's
+        doc["spec"]["cluster"]["workers"] = 1
+        argv += ["--nproc-per-worker", str(pair.processes)]
+    (folder / "finetune.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    env = dict(os.environ, OMP_NUM_THREADS=str(pair.threads),
+               PYTHONPATH=os.pathsep.join([str(REPO / "operator"), str(REPO / "trainer")]))
+    tree = run_tree(argv, env, folder, folder / "cli.log", timeout_s)
+    events = [e for log in sorted((folder / "run").glob("worker-*.log")) for e in json_events(log.read_text())]
+    data = next((e for e in events if e.get("event") == "data"), {})
+    if not data.get("reused"):
+        raise SystemExit(f"{name}: llamaft built a token store of its own ({data}): not the exported batches")
+    by_step = {e["step"]: e for e in events if e.get("event") == "step"}
+    if sorted(by_step) != list(range(1, steps + 1)):
+        raise SystemExit(f"{name}: llamaft logged steps {sorted(by_step)}, not 1..{steps}")
+    rows = [by_step[k] for k in range(1, steps + 1)]
+    ends = [datetime.fromisoformat(r["ts"]).timestamp() for r in rows]
+    median, cadence = rates([r["tokens"] for r in rows], [r["tokens"] / r["tokens_per_second"] for r in rows], ends)
+    stamps = {e["event"]: datetime.fromisoformat(e["ts"]).timestamp() - tree.launched for e in reversed(events) if "ts" in e}
+    return Run("llamaft", median, cadence, ends[0] - tree.launched, tree.peak_rss_mb, tree.seconds,
+               [r["loss"] for r in rows], [r["lr"] for r in rows], [r["grad_norm"] for r in rows],
+               {"spawned": tree.spawned, "trainer_events_s": {k: round(stamps[k], 2) for k in ("data", "setup") if k in stamps}})
+
+
+def run_hf(name: str, pair: Pair, steps: int, model: Path, batches: Path, work: Path, python: Path, doc: dict[str, Any],
+           timeout_s: float) -> Run:
+    from llamaft.api.spec import LlamaFineTuneSpec
+    from llamaft_trainer.train import SCHEDULER_NAMES
+
+    tc = LlamaFineTuneSpec.model_validate(doc["spec"]).training
+    folder = work / "hf" / name
+    folder.mkdir(parents=True)
+    out = folder / "result.json"
+    # llamaft's optimizer (train.build_optimizer): torch's AdamW with its default betas and eps.
+    cfg = {
+        "model": str(model), "batches": str(batches), "out": str(out), "output_dir": str(folder / "trainer"),
+        "steps": steps, "batch_size": tc.per_device_batch_size, "learning_rate": tc.learning_rate,
+        "warmup_steps": tc.warmup_steps, "lr_scheduler_type": SCHEDULER_NAMES[tc.scheduler],
+        "weight_decay": tc.weight_decay, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8,
+        "max_grad_norm": tc.max_grad_norm, "optim": "adamw_torch", "seed": tc.seed,
+    }
+    (folder / "config.json").write_text(json.dumps(cfg))
+    argv = [str(python), str(HF_PEER), str(folder / "config.json")]
+    if pair.processes > 1:
+        from llamaft_trainer.local_etcd import free_port
+
+        argv[1:1] = ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(pair.processes),
+                     "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}"]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(OMP_NUM_THREADS=str(pair.threads), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    tree = run_tree(argv, env, folder, folder / "hf.log", timeout_s)
+    result = json.loads(out.read_text())
+    if result["mismatched_batches"]:
+        raise SystemExit(f"{name}: HF trained on {result['mismatched_batches']} batches other than llamaft's")
+    rows = result["steps"]
+    if [r["step"] for r in rows] != list(range(1, steps + 1)):
+        raise SystemExit(f"{name}: HF recorded steps {[r['step'] for r in rows]}, not 1..{steps}")
+    tokens = [float(result["tokens_per_step"])] * steps
+    median, cadence = rates(tokens, [r["seconds"] for r in rows], [r["end"] for r in rows])
+    return Run("hf", median, cadence, rows[0]["end"] - tree.launched, tree.peak_rss_mb, tree.seconds,
+               [r["loss"] for r in rows], [r["lr"] for r in rows], [r["grad_norm"] for r in rows],
+               {"spawned": tree.spawned, "threads": result["threads"], "versions": result["versions"]})
+
+
+def timeline(run: Run) -> str:
+    """When each process of the run's tree appeared, the trainer's first events, and step 1's end."""
+    marks = [f"{cmd} {t:.1f}" for t, cmd, _ in run.extra.get("spawned", [])]
+    marks += [f"{event} {t:.1f}" for event, t in run.extra.get("trainer_events_s", {}).items()]
+    return ", ".join([*marks, f"step 1 {run.startup_s:.1f}"])
+
+
+def parity(a: Run, b: Run) -> dict[str, float]:
+    def worst(x: list[float], y: list[float]) -> float:
+        return max(abs(p - q) for p, q in zip(x, y, strict=True))
+
+    return {"max_abs_loss_diff": worst(a.losses, b.losses), "max_abs_lr_diff": worst(a.lrs, b.lrs),
+            "max_abs_grad_norm_diff": worst(a.grad_norms, b.grad_norms)}
+
+
+# ------------------------------------------------------------------------------------ reporting
+def summary(rounds: list[dict[str, Any]]) -> dict[str, float]:
+    def med(tool: str, key: str) -> float:
+        return float(statistics.median(r[tool][key] for r in rounds))
+
+    return {
+        "llamaft_tps": med("llamaft", "tps"), "hf_tps": med("hf", "tps"),
+        "ratio": statistics.median(r["llamaft"]["tps"] / r["hf"]["tps"] for r in rounds),
+        "llamaft_cadence_tps": med("llamaft", "cadence_tps"), "hf_cadence_tps": med("hf", "cadence_tps"),
+        "cadence_ratio": statistics.median(r["llamaft"]["cadence_tps"] / r["hf"]["cadence_tps"] for r in rounds),
+        "llamaft_startup_s": med("llamaft", "startup_s"), "hf_startup_s": med("hf", "startup_s"),
+        "startup_delta_s": statistics.median(r["llamaft"]["startup_s"] - r["hf"]["startup_s"] for r in rounds),
+        "llamaft_peak_rss_mb": med("llamaft", "peak_rss_mb"), "hf_peak_rss_mb": med("hf", "peak_rss_mb"),
+    }
+
+
+def print_table(medians: dict[str, dict[str, float]], rounds: int) -> None:
+    print()
+    print("| run | llamaft tok/s | HF tok/s | ratio | llamaft start-up s | HF start-up s | Δ | llamaft peak RSS MB "
+          "| HF peak RSS MB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, m in medians.items():
+        print(f"| {name} | {m['llamaft_tps']:,.0f} | {m['hf_tps']:,.0f} | {m['ratio']:.2f} | {m['llamaft_startup_s']:.1f} "
+              f"| {m['hf_startup_s']:.1f} | {m['startup_delta_s']:+.1f} | {m['llamaft_peak_rss_mb']:,.0f} "
+              f"| {m['hf_peak_rss_mb']:,.0f} |")
+    print(f"(median of {rounds} round(s); ratio = llamaft / HF, Δ = llamaft - HF start-up, each the median of the "
+          "per-round values)")
+    print("cadence (every per-step cost of the loop): " + "; ".join(
+        f"{n} {m['llamaft_cadence_tps']:,.0f} vs {m['hf_cadence_tps']:,.0f} ({m['cadence_ratio']:.2f})"
+        for n, m in medians.items()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=80, help="optimizer steps per run")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every pair (medians over them)")
+    parser.add_argument("--pairs", default=",".join(PAIRS), help=f"comma-separated, of {', '.join(PAIRS)}")
+    parser.add_argument("--json", type=Path, help="write the report here")
+    parser.add_argument("--loss-tolerance", type=float, default=TOLERANCE, help="1p1t's largest loss difference allowed")
+    parser.add_argument("--hf-python", type=Path, help="run the HF side with this python (default: .venv-peers, made here)")
+    parser.add_argument("--nproc-layout", action="store_true",
+                        help="2-process llamaft runs as 1 worker x 2 processes (one torchrun agent, like HF's) instead "
+                             "of 2 workers x 1 process (examples/tiny.yaml's)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
+    parser.add_argument("--work-dir", type=Path, help="keep every run's files here (default: a temporary directory)")
+    args = parser.parse_args()
+    chosen = [p.strip() for p in args.pairs.split(",") if p.strip()]
+    unknown = sorted(set(chosen) - set(PAIRS))
+    if unknown or not chosen:
+        parser.error(f"--pairs: unknown {unknown}; choose from {', '.join(PAIRS)}")
+    if args.steps <= SKIP:
+        parser.error(f"--steps must be more than {SKIP} (the steps left out of the rates)")
+    try:
+        python = args.hf_python or ensure_venv()
+    except VenvError as exc:
+        raise SystemExit(f"peers: {exc}") from exc
+    from llamaft_trainer.tiny import build_tiny_llama
+
+    start_load = os.getloadavg()
+    print(f"peers: {load_average()} at the start; {os.cpu_count()} CPUs; {args.steps} steps, {args.rounds} round(s), "
+          f"pairs {', '.join(chosen)}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp_name:
+        work = (args.work_dir or Path(tmp_name)).resolve()
+        work.mkdir(parents=True, exist_ok=True)
+        model = build_tiny_llama(work / "model", DATASET)  # `llamaft make-tiny-model`'s model
+        store_root = work / "store"
+        batches: dict[int, Path] = {}
+        for world in sorted({PAIRS[n].processes for n in chosen}):
+            doc = example_spec("export", Pair(world, 1, "FULL_SHARD"), args.steps, model, work)
+            batches[world] = work / f"batches-{world}.pt"
+            export_batches(doc, model, store_root, world, args.steps, batches[world])
+        report: dict[str, Any] = {"load_average_start": start_load, "cpus": os.cpu_count(), "steps": args.steps,
+                                  "rounds": args.rounds, "skip_steps": SKIP, "nproc_layout": args.nproc_layout,
+                                  "hf_python": str(python), "pairs": {}}
+        for name in chosen:
+            report["pairs"][name] = {"config": asdict(PAIRS[name]), "rounds": []}
+        for index in range(args.rounds):
+            for position, name in enumerate(chosen):
+                pair = PAIRS[name]
+                run_name = f"peers-{name}-r{index}"
+                doc = example_spec(run_name, pair, args.steps, model, work)
+                order = ("llamaft", "hf") if (index + position) % 2 == 0 else ("hf", "llamaft")
+                done: dict[str, Run] = {}
+                before = load_average()
+                for tool in order:
+                    if tool == "llamaft":
+                        done[tool] = run_llamaft(run_name, pair, args.steps, model, store_root, work, args.timeout,
+                                                 args.nproc_layout)
+                    else:
+                        done[tool] = run_hf(run_name, pair, args.steps, model, batches[pair.processes], work, python, doc,
+                                            args.timeout)
+                ll, hf = done["llamaft"], done["hf"]
+                check = parity(ll, hf)
+                report["pairs"][name]["rounds"].append(
+                    {"order": list(order), "load_before": before, "llamaft": asdict(ll), "hf": asdict(hf), "parity": check})
+                print(f"round {index + 1} {name} ({order[0]} first): llamaft {ll.tps:,.0f} tok/s, start-up {ll.startup_s:.1f} s, "
+                      f"{ll.peak_rss_mb:,.0f} MB | HF {hf.tps:,.0f} tok/s, start-up {hf.startup_s:.1f} s, "
+                      f"{hf.peak_rss_mb:,.0f} MB | ratio {ll.tps / hf.tps:.2f} | max |Δloss| "
+                      f"{check['max_abs_loss_diff']:.1e} ({before})", flush=True)
+                print(f"  start-up, s after launch: llamaft {timeline(ll)} | HF {timeline(hf)}", flush=True)
+        medians = {name: summary(report["pairs"][name]["rounds"]) for name in chosen}
+        for name in chosen:
+            report["pairs"][name]["median"] = medians[name]
+    hf_versions = next(iter(report["pairs"].values()))["rounds"][0]["hf"]["extra"]["versions"]
+    import torch
+    import transformers
+
+    report["versions"] = {"llamaft_side": {"torch": torch.__version__, "transformers": transformers.__version__},
+                          "hf_side": hf_versions}
+    report["load_average_end"] = os.getloadavg()
+    print_table(medians, args.rounds)
+    print(f"versions: HF side {hf_versions}; {load_average()} at the end")
+    passed = None
+    if "1p1t" in chosen:
+        checks = [r["parity"] for r in report["pairs"]["1p1t"]["rounds"]]
+        worst_loss = max(c["max_abs_loss_diff"] for c in checks)
+        worst_lr = max(c["max_abs_lr_diff"] for c in checks)
+        passed = worst_loss <= args.loss_tolerance and worst_lr <= 1e-12
+        report["parity"] = {"pair": "1p1t", "steps": args.steps, "max_abs_loss_diff": worst_loss, "max_abs_lr_diff": worst_lr,
+                            "tolerance": args.loss_tolerance, "passed": passed}
+        print(f"loss parity (1p1t, {args.steps} steps, identical batches): max |Δloss| {worst_loss:.2e}, max |Δlr| "
+              f"{worst_lr:.1e}, tolerance {args.loss_tolerance:g}: {'passed' if passed else 'FAILED'}")
+    others = {n: max(r["parity"]["max_abs_loss_diff"] for r in report["pairs"][n]["rounds"]) for n in chosen if n != "1p1t"}
+    if others:
+        print("max |Δloss| elsewhere (not checked): " + ", ".join(f"{n} {v:.1e}" for n, v in others.items()))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+        print(f"report: {args.json}")
+    if passed is False:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""bench/peers.py end to end on one short pair: both tools measured, the loss traces on identical
+batches agree (the HF side runs in .venv-peers, which the bench creates on first use)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from tests.trainer.conftest import trainer_env
+
+PEERS = REPO / "bench" / "peers.py"
+
+
+def _peer_python() -> Path:
+    """.venv-peers' python, made now if missing (minutes, once); skip when it cannot be made."""
+    spec = importlib.util.spec_from_file_location("bench_peers", PEERS)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    try:
+        python: Path = module.ensure_venv()
+    except module.VenvError as exc:
+        pytest.skip(f".venv-peers cannot be created here (no package index?): {exc}")
+    return python
+
+
+@pytest.mark.slow
+def test_peers_one_pair(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    python = _peer_python()
+    out = tmp_path / "peers.json"
+    proc = subprocess.run(
+        [sys.executable, str(PEERS), "--steps", "8", "--rounds", "1", "--pairs", "1p1t", "--hf-python", str(python),
+         "--work-dir", str(tmp_path / "work"), "--json", str(out)],
+        env=trainer_env(), capture_output=True, text=True, timeout=600, cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    (run,) = report["pairs"]["1p1t"]["rounds"]
+    for tool in ("llamaft", "hf"):
+        assert run[tool]["tps"] > 0 and run[tool]["cadence_tps"] > 0, run[tool]
+        assert run[tool]["startup_s"] > 0 and run[tool]["peak_rss_mb"] > 0, run[tool]
+        assert len(run[tool]["losses"]) == 8
+    assert report["parity"]["passed"] is True and report["parity"]["max_abs_loss_diff"] <= 1e-4
+    assert report["versions"]["hf_side"]["transformers"] and "| 1p1t |" in proc.stdout
