@@ -9,7 +9,8 @@ then cosine decay, gradients clipped to norm 1.0, no accumulation, --steps optim
 - llamaft: the product path. A LlamaFineTune YAML (examples/tiny.yaml with the pair's workers,
   threads, sharding strategy and steps; logInterval 1, no eval, no export, one checkpoint at the
   end) run by `llamaft run --local` (the venv's console script), so start-up includes the CLI,
-  torchrun and the trainer. The pod's OMP_NUM_THREADS=1 is overridden through spec.cluster.env.
+  torchrun and the trainer. Each pair's thread count goes in through spec.cluster.env (it wins
+  over the pod's share and this machine's cores).
 - HF: transformers' own Trainer with accelerate (bench/_hf_peer.py, in .venv-peers, which this
   script creates on first use from bench/peers-requirements.txt), DDP over gloo under torchrun for
   2 processes, on the same model directory and on exactly the batches llamaft trains on: before
