@@ -237,8 +237,8 @@ def test_a_sync_asks_a_bounded_number_of_pods_and_finds_the_leader_in_turn() -> 
         before = http.asked
         found = step._leader_progress(pods(32), spec, status)
         assert http.asked - before <= handlers.PROGRESS_REQUESTS_PER_SYNC
-    assert found is not None and found["pod"] == "pod-10.0.0.13" and syncs <= 32 // handlers.PROGRESS_REQUESTS_PER_SYNC
-    status["leaderPod"] = found["pod"]
+    assert found is not None and found.pod == "pod-10.0.0.13" and syncs <= 32 // handlers.PROGRESS_REQUESTS_PER_SYNC
+    status["leaderPod"] = found.pod
     before = http.asked
     assert step._leader_progress(pods(32), spec, status) == found
     assert http.asked - before == 1, "the steady state: one request to the known leader"

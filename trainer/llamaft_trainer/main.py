@@ -262,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if result.stopped is not None:
             message = result.stopped.message(record.checkpoint_step)
             lost = elastic.rendezvous_lost()
-            reason = termination.PREEMPTED if lost is None else termination.RENDEZVOUS_LOST
+            reason: str = termination.PREEMPTED if lost is None else termination.RENDEZVOUS_LOST
             _report(termination.failed(reason, message if lost is None else f"{lost}: {message}", record,
                                        retryable=True), rt)
             if progress is not None:

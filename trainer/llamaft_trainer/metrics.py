@@ -3,8 +3,9 @@
 Progress contract (read by the operator; documented in docs/progress-contract.md): rank 0 of
 every worker serves, on the spec's monitoring.metricsPort,
   GET /metrics   Prometheus text (llamaft_train_* gauges and counters)
-  GET /progress  JSON {"phase", "step", "totalSteps", "epoch", "loss", "evalLoss", "tokensPerSecond",
-                 "mfu", "etaSeconds", "updatedAt", "exportPath"}
+  GET /progress  JSON llamaft.api.contracts.ProgressDocument: {"rank", "pod", "phase", "step",
+                 "totalSteps", "epoch", "loss", "evalLoss", "tokensPerSecond", "mfu", "etaSeconds",
+                 "exportPath", "tracking", "trackingWarning", "evaluation", "updatedAt"}, the keys set so far
 and prints every logged step as one JSON line {"event": "step", ...} on stdout.
 """
 
@@ -22,10 +23,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import torch
+from llamaft.api.contracts import ProgressDocument, ProgressPhase
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from transformers import PretrainedConfig
 
 from llamaft_trainer import termination
+
+_WIRE_NAMES = {name: str(field.alias) for name, field in ProgressDocument.model_fields.items()}
+"""ProgressDocument's field names -> their camelCase wire names."""
 
 PEAK_FLOPS_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
 
@@ -94,7 +99,7 @@ class Progress:
         self.last_progress = Gauge(
             "llamaft_train_last_progress_timestamp_seconds", "Unix time of the last step", registry=self.registry
         )
-        self.document: dict[str, Any] = {"phase": "Starting"}
+        self._document = ProgressDocument(phase=ProgressPhase.STARTING)
         self._lock = threading.Lock()
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
         self.trackers: list[Any] = []
@@ -106,16 +111,24 @@ class Progress:
         self._listeners.append(listener)
 
     def update(self, **fields: Any) -> None:
+        """Set these fields of the document (by their wire names, or field names of
+        contracts.ProgressDocument; an unknown one or a wrong type is an error) and updatedAt."""
         with self._lock:
-            self.document.update({k: v for k, v in fields.items()})
-            self.document["updatedAt"] = datetime.now(UTC).isoformat(timespec="seconds")
-            snapshot = dict(self.document)
+            merged = {**self._document.model_dump(by_alias=True, exclude_unset=True),
+                      **{_WIRE_NAMES.get(k, k): v for k, v in fields.items()},
+                      "updatedAt": datetime.now(UTC).isoformat(timespec="seconds")}
+            self._document = ProgressDocument.model_validate(merged)
+            snapshot = self._wire()
         for listener in self._listeners:
             listener(snapshot)
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            return dict(self.document)
+            return self._wire()
+
+    def _wire(self) -> dict[str, Any]:
+        """The document as /progress sends it: the keys set so far, camelCase."""
+        return self._document.model_dump(by_alias=True, exclude_unset=True)
 
     def record_step(self, m: dict[str, Any]) -> None:
         self.step.set(m["step"])

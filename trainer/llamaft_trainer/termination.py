@@ -20,26 +20,30 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from llamaft.api import contracts
+from llamaft.api.contracts import FailedReport, FailureReason, SucceededReport
+from llamaft.api.status import PerformanceStatus
+
 from llamaft_trainer.errors import EXIT_CONFIG_ERROR, EXIT_FAILURE, EXIT_PREEMPTED, ConfigError
 
 LIMIT_BYTES = 4096
 """Kubernetes truncates a container's termination message to 4096 bytes."""
 
-CONFIG_ERROR = "ConfigError"
-PREEMPTED = "Preempted"
-COLLECTIVE_TIMEOUT = "CollectiveTimeout"
-PEER_LOST = "PeerLost"
-RENDEZVOUS_LOST = "RendezvousLost"
+CONFIG_ERROR = FailureReason.CONFIG_ERROR
+PREEMPTED = FailureReason.PREEMPTED
+COLLECTIVE_TIMEOUT = FailureReason.COLLECTIVE_TIMEOUT
+PEER_LOST = FailureReason.PEER_LOST
+RENDEZVOUS_LOST = FailureReason.RENDEZVOUS_LOST
 """SIGTERM from torchrun's agent while its rendezvous store is unreachable: the agent lost the
 rendezvous (RendezvousConnectionError) and stopped the workers; no preemption happened."""
 
-PRECEDENCE = {CONFIG_ERROR: 5, RENDEZVOUS_LOST: 4, PREEMPTED: 3, COLLECTIVE_TIMEOUT: 1, PEER_LOST: 0}
+PRECEDENCE = contracts.PRECEDENCE
 """Which failure a rank may overwrite in the shared file: a higher (or equal) rank wins; any other
-exception type ranks 2. The same order as the operator's (failures.PRIORITY, "TrainerError" standing
-for any other exception; tests/operator/test_lifecycle.py checks it): a lost rendezvous explains the
-SIGTERM, a preemption explains its peers' errors, and a timeout or a lost peer is usually the echo
-of another rank's failure."""
-OTHER_ERROR_PRECEDENCE = 2
+exception type ranks OTHER_ERROR_PRECEDENCE. Derived from the order of `contracts.FailureReason`,
+which is the operator's failures.PRIORITY too ("TrainerError" standing for any other exception):
+a lost rendezvous explains the SIGTERM, a preemption explains its peers' errors, and a timeout or
+a lost peer is usually the echo of another rank's failure."""
+OTHER_ERROR_PRECEDENCE = contracts.OTHER_ERROR_PRECEDENCE
 
 _TIMED_OUT = re.compile(r"timed out|timeout|watchdog caught collective", re.IGNORECASE)
 _PEER_GONE = re.compile(
@@ -118,13 +122,15 @@ def classify(exc: BaseException) -> tuple[str, bool]:
 
 
 def succeeded(record: RunRecord) -> dict[str, Any]:
-    """Global rank 0's message after a finished run."""
-    return {
-        "phase": "Succeeded", "step": record.step, "totalSteps": record.total_steps,
-        "loss": record.loss, "evalLoss": record.eval_loss,
-        "tokensPerSecond": record.tokens_per_second(), "exportPath": record.export_path,
-        "performance": record.performance(),
-    }
+    """Global rank 0's message after a finished run (contracts.SucceededReport; `write` adds
+    restartCount)."""
+    performance = record.performance()
+    report = SucceededReport(
+        step=record.step, total_steps=record.total_steps, loss=record.loss, eval_loss=record.eval_loss,
+        tokens_per_second=record.tokens_per_second(), export_path=record.export_path,
+        performance=PerformanceStatus.model_validate(performance) if performance is not None else None,
+    )
+    return report.model_dump(by_alias=True, exclude={"restart_count"})
 
 
 def exit_code(reason: str) -> int:
@@ -137,13 +143,15 @@ def exit_code(reason: str) -> int:
 
 
 def failed(reason: str, message: str, record: RunRecord, *, retryable: bool) -> dict[str, Any]:
-    """The message of every rank that fails (or stops for a preemption). `exitCode` is the trainer
-    process's own code: under torchrun the pod's exit code is torchrun's (1), so the message is
-    where a 2 (permanent configuration error) reaches the container status."""
-    return {
-        "phase": "Failed", "reason": reason, "message": message, "step": record.step,
-        "checkpointStep": record.checkpoint_step, "retryable": retryable, "exitCode": exit_code(reason),
-    }
+    """The message of every rank that fails (or stops for a preemption; contracts.FailedReport;
+    `write` adds restartCount). `exitCode` is the trainer process's own code: under torchrun the
+    pod's exit code is torchrun's (1), so the message is where a 2 (permanent configuration error)
+    reaches the container status."""
+    report = FailedReport(
+        reason=reason, message=message, step=record.step, checkpoint_step=record.checkpoint_step,
+        retryable=retryable, exit_code=exit_code(reason),
+    )
+    return report.model_dump(by_alias=True, exclude={"restart_count"})
 
 
 def read(path: str | None = None) -> dict[str, Any] | None:

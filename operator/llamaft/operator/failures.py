@@ -36,28 +36,30 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from llamaft.api import contracts
+from llamaft.api.contracts import FailedReport, FailureReason, SucceededReport
+
 Obj = Mapping[str, Any]
 
-CONFIG_ERROR = "ConfigError"
-NODE_LOST = "NodeLost"
-EVICTED = "Evicted"
-PREEMPTED = "Preempted"
-OOM_KILLED = "OOMKilled"
-KILLED = "Killed"
-GPU_XID = "GPUXid"
-RENDEZVOUS_CLOSED = "RendezvousClosed"
-RENDEZVOUS_LOST = "RendezvousLost"
-COLLECTIVE_TIMEOUT = "CollectiveTimeout"
-PEER_LOST = "PeerLost"
-TRAINER_ERROR = "TrainerError"
-STALLED = "Stalled"
-DEADLINE_EXCEEDED = "DeadlineExceeded"
-JOB_FAILED = "JobFailed"
+CONFIG_ERROR = FailureReason.CONFIG_ERROR
+NODE_LOST = FailureReason.NODE_LOST
+EVICTED = FailureReason.EVICTED
+PREEMPTED = FailureReason.PREEMPTED
+OOM_KILLED = FailureReason.OOM_KILLED
+KILLED = FailureReason.KILLED
+GPU_XID = FailureReason.GPU_XID
+RENDEZVOUS_CLOSED = FailureReason.RENDEZVOUS_CLOSED
+RENDEZVOUS_LOST = FailureReason.RENDEZVOUS_LOST
+COLLECTIVE_TIMEOUT = FailureReason.COLLECTIVE_TIMEOUT
+PEER_LOST = FailureReason.PEER_LOST
+TRAINER_ERROR = FailureReason.TRAINER_ERROR
+STALLED = FailureReason.STALLED
+DEADLINE_EXCEEDED = FailureReason.DEADLINE_EXCEEDED
+JOB_FAILED = FailureReason.JOB_FAILED
 
-PRIORITY = [
-    CONFIG_ERROR, NODE_LOST, EVICTED, RENDEZVOUS_LOST, PREEMPTED, OOM_KILLED, GPU_XID, RENDEZVOUS_CLOSED,
-    TRAINER_ERROR, KILLED, COLLECTIVE_TIMEOUT, PEER_LOST, STALLED, DEADLINE_EXCEEDED, JOB_FAILED,
-]
+PRIORITY: list[str] = list(contracts.PRIORITY)
+"""Most specific first: the declaration order of contracts.FailureReason, from which the trainer's
+termination.PRECEDENCE is derived too."""
 PERMANENT = frozenset({CONFIG_ERROR, DEADLINE_EXCEEDED})
 CLOSED_RENDEZVOUS_TEXT = "RendezvousClosedError"
 LOST_RENDEZVOUS_TEXTS = ("RendezvousConnectionError", "EtcdConnectionFailed", "The connection to etcd has failed")
@@ -71,10 +73,8 @@ DISRUPTIONS = {
     "PreemptionByScheduler": (PREEMPTED, False),
     "DeletionByPodGC": (NODE_LOST, True),
 }
-TRAINER_REASONS = {
-    CONFIG_ERROR: CONFIG_ERROR, "Preempted": PREEMPTED, COLLECTIVE_TIMEOUT: COLLECTIVE_TIMEOUT,
-    PEER_LOST: PEER_LOST, RENDEZVOUS_LOST: RENDEZVOUS_LOST,
-}
+TRAINER_REASONS = contracts.TRAINER_REASONS
+"""The reasons the trainer reports by name; any other (an exception's type name) is TrainerError."""
 
 
 @dataclass(frozen=True)
@@ -95,8 +95,8 @@ class Failure:
         return self.reason, self.step
 
 
-def trainer_report(message: str | None) -> dict[str, Any] | None:
-    """The trainer's JSON termination message (docs/progress-contract.md), if that is what it is."""
+def trainer_report(message: str | None) -> SucceededReport | FailedReport | None:
+    """The trainer's JSON termination message (contracts.read_termination), if that is what it is."""
     if not message:
         return None
     text = message.strip()
@@ -106,7 +106,7 @@ def trainer_report(message: str | None) -> dict[str, Any] | None:
         doc = json.loads(text)
     except ValueError:
         return None
-    return doc if isinstance(doc, dict) and doc.get("phase") in ("Succeeded", "Failed") else None
+    return contracts.read_termination(doc)
 
 
 TRAINER_CONTAINERS = (None, "pytorch", "node")
@@ -148,10 +148,11 @@ def pod_failure(pod: Obj, last_step: int | None) -> Failure | None:
     name, node = _name(pod), _node(pod)
     state = terminated(pod)
     report = trainer_report(state.get("message") if state else None)
-    step = report.get("step") if report and isinstance(report.get("step"), int) else last_step
+    step = report.step if report is not None and report.step is not None else last_step
     exit_code = int(state["exitCode"]) if state and state.get("exitCode") is not None else None
-    if report is not None and report.get("reason") == CONFIG_ERROR:
-        return Failure(CONFIG_ERROR, str(report.get("message", ""))[:1500], False, None, name, exit_code, step)
+    failed = report if isinstance(report, FailedReport) else None
+    if failed is not None and failed.reason == CONFIG_ERROR:
+        return Failure(CONFIG_ERROR, (failed.message or "")[:1500], False, None, name, exit_code, step)
     if status.get("phase") == "Succeeded" or (state is not None and exit_code == 0):
         return None
     if status.get("reason") == "NodeLost":
@@ -176,10 +177,10 @@ def pod_failure(pod: Obj, last_step: int | None) -> Failure | None:
                        None, name, exit_code, step)
     if state.get("reason") == "OOMKilled":
         return Failure(OOM_KILLED, f"pod {name} on {node} was OOM-killed (exit {exit_code})", True, None, name, exit_code, step)
-    if report is not None and report.get("phase") == "Failed":
-        reason = TRAINER_REASONS.get(str(report.get("reason")), TRAINER_ERROR)
-        detail = f"{report.get('reason')}: {report.get('message', '')}"
-        return Failure(reason, f"pod {name}: {detail}"[:1500], True, None, name, exit_code, step)
+    if failed is not None:
+        detail = f"{failed.reason}: {failed.message or ''}"
+        return Failure(contracts.trainer_reason(failed.reason), f"pod {name}: {detail}"[:1500], True, None, name,
+                       exit_code, step)
     if exit_code in (137, 143):
         return Failure(KILLED, f"pod {name} on {node}: container killed (exit {exit_code})", True, None, name, exit_code, step)
     tail = text[-1200:] if text else str(state.get("reason") or "")

@@ -42,6 +42,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from llamaft.api import resource
+from llamaft.api.contracts import ProgressDocument, read_progress
 from llamaft.api.spec import Backend, LlamaFineTuneSpec, PreflightMode, RendezvousBackend
 from llamaft.api.status import TERMINAL_PHASES, Phase
 from llamaft.api.validation import SpecInvalid, validate_spec
@@ -512,7 +513,7 @@ class Step:
             generation=generation,
         )
 
-    def _leader_progress(self, pods: list[Obj], spec: LlamaFineTuneSpec, status: Obj) -> dict[str, Any] | None:
+    def _leader_progress(self, pods: list[Obj], spec: LlamaFineTuneSpec, status: Obj) -> ProgressDocument | None:
         """The leader's /progress in at most PROGRESS_REQUESTS_PER_SYNC requests, whatever the
         number of pods: the pod known to run global rank 0 (status.leaderPod) is asked; while it is
         not known (or no longer says rank 0) the other running pods are asked in turn, replica 0
@@ -535,14 +536,15 @@ class Step:
                     doc = self.http.get_json(url, timeout_s=self.settings.progress_timeout_s, retries=0)
                 except HttpError:
                     continue
-                if isinstance(doc, dict) and doc.get("rank") == 0:
-                    return doc
+                parsed = read_progress(doc)  # the one place the operator reads a /progress document
+                if parsed is not None and parsed.rank == 0:
+                    return parsed
             return None
         finally:
             self.memo["progress_cursor"] = cursor
 
     def _gpu(self, obj: Obj, owner: Owner, job_name: str, status: Obj, running: bool,
-             progress: Mapping[str, Any] | None) -> failures.Failure | None:
+             progress: ProgressDocument | None) -> failures.Failure | None:
         """GPUHealthy from Prometheus (when configured); a hardware XID on one of the current
         attempt's GPUs is a failure of the attempt."""
         url = self.settings.prometheus_url
@@ -560,9 +562,8 @@ class Step:
             health.message, obj["metadata"].get("generation"), lifecycle.iso(now()))
         if not health.healthy and (before is None or before.get("status") != "False" or before.get("reason") != health.reason):
             self.event(obj, "Warning", health.reason, health.message)
-        step = (progress or {}).get("step")
         return failures.gpu_failure(None if health.healthy else health.reason, health.message, health.nodes,
-                                    step if isinstance(step, int) else None)
+                                    progress.step if progress is not None else None)
 
     # ---------------------------------------------------------------------- starting an attempt
     def _start_attempt(self, obj: Obj, owner: Owner, spec: LlamaFineTuneSpec, attempt: int, status: Obj,

@@ -28,11 +28,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from pydantic import ValidationError
-
+from llamaft.api.contracts import ProgressDocument, SucceededReport, read_progress
 from llamaft.api.resource import MAX_ATTEMPTS
 from llamaft.api.spec import LlamaFineTuneSpec
-from llamaft.api.status import TERMINAL_PHASES, PerformanceStatus, Phase
+from llamaft.api.status import TERMINAL_PHASES, Phase
 from llamaft.operator import failures, observe
 from llamaft.operator.failures import Failure
 from llamaft.operator.observe import Event
@@ -66,13 +65,17 @@ class Observed:
     """This run's jobs of other attempts that are not yet being deleted."""
     pods: Sequence[Obj] = ()
     """Pods of the current attempt's job."""
-    progress: Mapping[str, Any] | None = None
-    """The leader's live /progress document."""
+    progress: ProgressDocument | None = None
+    """The leader's live /progress document (a Mapping is read with contracts.read_progress)."""
     gpu: Failure | None = None
     """A GPU XID on one of the job's GPUs (failures.gpu_failure)."""
     retry_backoff_s: float = 10.0
     generation: int | None = None
     """metadata.generation, for the conditions' observedGeneration."""
+
+    def __post_init__(self) -> None:
+        if self.progress is not None and not isinstance(self.progress, ProgressDocument):
+            object.__setattr__(self, "progress", read_progress(self.progress))
 
 
 @dataclass
@@ -118,19 +121,18 @@ def _conditions(status: Mapping[str, Any], updates: Sequence[tuple[str, bool, st
 
 
 def _last_step(obs: Observed) -> int | None:
-    live = (obs.progress or {}).get("step")
-    if isinstance(live, int):
-        return live
+    if obs.progress is not None and obs.progress.step is not None:
+        return obs.progress.step
     step = (obs.status.get("progress") or {}).get("step")
     return step if isinstance(step, int) else None
 
 
-def _final_report(pods: Sequence[Obj]) -> dict[str, Any] | None:
+def _final_report(pods: Sequence[Obj]) -> SucceededReport | None:
     """The trainer's Succeeded report (written by global rank 0's pod only)."""
     for pod in pods:
         state = failures.terminated(pod)
         report = failures.trainer_report(state.get("message") if state else None)
-        if report is not None and report.get("phase") == "Succeeded":
+        if isinstance(report, SucceededReport):
             return report
     return None
 
@@ -157,17 +159,10 @@ def _job_failed(job: Obj | None) -> bool:
                for c in (job or {}).get("status", {}).get("conditions", []) or [])
 
 
-PROGRESS_FROM_REPORT = {"step": "step", "totalSteps": "totalSteps", "loss": "loss", "evalLoss": "evalLoss",
-                        "tokensPerSecond": "tokensPerSecond", "epoch": "epoch"}
-
-
-def _progress_with_report(previous: Mapping[str, Any], report: Mapping[str, Any] | None, now: str) -> dict[str, Any]:
+def _progress_with_report(previous: Mapping[str, Any], report: SucceededReport | None, now: str) -> dict[str, Any]:
     progress = dict(previous)
-    if report:
-        for src, dst in PROGRESS_FROM_REPORT.items():
-            if report.get(src) is not None:
-                progress[dst] = report[src]
-        progress["updatedAt"] = now
+    if report is not None:
+        progress.update(report.status_progress(now).to_k8s())
     if progress.get("step") is not None and progress.get("totalSteps") is not None:
         progress["stepOfTotal"] = f"{progress['step']}/{progress['totalSteps']}"
     return progress
@@ -257,9 +252,9 @@ def _with_job(obs: Observed, attempt: int, d: Decision) -> Decision:
     progress_doc = obs.progress
     # Progress clock: the operator's own observation of the step changing.
     last_progress = parse_time(st.get("lastProgressTime"))
-    live_step = (progress_doc or {}).get("step")
+    live_step = progress_doc.step if progress_doc is not None else None
     known_step = (st.get("progress") or {}).get("step")
-    if isinstance(live_step, int) and (last_progress is None or live_step != known_step):
+    if live_step is not None and (last_progress is None or live_step != known_step):
         last_progress = obs.now
         d.status["lastProgressTime"] = now
     if not suspended:
@@ -269,7 +264,7 @@ def _with_job(obs: Observed, attempt: int, d: Decision) -> Decision:
             failure = _stalled(obs, last_step, last_progress)
     if failure is not None:
         return _failed_attempt(obs, attempt, d, failure)  # rule 5
-    o = observe.observe(obs.job, obs.pods, [progress_doc] if progress_doc else [], st, generation=generation, now=now)
+    o = observe.observe(obs.job, obs.pods, [progress_doc] if progress_doc is not None else [], st, generation=generation, now=now)
     d.status.update({k: v for k, v in o.status.items() if k != "observedGeneration"})
     if o.status["phase"] == Phase.CREATING.value and st.get("phase") == Phase.RESTARTING.value:
         d.status["phase"] = Phase.RESTARTING.value  # the new attempt's job exists; its pods are not running yet
@@ -312,9 +307,10 @@ def st_generation(obs: Observed) -> int | None:
     return obs.generation
 
 
-def _succeeded(obs: Observed, d: Decision, report: Mapping[str, Any] | None) -> Decision:
+def _succeeded(obs: Observed, d: Decision, report: SucceededReport | None) -> Decision:
     st, now = obs.status, iso(obs.now)
-    o = observe.observe(obs.job, obs.pods, [obs.progress] if obs.progress else [], st, generation=st_generation(obs), now=now)
+    o = observe.observe(obs.job, obs.pods, [obs.progress] if obs.progress is not None else [], st, generation=st_generation(obs),
+                        now=now)
     progress = _progress_with_report(o.status.get("progress", {}), report, now)
     message = f"{obs.job_kind} {obs.job_name} succeeded" + (f" at step {progress['step']}" if progress.get("step") is not None else "")
     d.status.update({k: v for k, v in o.status.items() if k not in ("observedGeneration", "conditions", "phase", "message")})
@@ -324,8 +320,8 @@ def _succeeded(obs: Observed, d: Decision, report: Mapping[str, Any] | None) -> 
         conditions=_conditions(st, [("Running", False, "NotRunning", ""), ("Succeeded", True, "Succeeded", message),
                                     ("Failed", False, "NotFailed", "")], st_generation(obs), now),
     )
-    if report is not None and report.get("exportPath"):
-        d.status["exportPath"] = report["exportPath"]
+    if report is not None and report.export_path:
+        d.status["exportPath"] = report.export_path
     performance = performance_status(report)
     if performance is not None:
         d.status["performance"] = performance
@@ -333,16 +329,12 @@ def _succeeded(obs: Observed, d: Decision, report: Mapping[str, Any] | None) -> 
     return d
 
 
-def performance_status(report: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """status.performance from the trainer's final report (None: it has none, or not a valid one)."""
-    raw = (report or {}).get("performance")
-    if not isinstance(raw, Mapping):
+def performance_status(report: SucceededReport | None) -> dict[str, Any] | None:
+    """status.performance from the trainer's final report (None: it has none, or not a valid one:
+    contracts.read_termination drops a `performance` that does not validate)."""
+    if report is None or report.performance is None:
         return None
-    try:
-        parsed = PerformanceStatus.model_validate(raw, extra="ignore")  # a newer trainer may report more
-    except ValidationError:
-        return None
-    return parsed.model_dump(by_alias=True, exclude_none=True) or None
+    return report.performance.to_k8s() or None
 
 
 def _repeated(history: Sequence[Mapping[str, Any]], failure: Failure, attempt: int, limit: int) -> bool:
@@ -372,7 +364,7 @@ def _failed_attempt(obs: Observed, attempt: int, d: Decision, failure: Failure) 
         d.status["excludedNodes"] = excluded
         d.events.append(Event("Warning", "NodeExcluded", f"later attempts avoid node {failure.node}: {failure.reason}"))
     progress = _progress_with_report(st.get("progress") or {}, None, now)
-    if obs.progress:
+    if obs.progress is not None:
         progress = observe.progress_status(obs.progress, progress)
     d.status["progress"] = progress
     verdict: str | None = None

@@ -11,7 +11,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from llamaft.api.status import Phase
+from llamaft.api.contracts import ProgressDocument, read_progress
+from llamaft.api.status import EvaluationStatus, Phase
 from llamaft.render import backends
 
 Obj = Mapping[str, Any]
@@ -50,35 +51,32 @@ def job_phase(job: Obj | None) -> tuple[Phase, str, str]:
     return backends.job_phase(job)
 
 
-def progress_status(doc: Mapping[str, Any] | None, previous: Mapping[str, Any]) -> dict[str, Any]:
-    if not doc:
+def progress_status(doc: ProgressDocument | None, previous: Mapping[str, Any]) -> dict[str, Any]:
+    """status.progress: what the document has (ProgressDocument.status_progress) over what status knew."""
+    if doc is None:
         return dict(previous)
-    keys = ("epoch", "step", "totalSteps", "loss", "evalLoss", "tokensPerSecond", "mfu", "etaSeconds", "updatedAt")
-    out = {k: doc[k] for k in keys if doc.get(k) is not None}
-    if "step" in out and "totalSteps" in out:
-        out["stepOfTotal"] = f"{out['step']}/{out['totalSteps']}"
-    return {**previous, **out}
+    return {**previous, **doc.status_progress().to_k8s()}
 
 
-EVALUATION_KEYS = ("step", "samples", "rouge1", "rouge2", "rougeL")
-TRACKING_KEYS = ("mlflowRunId", "mlflowExperimentId", "wandbRunId", "wandbUrl", "tensorboardDirectory")
+EVALUATION_KEYS = tuple(str(f.alias) for f in EvaluationStatus.model_fields.values())
 
 
-def tracking_status(doc: Mapping[str, Any] | None, previous: Mapping[str, Any] | None) -> dict[str, Any]:
+def tracking_status(doc: ProgressDocument | None, previous: Mapping[str, Any] | None) -> dict[str, Any]:
     """status.tracking: where the trackers keep the run, kept once known (a new attempt's
     document has it again only after its trackers opened)."""
-    doc = doc or {}
-    found = doc.get("tracking") or {}
-    out = {**(previous or {}), **{k: str(found[k]) for k in TRACKING_KEYS if found.get(k)}}
-    if doc.get("trackingWarning"):
-        out["warning"] = str(doc["trackingWarning"])[:1024]
+    found = doc.tracking.to_k8s() if doc is not None and doc.tracking is not None else {}
+    out = {**(previous or {}), **{k: str(v) for k, v in found.items() if v}}
+    if doc is not None and doc.tracking_warning:
+        out["warning"] = doc.tracking_warning[:1024]
     return out
 
 
-def leader(progress_docs: Iterable[Mapping[str, Any]]) -> Mapping[str, Any] | None:
-    """The /progress document of global rank 0 (the leader), if any worker reported it."""
-    for doc in progress_docs:
-        if doc.get("rank") == 0:
+def leader(progress_docs: Iterable[ProgressDocument | Mapping[str, Any]]) -> ProgressDocument | None:
+    """The /progress document of global rank 0 (the leader), if any worker reported it (a Mapping
+    is read with contracts.read_progress)."""
+    for raw in progress_docs:
+        doc = read_progress(raw)
+        if doc is not None and doc.rank == 0:
             return doc
     return None
 
@@ -93,7 +91,7 @@ EVENT_FOR_PHASE = {
 
 
 def observe(
-    job: Obj | None, pods: Sequence[Obj], progress_docs: Sequence[Mapping[str, Any]], previous: Mapping[str, Any],
+    job: Obj | None, pods: Sequence[Obj], progress_docs: Sequence[ProgressDocument | Mapping[str, Any]], previous: Mapping[str, Any],
     *, generation: int | None, now: str,
 ) -> Observation:
     """The status the LlamaFineTune should have, and the events that explain its transition."""
@@ -111,14 +109,14 @@ def observe(
             status[key] = job_status[key]
     doc = leader(progress_docs)
     status["progress"] = progress_status(doc, previous.get("progress", {}))
-    if doc is not None and doc.get("pod"):
-        status["leaderPod"] = doc["pod"]
-    if doc is not None and doc.get("exportPath"):
-        status["exportPath"] = doc["exportPath"]
+    if doc is not None and doc.pod:
+        status["leaderPod"] = doc.pod
+    if doc is not None and doc.export_path:
+        status["exportPath"] = doc.export_path
     tracking = tracking_status(doc, previous.get("tracking"))
     if tracking:
         status["tracking"] = tracking
-    evaluation = (doc or {}).get("evaluation") or previous.get("evaluation")
+    evaluation = (doc.evaluation.to_k8s() if doc is not None and doc.evaluation is not None else None) or previous.get("evaluation")
     if evaluation:
         status["evaluation"] = {k: evaluation[k] for k in EVALUATION_KEYS if evaluation.get(k) is not None}
     restarts = int(previous.get("restarts", 0) or 0)
