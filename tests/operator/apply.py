@@ -124,20 +124,21 @@ def apply(live: Obj | None, config: Obj, manager: str, force: bool) -> Obj:
     for other, paths in managed.items():
         if paths:
             entries.append(_entry(other, paths, base, other_time=True))
-    entries.append(_entry(manager, wanted, base))
+    entries.append(_entry(manager, wanted, base, api_version=str(config.get("apiVersion") or base.get("apiVersion") or "")))
     result.setdefault("metadata", {})["managedFields"] = entries
     if live is not None and _without_times(result) == _without_times(live):
         return live  # a no-op apply is not a write
     return result
 
 
-def _entry(manager: str, paths: set[Path], live: Obj, other_time: bool = False) -> Obj:
-    if other_time:
-        previous = next((e for e in live.get("metadata", {}).get("managedFields") or [] if e.get("manager") == manager), {})
-        when = previous.get("time")
-    else:
-        when = None
-    return {"manager": manager, "operation": "Apply", "apiVersion": live.get("apiVersion", ""),
+def _entry(manager: str, paths: set[Path], live: Obj, other_time: bool = False, api_version: str | None = None) -> Obj:
+    """A manager's managedFields entry. Its apiVersion is the one the manager applied with (the
+    config's: on a create `live` is empty), else the one its entry already had: an entry that
+    changed with nothing else would make the next identical apply a write."""
+    previous = next((e for e in live.get("metadata", {}).get("managedFields") or [] if e.get("manager") == manager), {})
+    when = previous.get("time") if other_time else None
+    version = api_version if api_version is not None else str(previous.get("apiVersion") or live.get("apiVersion", ""))
+    return {"manager": manager, "operation": "Apply", "apiVersion": version,
             "time": when or datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "fieldsType": "FieldsV1", "fieldsV1": to_fields_v1(paths)}
 

@@ -42,6 +42,17 @@ def test_apply_creates_merges_and_removes_what_the_manager_no_longer_sets() -> N
         "an apply that changes nothing is not a write"
 
 
+def test_an_apply_right_after_the_create_that_changes_nothing_is_not_a_write() -> None:
+    """The create's managedFields entry records the apiVersion the manager applied with, as the
+    API server does: with an empty one, the second identical apply of every child rewrote it, and
+    an operator restarted after the first apply reported every child as applied (the flake in
+    test_a_restart_or_a_status_change_applies_nothing_and_says_so)."""
+    config = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "x"}, "spec": {"replicas": 1}}
+    created = ssa.apply(None, config, "llamaft", True)
+    assert [e["apiVersion"] for e in created["metadata"]["managedFields"]] == ["apps/v1"]
+    assert ssa.apply(created, config, "llamaft", True) is created
+
+
 def test_apply_conflicts_with_another_manager_unless_forced() -> None:
     theirs = ssa.apply(None, {"metadata": {"name": "x"}, "spec": {"port": 1}}, "kubectl", False)
     with pytest.raises(ssa.ApplyConflict, match='conflict with "kubectl": .spec.port'):
@@ -60,6 +71,7 @@ def test_the_client_applies_through_the_emulator(cluster: Cluster) -> None:
                                                                 "labels": {"llamaft.io/finetune": "none"}}, "data": {"a": "1"}}
     created = kube.apply("default", cm)
     assert created["data"] == {"a": "1"} and created["metadata"]["managedFields"][0]["manager"] == "llamaft"
+    assert kube.apply("default", cm)["metadata"]["resourceVersion"] == created["metadata"]["resourceVersion"]
     updated = kube.apply("default", {**cm, "data": {"b": "2"}})
     assert updated["data"] == {"b": "2"}, "a key llamaft no longer sets is removed"
     again = kube.apply("default", {**cm, "data": {"b": "2"}})
