@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 import kopf
-from llamaft.operator import handlers, kube
+from llamaft.operator import kube, specs, step
 from llamaft.render import desired
 
 OUT = os.environ.get("LLAMAFT_PROBE_OUT")
@@ -67,13 +67,13 @@ def _timed(what: str, fn: Any) -> Any:
 
 def _step_of(fn: Any) -> Any:
     """The Step whose bound `run` an executor is handed (directly, or as asyncio.to_thread's
-    partial), or the Step itself when handed as an argument (handlers._logged)."""
-    if isinstance(fn, handlers.Step):
+    partial), or the Step itself when handed as an argument (daemon._first_step)."""
+    if isinstance(fn, step.Step):
         return fn
     while isinstance(fn, functools.partial):
         fn = next((a for a in fn.args if callable(a)), fn.func) if fn.args else fn.func
     owner = getattr(fn, "__self__", None)
-    return owner if isinstance(owner, handlers.Step) else None
+    return owner if isinstance(owner, step.Step) else None
 
 
 def _install() -> None:
@@ -87,7 +87,7 @@ def _install() -> None:
 
     concurrent.futures.ThreadPoolExecutor.submit = submit_stamped  # type: ignore[method-assign]
 
-    run = handlers.Step.run
+    run = step.Step.run
 
     def run_recorded(self: Any) -> Any:
         record = {"name": self.name, "submitted": getattr(self, "_probe_submitted", None), "start": time.perf_counter(),
@@ -100,12 +100,14 @@ def _install() -> None:
             _local.record = None
             _emit(record)
 
-    handlers.Step.run = run_recorded  # type: ignore[method-assign]
+    step.Step.run = run_recorded  # type: ignore[method-assign]
     for name, member in list(vars(kube.Kube).items()):
         if callable(member) and not name.startswith("_"):
             setattr(kube.Kube, name, _timed(f"api.{name}", member))
-    for name in ("validated", "validate_spec", "checked_children", "admission"):
-        setattr(handlers, name, _timed(name, getattr(handlers, name)))
+    # Each name where it is looked up: specs validates and checks, the step validates and plans.
+    for module, names in ((specs, ("validate_spec", "checked_children")), (step, ("validated", "validate_spec", "admission"))):
+        for name in names:
+            setattr(module, name, _timed(name, getattr(module, name)))
     for name in ("children", "pytorch_job"):
         setattr(desired, name, _timed(f"render.{name}", getattr(desired, name)))
     kopf.event = _timed("kopf.event", kopf.event)  # type: ignore[assignment]

@@ -133,3 +133,40 @@ def test_an_import_up_the_layers_is_found(module: str, source: str) -> None:
 ])
 def test_an_import_down_the_layers_is_fine(module: str, source: str) -> None:
     assert violations(module, source) == []
+
+
+MAX_HANDLER_STATEMENTS = 8
+
+
+def handler_bodies(source: str) -> dict[str, tuple[bool, int]]:
+    """Each top-level function of a module: (whether kopf registers it, its statements beyond the
+    docstring)."""
+    out: dict[str, tuple[bool, int]] = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            registered = any("kopf" in ast.unparse(d) for d in node.decorator_list)
+            body = node.body[1:] if node.body and isinstance(node.body[0], ast.Expr) and isinstance(
+                getattr(node.body[0], "value", None), ast.Constant) else node.body
+            out[node.name] = (registered, sum(1 for n in body for _ in ast.walk(n) if isinstance(_, ast.stmt)))
+    return out
+
+
+def test_handlers_is_the_kopf_registry_only() -> None:
+    """operator/llamaft/operator/handlers.py registers handlers that hand off in a few lines to a
+    module with one job (ARCHITECTURE.md): no helper functions, no classes, no handler bodies
+    that grow into logic."""
+    source = (REPO / "operator/llamaft/operator/handlers.py").read_text()
+    tree = ast.parse(source)
+    assert not [n for n in tree.body if isinstance(n, ast.ClassDef)], "classes belong in the modules handlers hands off to"
+    bodies = handler_bodies(source)
+    assert bodies, "no handlers found"
+    for name, (registered, statements) in bodies.items():
+        assert registered, f"handlers.{name} is not a kopf handler: move it to the module whose job it is"
+        assert statements <= MAX_HANDLER_STATEMENTS, f"handlers.{name} has {statements} statements: hand its logic off"
+
+
+def test_the_registry_check_finds_logic() -> None:
+    helper = "import kopf\ndef helper():\n    return 1\n"
+    assert handler_bodies(helper) == {"helper": (False, 1)}
+    grown = "import kopf\n@kopf.on.event('x')\ndef h():\n    '''doc'''\n" + "".join(f"    a{i} = {i}\n" for i in range(9))
+    assert handler_bodies(grown) == {"h": (True, 9)}

@@ -331,7 +331,7 @@ def _cmd_operator(args: argparse.Namespace) -> int:
     from llamaft.operator import peering
 
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.JSON if args.json_logs else kopf.LogFormat.FULL)
-    # The startup handler (handlers.configure) gets this same settings object and leaves .peering alone.
+    # The startup handler (startup.configure) gets this same settings object and leaves .peering alone.
     settings = kopf.OperatorSettings()
     settings.peering.lifetime = args.peering_lifetime
     settings.peering.stealth = True  # keep-alives go to the debug log only when they fail

@@ -177,9 +177,9 @@ def test_a_new_etcd_image_rolls_out_without_a_new_attempt(etcd: LocalEtcd, tmp_p
 
 
 def test_applied_children_are_those_whose_version_the_apply_changed() -> None:
-    """handlers.changed_children: an apply that writes nothing returns a version already seen (by
+    """children.changed_children: an apply that writes nothing returns a version already seen (by
     this process's last apply, or in the watch's copy of the object); only a write makes a new one."""
-    from llamaft.operator.handlers import changed_children, live_versions
+    from llamaft.operator.children import changed_children, live_versions
 
     cm, dep, svc = ("ConfigMap", "x-config"), ("Deployment", "x-etcd"), ("Service", "x-etcd")
     after = {cm: "10", dep: "15", svc: "12"}

@@ -320,3 +320,105 @@ def test_a_job_whose_creating_step_never_wrote_its_status_is_recorded_as_the_att
     d = decide(observed({}, job=job("Created", "Running"), pods=[pod(0), pod(1)]))
     assert d.status["attempt"] == 1 and d.status["jobName"] == JOB and d.start_attempt is None
     assert d.status["phase"] == "Running"
+
+
+# ------------------------------------------------------------------------------ the table
+def queued_spec() -> LlamaFineTuneSpec:
+    s = spec()
+    return s.model_copy(update={"scheduling": s.scheduling.model_copy(update={"queue_name": "team-a-gpus"})})
+
+
+ROWS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+    # (row, observed state, what the decision does: start, deletes, rendezvous resets, phase, events)
+    ("new run creates attempt 1", dict(status={}), dict(start=1, phase="Creating")),
+    ("missing job of a running attempt is recreated", dict(), dict(start=1, phase="Restarting")),
+    ("stale jobs are deleted", dict(stale_jobs=["ft-abcd-0"], job=job("Created", "Running"), pods=[pod(0)]),
+     dict(delete=["ft-abcd-0"], phase="Running")),
+    ("a job still being deleted is waited for", dict(job_deleting=True), dict(phase="Running", requeue=1.0)),
+    ("a finished run is final", dict(status={**RUNNING, "phase": "Succeeded"}), dict(status={})),
+    ("capacity refusal: no attempt, Failed WillNotFit", dict(status={}, capacity_refusal="needs 80 GiB per GPU, has 40"),
+     dict(phase="Failed", failed="WillNotFit", events=["WillNotFit"])),
+    ("capacity refusal does not touch a running attempt", dict(capacity_refusal="x", job=job("Created", "Running"), pods=[pod(0)]),
+     dict(phase="Running")),
+    ("Kueue suspends a started job: Queued, its rendezvous reset",
+     dict(spec=queued_spec(), job=job("Created", "Suspended"), pods=[]), dict(phase="Queued", reset=[1], events=["Queued"])),
+    ("still queued: no second reset", dict(spec=queued_spec(), status={**RUNNING, "phase": "Queued"}, job=job("Created", "Suspended")),
+     dict(phase="Queued")),
+    ("queued at creation (no attempt recorded yet): nothing to reset",
+     dict(spec=queued_spec(), status={}, job=job("Created", "Suspended")), dict(phase="Queued")),
+    ("a user's suspend is Suspended, not queued", dict(spec=spec(suspend=True), job=job("Suspended")), dict(phase="Suspended")),
+]
+
+
+@pytest.mark.parametrize(("row", "state", "want"), ROWS, ids=[r[0] for r in ROWS])
+def test_the_lifecycle_table(row: str, state: dict[str, Any], want: dict[str, Any]) -> None:
+    d = decide(observed(**state))
+    assert d.start_attempt == want.get("start"), row
+    assert d.delete_jobs == want.get("delete", []), row
+    assert d.reset_rendezvous == want.get("reset", []), row
+    if "status" in want:
+        assert d.status == want["status"], row
+    if "phase" in want:  # the phase once the patch is written
+        assert d.status.get("phase", state.get("status", RUNNING).get("phase")) == want["phase"], row
+    if "failed" in want:
+        assert next(c for c in d.status["conditions"] if c["type"] == "Failed")["reason"] == want["failed"], row
+    if "events" in want:
+        assert [e.reason for e in d.events] == want["events"], row
+    if "requeue" in want:
+        assert d.requeue_after == want["requeue"], row
+
+
+def test_a_child_the_api_server_rejects_fails_the_run_once() -> None:
+    """The event `the API server rejected a child` (422 on create) -> Failed, ChildRejected; the
+    same event on a run already Failed posts no second event."""
+    d = lifecycle.refused(observed({}), "ChildRejected", "the API server rejected a child object: spec.foo: Invalid value")
+    assert d.status["phase"] == "Failed" and [e.reason for e in d.events] == ["ChildRejected"] and d.start_attempt is None
+    again = lifecycle.refused(observed({**RUNNING, "phase": "Failed"}), "ChildRejected", "same")
+    assert again.events == []
+
+
+# ------------------------------------------------------------------------------ spec changes
+def change(status: dict[str, Any] | None = None, changed: set[tuple[str, ...]] | None = None, **kw: Any) -> lifecycle.SpecChanged:
+    base: dict[str, Any] = dict(spec=spec(), status=dict(RUNNING if status is None else status),
+                                changed=frozenset(changed or set()), job_name=JOB, generation=2)
+    base.update(kw)
+    return lifecycle.SpecChanged(**base)
+
+
+SUSPEND, WORKERS, LR = ("runPolicy", "suspend"), ("cluster", "workers"), ("training", "learningRate")
+SPEC_ROWS: list[tuple[str, lifecycle.SpecChanged, dict[str, Any]]] = [
+    ("never started: the lifecycle starts it", change({}, {LR}), dict(wake=True, status={})),
+    ("started but unrecorded: attempt 1 restarts as 2", change({}, {LR}, first_job_exists=True),
+     dict(wake=True, delete=JOB, attempt=2, events=["SpecChanged"])),
+    ("a finished run stays finished", change({**RUNNING, "phase": "Succeeded"}, {LR}),
+     dict(status={"observedGeneration": 2}, events=["Finished"])),
+    ("nothing the run sees changed", change(changed=set()), dict(status={"observedGeneration": 2})),
+    ("suspend in place", change(changed={SUSPEND}, spec=spec(suspend=True)),
+     dict(wake=True, suspend=True, status={"observedGeneration": 2}, events=["Suspended"])),
+    ("resume in place, the rendezvous reset first", change(changed={SUSPEND}),
+     dict(wake=True, suspend=False, reset=[1], status={"observedGeneration": 2}, events=["Resumed"])),
+    ("elastic workers in place", change(changed={WORKERS}, scalable=True),
+     dict(wake=True, scale=2, status={"observedGeneration": 2}, events=["Scaled"])),
+    ("workers of a backend that cannot scale: restart", change(changed={WORKERS}, scalable=False),
+     dict(wake=True, delete=JOB, attempt=2, events=["SpecChanged"])),
+    ("monitoring in place", change(changed={("monitoring", "dcgm", "enabled")}),
+     dict(wake=True, status={"observedGeneration": 2}, events=["MonitoringChanged"])),
+    ("anything else restarts from the checkpoint", change(changed={LR, SUSPEND}),
+     dict(wake=True, delete=JOB, attempt=2, events=["SpecChanged"])),
+]
+
+
+@pytest.mark.parametrize(("row", "event", "want"), SPEC_ROWS, ids=[r[0] for r in SPEC_ROWS])
+def test_the_spec_change_table(row: str, event: lifecycle.SpecChanged, want: dict[str, Any]) -> None:
+    d = lifecycle.decide_spec_change(event)
+    assert d.wake == want.get("wake", False), row
+    assert d.delete_job == want.get("delete"), row
+    assert d.suspend == want.get("suspend"), row
+    assert d.scale_to == want.get("scale"), row
+    assert d.reset_rendezvous == want.get("reset", []), row
+    assert [e.reason for e in d.events] == want.get("events", []), row
+    if "status" in want:
+        assert d.status == want["status"], row
+    if "attempt" in want:
+        assert d.status["attempt"] == want["attempt"] and d.status["phase"] == "Restarting" and d.status["retryAfter"] is None
+        assert "restarting from the latest checkpoint as attempt" in d.status["message"], row

@@ -127,8 +127,8 @@ def test_a_child_the_api_server_still_rejects_fails_the_run_with_its_message() -
     import json as _json
 
     from kubernetes.client.exceptions import ApiException
-    from llamaft.operator import handlers
     from llamaft.operator.settings import OperatorSettings
+    from llamaft.operator.step import Step
 
     class RefusingKube:
         def __init__(self) -> None:
@@ -161,7 +161,7 @@ def test_a_child_the_api_server_still_rejects_fails_the_run_with_its_message() -
     memo: Any = {"kube": kube, "settings": OperatorSettings(), "wakers": {}, "phases": {}, "applied": {}, "drifted": set(),
             "http": None}
     events: list[tuple[str, str]] = []
-    step = handlers.Step(memo, "default", "x", logger=None)
+    step = Step(memo, "default", "x", logger=None)
     step.event = lambda obj, type_, reason, message: events.append((reason, message))  # type: ignore[method-assign]
     obj = {"metadata": {"name": "x", "namespace": "default", "uid": "1234abcd-0000", "generation": 1},
            "spec": tiny_spec(rendezvous={"backend": "c10d"}), "status": {}}

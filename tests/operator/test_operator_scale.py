@@ -15,10 +15,14 @@ from typing import Any
 import kopf
 import pytest
 from llamaft.api.validation import SpecInvalid
-from llamaft.operator import handlers
+from llamaft.operator import daemon as daemon_module
+from llamaft.operator import handlers, specs, startup, state
+from llamaft.operator import step as step_module
 from llamaft.operator.kube import ForeignObject
 from llamaft.operator.metrics import FINETUNES
 from llamaft.operator.settings import OperatorSettings
+from llamaft.operator.step import Step
+from llamaft.render import desired
 from llamaft.render.naming import Owner
 
 from tests.operator.conftest import tiny_spec
@@ -29,19 +33,19 @@ UID = "1234abcd-0000-0000-0000-000000000000"
 
 @pytest.fixture(autouse=True)
 def fresh_spec_cache() -> None:
-    with handlers._specs_lock:
-        handlers._specs.clear()
+    with specs._specs_lock:
+        specs._specs.clear()
 
 
 def counting_validate(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     calls: list[Any] = []
-    real = handlers.validate_spec
+    real = specs.validate_spec
 
     def validate_spec(spec: Any, *args: Any, **kwargs: Any) -> Any:
         calls.append(spec)
         return real(spec, *args, **kwargs)
 
-    monkeypatch.setattr(handlers, "validate_spec", validate_spec)
+    monkeypatch.setattr(specs, "validate_spec", validate_spec)
     return calls
 
 
@@ -50,9 +54,9 @@ def test_one_cel_evaluation_per_distinct_spec_shared_by_objects(monkeypatch: pyt
     calls = counting_validate(monkeypatch)
     spec = tiny_spec()
     reordered = dict(reversed(list(tiny_spec().items())))  # the same content, keys in another order
-    first = handlers.cached_spec(spec)
-    assert handlers.cached_spec(reordered) is first and len(calls) == 1
-    other = handlers.cached_spec(tiny_spec(cluster={"workers": 4}))
+    first = specs.cached_spec(spec)
+    assert specs.cached_spec(reordered) is first and len(calls) == 1
+    other = specs.cached_spec(tiny_spec(cluster={"workers": 4}))
     assert other is not first and len(calls) == 2
 
 
@@ -60,7 +64,7 @@ def test_an_invalid_spec_is_cached_as_its_errors(monkeypatch: pytest.MonkeyPatch
     calls = counting_validate(monkeypatch)
     broken = tiny_spec(fsdp={"shardingStrategy": "HYBRID_SHARD", "hybridShard": {"shardGroupSize": 3, "replicaGroupSize": 2}})
     for _ in range(3):
-        result = handlers.cached_spec(broken)
+        result = specs.cached_spec(broken)
         assert isinstance(result, SpecInvalid) and "shardGroupSize" in str(result)
     assert len(calls) == 1
 
@@ -68,7 +72,7 @@ def test_an_invalid_spec_is_cached_as_its_errors(monkeypatch: pytest.MonkeyPatch
 def test_concurrent_steps_with_one_spec_wait_for_one_evaluation(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = counting_validate(monkeypatch)
     results: list[Any] = []
-    threads = [threading.Thread(target=lambda: results.append(handlers.cached_spec(tiny_spec()))) for _ in range(8)]
+    threads = [threading.Thread(target=lambda: results.append(specs.cached_spec(tiny_spec()))) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
@@ -77,22 +81,22 @@ def test_concurrent_steps_with_one_spec_wait_for_one_evaluation(monkeypatch: pyt
 
 
 def test_the_cache_keeps_the_latest_distinct_specs(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(handlers, "SPEC_CACHE_SIZE", 2)
+    monkeypatch.setattr(specs, "SPEC_CACHE_SIZE", 2)
     calls = counting_validate(monkeypatch)
     for workers in (1, 2, 3, 1):
-        handlers.cached_spec(tiny_spec(cluster={"workers": workers}))
+        specs.cached_spec(tiny_spec(cluster={"workers": workers}))
     assert len(calls) == 4, "workers=1 was evicted by 2 and 3"
-    assert len(handlers._specs) == 2
+    assert len(specs._specs) == 2
 
 
 def test_validated_caches_per_generation_and_not_with_the_old_spec(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = counting_validate(monkeypatch)
     memo: Any = {}
     obj = {"metadata": {"name": "x", "namespace": "default", "uid": UID, "generation": 1}, "spec": tiny_spec()}
-    assert handlers.validated(memo, obj) is handlers.validated(memo, obj)
-    handlers.validated({}, {**obj, "metadata": {**obj["metadata"], "name": "y", "generation": 3}})  # another object
+    assert specs.validated(memo, obj) is specs.validated(memo, obj)
+    specs.validated({}, {**obj, "metadata": {**obj["metadata"], "name": "y", "generation": 3}})  # another object
     assert len(calls) == 1
-    handlers.validated(memo, obj, old=tiny_spec())  # an update: transition rules need the old spec
+    specs.validated(memo, obj, old=tiny_spec())  # an update: transition rules need the old spec
     assert len(calls) == 2
 
 
@@ -118,20 +122,20 @@ class RecordingKube:
         return [name for name, _ in self.calls]
 
 
-def step_with(index: dict[tuple[str, str], list[Any]] | None) -> tuple[handlers.Step, RecordingKube]:
+def step_with(index: dict[tuple[str, str], list[Any]] | None) -> tuple[Step, RecordingKube]:
     kube = RecordingKube()
     memo: Any = {"kube": kube, "settings": OperatorSettings(), "wakers": {}, "phases": {}, "applied": {}, "drifted": set(),
                  "http": None}
-    step = handlers.Step(memo, "default", "x", logger=None)
+    step = Step(memo, "default", "x", logger=None)
     step.event = lambda *_: None  # type: ignore[method-assign]
     step.children_index = index
     return step, kube
 
 
-def reconcile(step: handlers.Step) -> tuple[float | None, dict[str, Any]]:
+def reconcile(step: Step) -> tuple[float | None, dict[str, Any]]:
     obj = {"apiVersion": "llamaft.io/v1alpha1", "kind": "LlamaFineTune",
            "metadata": {"name": "x", "namespace": "default", "uid": UID, "generation": 1}, "spec": tiny_spec(), "status": {}}
-    spec = handlers.cached_spec(obj["spec"])
+    spec = specs.cached_spec(obj["spec"])
     assert not isinstance(spec, SpecInvalid)
     patch: dict[str, Any] = {}
     return step._reconcile_children(obj, Owner("x", "default", UID), spec, patch, force=True), patch
@@ -183,11 +187,11 @@ def test_a_step_of_an_unchanged_generation_does_not_render_the_children(monkeypa
     step, kube = step_with({})
     reconcile(step)
     rendered: list[Any] = []
-    real = handlers.desired.children
-    monkeypatch.setattr(handlers.desired, "children", lambda *a, **k: rendered.append(a) or real(*a, **k))
+    real = desired.children
+    monkeypatch.setattr(desired, "children", lambda *a, **k: rendered.append(a) or real(*a, **k))
     obj = {"apiVersion": "llamaft.io/v1alpha1", "kind": "LlamaFineTune",
            "metadata": {"name": "x", "namespace": "default", "uid": UID, "generation": 1}, "spec": tiny_spec(), "status": {}}
-    spec = handlers.cached_spec(obj["spec"])
+    spec = specs.cached_spec(obj["spec"])
     assert not isinstance(spec, SpecInvalid)
     kube.calls.clear()
     assert step._reconcile_children(obj, Owner("x", "default", UID), spec, {}) is None
@@ -228,7 +232,7 @@ def test_a_sync_asks_a_bounded_number_of_pods_and_finds_the_leader_in_turn() -> 
     step, _ = step_with(None)
     http = CountingHttp("10.0.0.13")
     step.http = http  # type: ignore[assignment]
-    spec = handlers.cached_spec(tiny_spec())
+    spec = specs.cached_spec(tiny_spec())
     assert not isinstance(spec, SpecInvalid)
     status: dict[str, Any] = {}
     found, syncs = None, 0
@@ -236,8 +240,8 @@ def test_a_sync_asks_a_bounded_number_of_pods_and_finds_the_leader_in_turn() -> 
         syncs += 1
         before = http.asked
         found = step._leader_progress(pods(32), spec, status)
-        assert http.asked - before <= handlers.PROGRESS_REQUESTS_PER_SYNC
-    assert found is not None and found.pod == "pod-10.0.0.13" and syncs <= 32 // handlers.PROGRESS_REQUESTS_PER_SYNC
+        assert http.asked - before <= step_module.PROGRESS_REQUESTS_PER_SYNC
+    assert found is not None and found.pod == "pod-10.0.0.13" and syncs <= 32 // step_module.PROGRESS_REQUESTS_PER_SYNC
     status["leaderPod"] = found.pod
     before = http.asked
     assert step._leader_progress(pods(32), spec, status) == found
@@ -248,7 +252,7 @@ def test_replica_zero_is_asked_first() -> None:
     step, _ = step_with(None)
     http = CountingHttp("10.0.0.0")
     step.http = http  # type: ignore[assignment]
-    spec = handlers.cached_spec(tiny_spec())
+    spec = specs.cached_spec(tiny_spec())
     assert not isinstance(spec, SpecInvalid)
     assert step._leader_progress(list(reversed(pods(8))), spec, {}) is not None and http.asked == 1
 
@@ -261,12 +265,12 @@ def test_the_phase_gauge_moves_with_one_object() -> None:
         return float(FINETUNES.labels(phase)._value.get())
 
     before = {p: value(p) for p in ("Pending", "Running", "Creating")}
-    handlers.record_phase(memo, "ns", "a", "Pending")
-    handlers.record_phase(memo, "ns", "b", "Pending")
-    handlers.record_phase(memo, "ns", "a", "Running")
-    handlers.record_phase(memo, "ns", "a", "Running")
-    handlers.record_phase(memo, "ns", "b", None)
-    handlers.record_phase(memo, "ns", "c", "NotAPhase")
+    state.record_phase(memo, "ns", "a", "Pending")
+    state.record_phase(memo, "ns", "b", "Pending")
+    state.record_phase(memo, "ns", "a", "Running")
+    state.record_phase(memo, "ns", "a", "Running")
+    state.record_phase(memo, "ns", "b", None)
+    state.record_phase(memo, "ns", "c", "NotAPhase")
     assert value("Pending") - before["Pending"] == 0 and value("Running") - before["Running"] == 1
     assert value("Creating") == before["Creating"]
 
@@ -279,9 +283,9 @@ def test_the_childrens_watches_are_filtered_by_the_api_server() -> None:
                for h in registry._watching.get_all_handlers() if h.labels}
     watched |= {(h.selector.group, h.selector.version, h.selector.any_name)
                 for h in registry._indexing.get_all_handlers() if h.labels}
-    assert watched == set(handlers.CHILD_SELECTORS)
+    assert watched == set(startup.CHILD_SELECTORS)
     settings = kopf.OperatorSettings()
-    for child, selector in handlers.CHILD_SELECTORS.items():
+    for child, selector in startup.CHILD_SELECTORS.items():
         settings.watching.label_selectors[child] = selector
     pods = kopf.Resource("", "v1", "pods", kind="Pod", preferred=True)
     assert list(settings.watching.label_selectors.collect(pods)) == ["llamaft.io/finetune,app.kubernetes.io/component=trainer"]
@@ -341,7 +345,7 @@ def first_step_flow(monkeypatch: pytest.MonkeyPatch, *, wake_before_daemon: bool
     """finetune_seen(ADDED) starts a step; then the daemon starts (as kopf does after adding its
     finalizer) and runs until stopped. Returns who ran steps."""
     ran: list[str] = []
-    monkeypatch.setattr(handlers.Step, "run", lambda self: ran.append(threading.current_thread().name) or None)
+    monkeypatch.setattr(Step, "run", lambda self: ran.append(threading.current_thread().name) or None)
 
     async def flow() -> None:
         memo = kopf.Memo(wakers={}, phases={}, executor=None, kube=None, http=None, settings=OperatorSettings.from_env())
@@ -350,7 +354,7 @@ def first_step_flow(monkeypatch: pytest.MonkeyPatch, *, wake_before_daemon: bool
         assert "first_step" in memo and ("ns", "a") in memo["wakers"], "the step and the wake-up are registered at once"
         await asyncio.wait([memo["first_step"]])
         if wake_before_daemon:
-            handlers.wake(memo, "ns", "a")  # e.g. the job's ADDED event, before the daemon listens
+            state.wake(memo, "ns", "a")  # e.g. the job's ADDED event, before the daemon listens
         stopped = Stopped()
         daemon = asyncio.ensure_future(handlers.run_lifecycle(name="a", namespace="ns", memo=memo, stopped=stopped, logger=None))
         await asyncio.sleep(0.3)
@@ -372,7 +376,7 @@ def test_a_wake_up_before_the_daemon_listens_is_not_lost(monkeypatch: pytest.Mon
 
 
 def test_an_object_listed_at_start_or_already_started_waits_for_its_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(handlers.Step, "run", lambda self: pytest.fail("no step outside the daemon"))
+    monkeypatch.setattr(Step, "run", lambda self: pytest.fail("no step outside the daemon"))
 
     async def flow() -> None:
         for type_, status in ((None, {}), ("ADDED", {"attempt": 1}), ("MODIFIED", {})):
@@ -401,7 +405,7 @@ def test_the_first_step_reads_nothing_it_was_given_and_its_own_job_does_not_wake
             "apiVersion": "llamaft.io/v1alpha1", "kind": "LlamaFineTune", "metadata": {"name": "x"}, "spec": tiny_spec()})
         memo = kopf.Memo(kube=Kube(api), settings=OperatorSettings(), wakers={}, phases={}, applied={}, drifted=set(),
                          created_jobs={}, http=None)
-        step = handlers.Step(memo, "default", "x", logger=None)
+        step = Step(memo, "default", "x", logger=None)
         step.event = lambda *_: None  # type: ignore[method-assign]
         step.children_index = {}
         step.created = created
@@ -422,8 +426,8 @@ def test_the_first_step_reads_nothing_it_was_given_and_its_own_job_does_not_wake
     woken: list[tuple[str, str]] = []
 
     async def events() -> None:
-        original = handlers.wake
-        handlers.wake = lambda memo, ns, name: woken.append((ns, name))  # type: ignore[assignment]
+        original = daemon_module.wake
+        daemon_module.wake = lambda memo, ns, name: woken.append((ns, name))  # type: ignore[assignment]
         try:
             meta = {"name": job["metadata"]["name"], "namespace": "default", "labels": job["metadata"]["labels"],
                     "resourceVersion": job["metadata"]["resourceVersion"]}
@@ -436,6 +440,6 @@ def test_the_first_step_reads_nothing_it_was_given_and_its_own_job_does_not_wake
             await handlers.child_changed(type="ADDED", body=kopf.Body({**job}), meta=kopf.Meta({"metadata": meta}), memo=other)
             assert len(woken) == 2, "a job llamaft did not just create (another replica's, a restart's)"
         finally:
-            handlers.wake = original  # type: ignore[assignment]
+            daemon_module.wake = original  # type: ignore[assignment]
 
     asyncio.run(events())

@@ -9,8 +9,10 @@ from typing import Any
 
 import pytest
 from llamaft.api.validation import SpecInvalid
-from llamaft.operator import handlers
+from llamaft.operator import specs
+from llamaft.operator.children import adopted
 from llamaft.operator.settings import OperatorSettings
+from llamaft.operator.step import Step
 from llamaft.render import admission, desired
 from llamaft.render.naming import Owner
 
@@ -26,11 +28,11 @@ def finetune(generation: int = 1, **spec: Any) -> dict[str, Any]:
             "spec": tiny_spec(**spec), "status": {}}
 
 
-def step_with(settings: OperatorSettings | None = None) -> tuple[handlers.Step, RecordingKube]:
+def step_with(settings: OperatorSettings | None = None) -> tuple[Step, RecordingKube]:
     kube = RecordingKube()
     memo: Any = {"kube": kube, "settings": settings or OperatorSettings(), "wakers": {}, "phases": {}, "applied": {},
                  "drifted": set(), "http": None}
-    step = handlers.Step(memo, "default", "x", logger=None)
+    step = Step(memo, "default", "x", logger=None)
     step.event = lambda *_: None  # type: ignore[method-assign]
     step.children_index = {}
     return step, kube
@@ -42,8 +44,8 @@ def renders(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     calls: list[Any] = []
     real = desired.children
     monkeypatch.setattr(desired, "children", lambda *a, **k: calls.append(a) or real(*a, **k))
-    with handlers._specs_lock:
-        handlers._specs.clear()
+    with specs._specs_lock:
+        specs._specs.clear()
     admission._clean.clear()
     return calls
 
@@ -56,22 +58,22 @@ def test_one_render_per_generation_and_the_checked_objects_are_applied(renders: 
                         or real_check(spec, render))
     step, kube = step_with()
     obj = finetune()
-    spec = handlers.validated(step.memo, obj)
+    spec = specs.validated(step.memo, obj)
     assert not isinstance(spec, SpecInvalid)
     step._reconcile_children(obj, Owner("x", "default", UID), spec, {}, force=True)
     assert len(renders) == 1, "validated rendered the children; the apply used them"
     applied = [args[0] for name, args in kube.calls if name == "apply"]
-    assert checked and applied == [handlers.adopted(child, obj) for child in checked[0]], \
+    assert checked and applied == [adopted(child, obj) for child in checked[0]], \
         "the objects applied are the ones checked, owned by the LlamaFineTune"
     assert {o["kind"] for o in applied} >= {"ConfigMap", "PodMonitor", "PrometheusRule"}
     assert "rendered" not in step.memo, "handed over once: the memo does not keep the objects"
 
     # The next step of the same generation renders nothing; a new generation renders once more.
-    handlers.validated(step.memo, obj)
+    specs.validated(step.memo, obj)
     step._reconcile_children(obj, Owner("x", "default", UID), spec, {})
     assert len(renders) == 1
     newer = finetune(2, cluster={"workers": 4})
-    spec = handlers.validated(step.memo, newer)
+    spec = specs.validated(step.memo, newer)
     assert not isinstance(spec, SpecInvalid)
     step._reconcile_children(newer, Owner("x", "default", UID), spec, {})
     assert len(renders) == 2
@@ -81,7 +83,7 @@ def test_the_operators_settings_are_in_the_checked_objects(renders: list[Any]) -
     """The dashboard labels of the operator's settings are checked, because the checked objects are
     the applied ones (before, the check rendered without them)."""
     step, _ = step_with(OperatorSettings(dashboard_labels=(("grafana_dashboard", "not a label value!"),)))
-    result = handlers.validated(step.memo, finetune())
+    result = specs.validated(step.memo, finetune())
     assert isinstance(result, SpecInvalid) and "not a label value!" in str(result), result
     assert "rendered" not in step.memo, "nothing to apply from a generation that failed its check"
 
@@ -94,7 +96,7 @@ def test_objects_of_one_template_are_checked_once(renders: list[Any], monkeypatc
     real_check = admission._check
     monkeypatch.setattr(admission, "_check", lambda spec, render: checks.append(render.children[0]["metadata"]["name"])
                         or real_check(spec, render))
-    spec = handlers.cached_spec(tiny_spec())
+    spec = specs.cached_spec(tiny_spec())
     assert not isinstance(spec, SpecInvalid)
     first = admission.checked_children(Owner("run-a", "team", UID), spec)
     second = admission.checked_children(Owner("run-b", "team", "5678abcd-0000-0000-0000-000000000000"), spec)

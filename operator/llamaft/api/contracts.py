@@ -1,7 +1,7 @@
 """The trainer-operator contract: the /progress document, the termination report, the failure reasons.
 
 The trainer (`llamaft_trainer.metrics`, `llamaft_trainer.termination`) writes these models and the
-operator (`failures`, `observe`, `lifecycle`, `handlers`) reads them; docs/progress-contract.md
+operator (`failures`, `observe`, `lifecycle`, `step`) reads them; docs/progress-contract.md
 describes them in prose. Both sides import this module, so it depends on pydantic, the standard
 library and the api layer only (the trainer's image has neither kopf nor the kubernetes client).
 

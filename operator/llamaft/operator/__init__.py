@@ -1,1 +1,3 @@
-"""The llamaft operator: thin kopf handlers (`handlers`) over pure functions (`desired`, `observe`)."""
+"""The llamaft operator: kopf's registry (`handlers`) handing off to modules with one job each
+(`daemon`, `step`, `children`, `spec_changes`, `deletion`, `startup`), over pure decisions
+(`lifecycle`, `observe`, `failures`)."""

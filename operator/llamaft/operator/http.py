@@ -4,7 +4,7 @@
 urllib3 (already installed as the kubernetes client's transport, well kept) does the work: one
 connection pool for all three, a timeout on every call, bounded retries with backoff on connection
 errors and on 502/503/504 for idempotent methods, and one error type (`HttpError`) that callers
-map to their own meaning. It lives in the operator's memo (handlers.configure), not in a module
+map to their own meaning. It lives in the operator's memo (startup.configure), not in a module
 global.
 """
 

@@ -19,6 +19,13 @@ The rules, in order:
    step `repeatedFailureLimit` times in a row) starts the next attempt from the newest checkpoint,
    the first retry at once and later ones with exponential backoff; anything else ends `Failed`.
 6. Otherwise the status follows the job (Creating, Running, Restarting, Suspended) and progress.
+7. An attempt the capacity planner refuses (spec.preflight Enforce) is not created: Failed
+   (WillNotFit); the API server rejecting a child when it is created is Failed too (`refused`).
+8. Kueue suspending a started job (Queued) resets its rendezvous: when Kueue admits it again the
+   training operator recreates the pods, which must not meet a closed rendezvous.
+
+A change of .spec is decided by `decide_spec_change` (in place, a restart as the next attempt,
+or nothing), with its own rules.
 """
 
 from __future__ import annotations
@@ -72,6 +79,9 @@ class Observed:
     retry_backoff_s: float = 10.0
     generation: int | None = None
     """metadata.generation, for the conditions' observedGeneration."""
+    capacity_refusal: str | None = None
+    """The capacity planner's verdict when it refuses the run (spec.preflight Enforce and it will
+    not fit): no attempt is created."""
 
     def __post_init__(self) -> None:
         if self.progress is not None and not isinstance(self.progress, ProgressDocument):
@@ -90,6 +100,9 @@ class Decision:
     events: list[Event] = field(default_factory=list)
     retry: Failure | None = None
     """Set when this decision spends a retry (for metrics)."""
+    reset_rendezvous: list[int] = field(default_factory=list)
+    """Attempts whose rendezvous state to remove (Kueue suspended the job: when it admits it again
+    the training operator recreates the pods, which must not meet a closed rendezvous)."""
 
 
 def iso(t: datetime) -> str:
@@ -178,14 +191,25 @@ def decide(obs: Observed) -> Decision:
     d.delete_jobs = list(obs.stale_jobs)  # rule 2
     attempt = max(attempt, 1)
     if obs.job is None:
-        return _no_job(obs, attempt, d)  # rule 3
+        d = _no_job(obs, attempt, d)  # rule 3
+        if d.start_attempt is not None and obs.capacity_refusal is not None:
+            return will_not_fit(obs, obs.capacity_refusal)  # rule 7
+    else:
+        _record_attempt(obs, attempt, d)
+        d = _with_job(obs, attempt, d)
+    if d.status.get("phase") == Phase.QUEUED.value and phase != Phase.QUEUED.value and int(st.get("attempt") or 0):
+        d.reset_rendezvous = [int(st["attempt"])]  # rule 8
+    return d
+
+
+def _record_attempt(obs: Observed, attempt: int, d: Decision) -> None:
+    st = obs.status
     if int(st.get("attempt") or 0) == 0:
         # The job exists but the step that created it never wrote its status (the operator died in
         # between, e.g. a leader killed mid-step): record the attempt now, or a later spec change
         # would take the run for never started.
         d.status.update(attempt=attempt, jobName=obs.job_name, attemptStartTime=st.get("attemptStartTime") or iso(obs.now),
                         retriesUsed=int(st.get("retriesUsed") or 0))
-    return _with_job(obs, attempt, d)
 
 
 def _no_job(obs: Observed, attempt: int, d: Decision) -> Decision:
@@ -435,3 +459,122 @@ def refused(obs: Observed, reason: str, message: str) -> Decision:
 def will_not_fit(obs: Observed, message: str) -> Decision:
     """The capacity planner refuses the attempt (spec.preflight Enforce): Failed before any job."""
     return refused(obs, "WillNotFit", f"refused before creating anything (spec.preflight Enforce): {message}")
+
+
+# ------------------------------------------------------------------------------ spec changes
+IN_PLACE_FIELDS = {("runPolicy", "suspend"), ("cluster", "workers")}
+
+
+def in_place(path: tuple[str, ...]) -> bool:
+    """Changes the running attempt does not see: applied in place (suspend, elastic scale) or
+    only to the children (DCGM monitoring: PodMonitor, alerts, dashboard)."""
+    return path in IN_PLACE_FIELDS or path[:2] == ("monitoring", "dcgm")
+
+
+def _leaves(value: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    if isinstance(value, dict):
+        out: dict[tuple[str, ...], Any] = {}
+        for key, child in value.items():
+            out.update(_leaves(child, (*prefix, str(key))))
+        return out
+    return {prefix: value}
+
+
+def changed_fields(old: Any, new: LlamaFineTuneSpec) -> set[tuple[str, ...]]:
+    """Leaf fields whose effective (defaulted) value changed: `runPolicy: {suspend: true}` added to
+    a spec without runPolicy is a change of ("runPolicy", "suspend"), not of the whole section."""
+    try:
+        before = _leaves(LlamaFineTuneSpec.model_validate(dict(old or {})).to_k8s())
+    except ValueError:
+        before = {}
+    after = _leaves(new.to_k8s())
+    return {path for path in before.keys() | after.keys() if before.get(path) != after.get(path)}
+
+
+@dataclass(frozen=True)
+class SpecChanged:
+    """A valid change of .spec, with what the update handler read to decide on it."""
+
+    spec: LlamaFineTuneSpec
+    """The new spec (validated, transition rules included)."""
+    status: Mapping[str, Any]
+    changed: frozenset[tuple[str, ...]]
+    """changed_fields(old, new)."""
+    job_name: str
+    """The current attempt's job name (attempt 1's while no attempt is recorded)."""
+    job_kind: str = "PyTorchJob"
+    scalable: bool = False
+    """The backend can change the running job's workers in place (JobBackend.scalable)."""
+    first_job_exists: bool = False
+    """Only read while no attempt is recorded: attempt 1's job exists and is this incarnation's
+    (the step that created it never wrote the status)."""
+    generation: int | None = None
+
+
+@dataclass
+class SpecDecision:
+    """What a spec change does; the update handler carries it out in this order."""
+
+    status: dict[str, Any] = field(default_factory=dict)
+    """Merge patch for .status (observedGeneration at least, unless `wake` hands over to the lifecycle)."""
+    reset_rendezvous: list[int] = field(default_factory=list)
+    """Attempts whose rendezvous state to remove first (resumed pods must not meet a closed one)."""
+    suspend: bool | None = None
+    """Patch the current job's suspension to this."""
+    scale_to: int | None = None
+    """Patch the current job's workers to this."""
+    delete_job: str | None = None
+    job_name: str | None = None
+    """The current attempt's job (the one patched or deleted)."""
+    events: list[Event] = field(default_factory=list)
+    wake: bool = False
+    """The lifecycle looks now (it starts a never-started run, applies changed children, creates
+    the restarted attempt)."""
+
+
+def decide_spec_change(change: SpecChanged) -> SpecDecision:
+    """The rules, in order: a run never started (its spec was invalid) is left to the lifecycle,
+    which starts it; a finished run stays finished; a change nothing in the run sees (e.g. a default
+    written out) does nothing; suspend, elastic workers (where the backend scales in place) and DCGM
+    monitoring apply in place; anything else restarts the run from its newest checkpoint as the
+    next attempt, the current job deleted."""
+    st, d = change.status, SpecDecision()
+    attempt = int(st.get("attempt") or 0)
+    if attempt == 0:
+        if not change.first_job_exists:
+            d.wake = True
+            return d
+        attempt = 1  # started, but the step that created the job never wrote the status
+    observed = {"observedGeneration": change.generation}
+    if st.get("phase") in {p.value for p in TERMINAL_PHASES}:
+        d.status = observed
+        d.events.append(Event("Normal", "Finished", f"the run has {str(st['phase']).lower()}: spec changes do not start it "
+                              "again; create a new LlamaFineTune (or delete and re-apply this one)"))
+        return d
+    job_name = d.job_name = change.job_name
+    changed, spec, kind = change.changed, change.spec, change.job_kind
+    if not changed:
+        d.status = observed
+        return d
+    if all(in_place(path) for path in changed) and (("cluster", "workers") not in changed or change.scalable):
+        if ("runPolicy", "suspend") in changed:
+            suspend = spec.run_policy.suspend
+            if not suspend:
+                d.reset_rendezvous = [attempt]
+            d.suspend = suspend
+            d.events.append(Event("Normal", "Suspended" if suspend else "Resumed",
+                                  f"{kind} {job_name} {'suspended' if suspend else 'resumed'}"))
+        if ("cluster", "workers") in changed:
+            d.scale_to = spec.cluster.workers
+            d.events.append(Event("Normal", "Scaled", f"elastic workers -> {spec.cluster.workers}"))
+        if any(path[:2] == ("monitoring", "dcgm") for path in changed):
+            d.events.append(Event("Normal", "MonitoringChanged", "monitoring applied in place; training continues"))
+        d.status, d.wake = observed, True
+        return d
+    fields = ", ".join(".".join(c) for c in sorted(changed))
+    message = f"{fields} changed: restarting from the latest checkpoint as attempt {attempt + 1}"
+    d.status = {"attempt": attempt + 1, "phase": Phase.RESTARTING.value, "retryAfter": None, "lastProgressTime": None,
+                "message": message, **observed}
+    d.delete_job, d.wake = job_name, True
+    d.events.append(Event("Normal", "SpecChanged", message))
+    return d

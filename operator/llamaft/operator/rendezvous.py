@@ -15,8 +15,12 @@ import binascii
 import urllib.parse
 from typing import Any
 
-from llamaft.api.spec import RendezvousBackend
+from llamaft.api.spec import LlamaFineTuneSpec, RendezvousBackend
 from llamaft.operator.http import HttpClient, HttpError
+from llamaft.operator.metrics import RENDEZVOUS_RESETS
+from llamaft.operator.settings import OperatorSettings
+from llamaft.render import desired
+from llamaft.render.naming import Owner
 
 ETCD_PREFIX = "/torchelastic/p2p"
 ETCD_V2_STATE = "/torch/elastic/rendezvous"
@@ -87,3 +91,22 @@ def reset(endpoint: str, backend: RendezvousBackend, rdzv_id: str, http: HttpCli
         if store_key_belongs_to(key, rdzv_id) and etcd.delete(key, recursive=True):
             deleted.append(key)
     return deleted
+
+
+def reset_attempts(settings: OperatorSettings, http: HttpClient, owner: Owner, spec: LlamaFineTuneSpec, attempts: list[int],
+                     announce: Any) -> None:
+    """Remove the rendezvous state of the given attempts' ids (never by restarting etcd)."""
+    if spec.rendezvous.backend is RendezvousBackend.C10D or not attempts:
+        return
+    host, port = desired.rendezvous_endpoint(owner, spec, attempts[-1])
+    address = settings.rendezvous_address_override or f"{host}:{port}"
+    for attempt in attempts:
+        rdzv_id = owner.rendezvous_id(attempt)
+        try:
+            deleted = reset(address, spec.rendezvous.backend, rdzv_id, http)
+        except RendezvousResetError:
+            RENDEZVOUS_RESETS.labels("error").inc()
+            raise
+        RENDEZVOUS_RESETS.labels("deleted" if deleted else "clean").inc()
+        if deleted:
+            announce("RendezvousReset", f"removed stale state of rendezvous {rdzv_id}: {len(deleted)} key(s)")

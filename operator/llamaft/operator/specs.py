@@ -1,0 +1,96 @@
+"""A LlamaFineTune's spec, validated: once per distinct content (every object made from one
+template shares it) and once per generation of an object, with the children it renders checked
+against the schemas the API server and the training operator apply."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import hashlib
+import json
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from llamaft.api.spec import Backend, LlamaFineTuneSpec
+from llamaft.api.validation import SpecInvalid, validate_spec
+from llamaft.operator.settings import OperatorSettings
+from llamaft.render.admission import PLACEHOLDER_UID, checked_children
+from llamaft.render.naming import Owner
+
+SPEC_CACHE_SIZE = 256
+_specs: collections.OrderedDict[str, concurrent.futures.Future[LlamaFineTuneSpec | SpecInvalid]] = collections.OrderedDict()
+_specs_lock = threading.Lock()
+
+
+def cached_spec(spec: Mapping[str, Any]) -> LlamaFineTuneSpec | SpecInvalid:
+    """validate_spec (pydantic strict, then the CRD's CEL rules: ~20 ms of CPU) once per distinct
+    spec content, shared by every object and step: LlamaFineTunes made from one template cost one
+    evaluation, not one each, and concurrent steps with the same spec wait for the one running.
+    Keyed by a hash of the canonical JSON; the last SPEC_CACHE_SIZE distinct specs are kept."""
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":"), default=repr).encode()).hexdigest()
+    with _specs_lock:
+        future = _specs.get(key)
+        mine = future is None
+        if future is None:
+            future = _specs[key] = concurrent.futures.Future()
+            while len(_specs) > SPEC_CACHE_SIZE:
+                _specs.popitem(last=False)
+        else:
+            _specs.move_to_end(key)
+    if mine:
+        try:
+            future.set_result(validate_spec(dict(spec)))
+        except SpecInvalid as exc:
+            future.set_result(exc)
+        except BaseException as exc:
+            with _specs_lock:
+                if _specs.get(key) is future:
+                    del _specs[key]
+            future.set_exception(exc)
+    return future.result()
+
+
+def validated(memo: kopf.Memo, obj: Mapping[str, Any], old: Any = None,
+              backend: str = "PyTorchJob") -> LlamaFineTuneSpec | SpecInvalid:
+    """The parsed spec, or why it is invalid; cached per generation (the children's checks) and
+    per spec content (`cached_spec`). With `old` (an update: transition rules) nothing is cached.
+    `backend`: the job kind the children are checked as (status.backend once resolved).
+    The children are rendered here, once per generation, with the operator's settings, and the
+    objects checked are the ones the generation's first apply uses (memo["rendered"],
+    ChildReconciler._rendered_children)."""
+    generation = obj.get("metadata", {}).get("generation")
+    cached = memo.get("validated")
+    if old is None and cached is not None and cached[0] == generation:
+        return cached[1]  # type: ignore[no-any-return]
+    result: LlamaFineTuneSpec | SpecInvalid
+    parsed: LlamaFineTuneSpec | SpecInvalid
+    if old is None:
+        parsed = cached_spec(dict(obj.get("spec") or {}))
+    else:
+        try:
+            parsed = validate_spec(dict(obj.get("spec") or {}), old=old)
+        except SpecInvalid as exc:
+            parsed = exc
+    if isinstance(parsed, SpecInvalid):
+        result = parsed
+    else:
+        # What admission cannot see: every child the spec renders, against the schemas the API
+        # server and the training operator will apply, before anything is created.
+        meta = obj.get("metadata", {})
+        settings = memo.get("settings") or OperatorSettings()
+        owner = Owner(str(meta.get("name")), str(meta.get("namespace")), str(meta.get("uid") or PLACEHOLDER_UID))
+        checked = checked_children(owner, parsed, backend=Backend(backend), etcd_image=settings.etcd_image,
+                                   dashboard_labels=dict(settings.dashboard_labels))
+        result = SpecInvalid(checked.errors) if checked.errors else parsed
+        if old is None and not checked.errors:
+            memo["rendered"] = ((meta.get("uid", ""), generation), checked.children)
+    if old is None:
+        memo["validated"] = (generation, result)
+    return result
+
+
+def invalid_message(exc: SpecInvalid) -> str:
+    return "; ".join(str(e) for e in exc.errors)

@@ -1,0 +1,105 @@
+"""Start-up and shutdown: kopf's settings, the memo's shared state, the clients, the metrics
+server, and validation warmed up before the first LlamaFineTune arrives."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from typing import Any
+
+import kopf
+
+from llamaft.api.spec import LlamaFineTuneSpec
+from llamaft.api.status import Phase
+from llamaft.operator.http import HttpClient
+from llamaft.operator.kube import Kube
+from llamaft.operator.metrics import FINETUNES
+from llamaft.operator.settings import OperatorSettings
+from llamaft.operator.specs import cached_spec
+from llamaft.planner import admission
+from llamaft.render.admission import PLACEHOLDER_UID, checked_children
+from llamaft.render.naming import LABEL_FINETUNE, Owner
+
+CHILD_SELECTORS = {
+    ("kubeflow.org", "v1", "pytorchjobs"): LABEL_FINETUNE,
+    ("trainer.kubeflow.org", "v1alpha1", "trainjobs"): LABEL_FINETUNE,
+    ("", "v1", "pods"): f"{LABEL_FINETUNE},app.kubernetes.io/component=trainer",
+    ("", "v1", "configmaps"): LABEL_FINETUNE,
+    ("", "v1", "services"): LABEL_FINETUNE,
+    ("apps", "v1", "deployments"): LABEL_FINETUNE,
+    ("monitoring.coreos.com", "v1", "podmonitors"): LABEL_FINETUNE,
+    ("monitoring.coreos.com", "v1", "prometheusrules"): LABEL_FINETUNE,
+}
+"""Server-side label selectors of the children's watches (the handlers' `labels=` filters below
+say the same, but kopf applies those in this process)."""
+WARM_UP_SPEC = {"model": {"source": "meta-llama/Llama-2-7b-hf"}, "dataset": {"format": "samsum", "source": "knkarthick/samsum"}}
+
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -> None:
+    logger = kwargs["logger"]
+    settings.persistence.finalizer = "llamaft.io/finalizer"
+    # The CRD's status schema is structural: kopf's own status fields would be pruned, so its
+    # bookkeeping lives in annotations.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="llamaft.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="llamaft.io", key="last-handled-spec")
+    settings.posting.level = logging.INFO
+    # cel-python logs every evaluation step at DEBUG: far too costly (and noisy) for an operator.
+    logging.getLogger("celpy").setLevel(logging.WARNING)
+    settings.execution.max_workers = 16
+    operator_settings = OperatorSettings.from_env()
+    memo["settings"] = operator_settings
+    memo["http"] = HttpClient()  # etcd, Prometheus and /progress: one pool, timeouts and retries
+    memo["wakers"] = {}
+    memo["phases"] = {}
+    for phase in Phase:
+        FINETUNES.labels(phase.value).set(0)
+    memo["applied"] = {}  # (namespace, name) -> {(kind, child name): resourceVersion llamaft applied}
+    memo["drifted"] = set()  # (namespace, name) whose children were edited or deleted by someone else
+    memo["created_jobs"] = {}  # (namespace, job name) -> resourceVersion of the job as llamaft created it
+    # Lifecycle steps block on API round trips: a pool of their own, sized by the settings (the
+    # loop's default executor has min(32, cores + 4) threads: 6 on 2 cores, which queued bursts).
+    memo["executor"] = concurrent.futures.ThreadPoolExecutor(operator_settings.workers, thread_name_prefix="lifecycle")
+    # The handlers' `labels=` filters are client-side: without these, kopf would stream every pod
+    # (cluster-wide) and every ConfigMap, Service and Deployment to this process only to drop them.
+    # settings.watching.label_selectors is passed to the API as the watch's labelSelector.
+    for child, selector in CHILD_SELECTORS.items():
+        settings.watching.label_selectors[child] = selector
+    warm_up(logger)
+    from prometheus_client import start_http_server
+
+    try:
+        start_http_server(operator_settings.metrics_port)
+        logger.info(f"operator metrics on :{operator_settings.metrics_port}/metrics")
+    except OSError as exc:
+        logger.warning(f"metrics port {operator_settings.metrics_port} unavailable: {exc}")
+
+def warm_up(logger: Any) -> None:
+    """Load now what the first validation would load (the CRD schema and its CEL programs, the
+    Kubernetes and Kubeflow schemas the children are checked against, about 2 s of CPU), so that
+    the first LlamaFineTunes after a start do not all wait for it."""
+    started = time.perf_counter()
+    try:
+        spec = cached_spec(WARM_UP_SPEC)
+        if isinstance(spec, LlamaFineTuneSpec):
+            checked_children(Owner("warm-up", "default", PLACEHOLDER_UID), spec)
+            admission(spec)
+    except Exception as exc:  # only a cost moved earlier: never a reason not to start
+        logger.warning(f"warm-up failed (the first validation pays for it): {exc}")
+    logger.info(f"validation warmed up in {time.perf_counter() - started:.1f} s")
+
+def shutdown(memo: kopf.Memo, **_: Any) -> None:
+    executor = memo.get("executor")
+    if executor is not None:
+        executor.shutdown(wait=False, cancel_futures=True)
+
+def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
+    """kopf and the kubernetes client read the same credentials (in-cluster or KUBECONFIG); the
+    client the handlers use is made here, once the credentials are loaded."""
+    from kubernetes import config
+
+    try:
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
+    except config.ConfigException:
+        config.load_kube_config()  # type: ignore[no-untyped-call]
+    memo["kube"] = Kube()
+    return kopf.login_with_kubeconfig(**kwargs) or kopf.login_with_service_account(**kwargs)
