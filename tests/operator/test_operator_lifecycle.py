@@ -128,6 +128,7 @@ def test_a_child_the_api_server_still_rejects_fails_the_run_with_its_message() -
 
     from kubernetes.client.exceptions import ApiException
     from llamaft.operator.settings import OperatorSettings
+    from llamaft.operator.state import new_memo
     from llamaft.operator.step import Step
 
     class RefusingKube:
@@ -158,8 +159,7 @@ def test_a_child_the_api_server_still_rejects_fails_the_run_with_its_message() -
             self.status.update(patch)
 
     kube = RefusingKube()
-    memo: Any = {"kube": kube, "settings": OperatorSettings(), "wakers": {}, "phases": {}, "applied": {}, "drifted": set(),
-            "http": None}
+    memo: Any = new_memo(OperatorSettings(), kube=kube)
     events: list[tuple[str, str]] = []
     step = Step(memo, "default", "x", logger=None)
     step.event = lambda obj, type_, reason, message: events.append((reason, message))  # type: ignore[method-assign]

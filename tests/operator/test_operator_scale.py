@@ -7,6 +7,7 @@ bench/operator_latency.py's to show. Pure where it can be (a Step with a recordi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import urllib.request
@@ -124,8 +125,7 @@ class RecordingKube:
 
 def step_with(index: dict[tuple[str, str], list[Any]] | None) -> tuple[Step, RecordingKube]:
     kube = RecordingKube()
-    memo: Any = {"kube": kube, "settings": OperatorSettings(), "wakers": {}, "phases": {}, "applied": {}, "drifted": set(),
-                 "http": None}
+    memo: Any = state.new_memo(OperatorSettings(), kube=kube)
     step = Step(memo, "default", "x", logger=None)
     step.event = lambda *_: None  # type: ignore[method-assign]
     step.children_index = index
@@ -177,7 +177,7 @@ def test_what_an_earlier_process_applied_and_the_spec_no_longer_wants_is_pruned(
     reconcile(step)
     deleted = [args for name, args in kube.calls if name == "delete"]
     assert sorted(deleted) == [("Deployment", "x-etcd"), ("Service", "x-etcd")], kube.calls
-    step.memo["drifted"].add(("default", "x"))  # a later apply prunes from what it applied, not the index
+    state.operator_state(step.memo).drifted.add(("default", "x"))  # a later apply prunes from what it applied, not the index
     kube.calls.clear()
     reconcile(step)
     assert "list_children" not in kube.names() and "delete" not in kube.names()
@@ -196,7 +196,7 @@ def test_a_step_of_an_unchanged_generation_does_not_render_the_children(monkeypa
     kube.calls.clear()
     assert step._reconcile_children(obj, Owner("x", "default", UID), spec, {}) is None
     assert rendered == [] and kube.calls == []
-    step.memo["drifted"].add(("default", "x"))  # a hand edit: rendered and applied again
+    state.operator_state(step.memo).drifted.add(("default", "x"))  # a hand edit: rendered and applied again
     step._reconcile_children(obj, Owner("x", "default", UID), spec, {})
     assert len(rendered) == 1 and "apply" in kube.names()
 
@@ -259,7 +259,7 @@ def test_replica_zero_is_asked_first() -> None:
 
 # ------------------------------------------------------------------------------ gauge, watch
 def test_the_phase_gauge_moves_with_one_object() -> None:
-    memo: Any = {"phases": {}}
+    memo: Any = state.new_memo(OperatorSettings())
 
     def value(phase: str) -> float:
         return float(FINETUNES.labels(phase)._value.get())
@@ -348,11 +348,12 @@ def first_step_flow(monkeypatch: pytest.MonkeyPatch, *, wake_before_daemon: bool
     monkeypatch.setattr(Step, "run", lambda self: ran.append(threading.current_thread().name) or None)
 
     async def flow() -> None:
-        memo = kopf.Memo(wakers={}, phases={}, executor=None, kube=None, http=None, settings=OperatorSettings.from_env())
+        memo = state.new_memo(OperatorSettings.from_env(), kube=RecordingKube())
         await handlers.finetune_seen(type="ADDED", name="a", namespace="ns", status=kopf.Status({"status": {}}), memo=memo, logger=None,
                                      body=kopf.Body({"metadata": {"name": "a", "namespace": "ns"}}))
-        assert "first_step" in memo and ("ns", "a") in memo["wakers"], "the step and the wake-up are registered at once"
-        await asyncio.wait([memo["first_step"]])
+        first = state.object_state(memo).first_step
+        assert first is not None and ("ns", "a") in state.operator_state(memo).wakers, "the step and the wake-up are registered at once"
+        await asyncio.wait([first])
         if wake_before_daemon:
             state.wake(memo, "ns", "a")  # e.g. the job's ADDED event, before the daemon listens
         stopped = Stopped()
@@ -360,7 +361,7 @@ def first_step_flow(monkeypatch: pytest.MonkeyPatch, *, wake_before_daemon: bool
         await asyncio.sleep(0.3)
         stopped.event.set()
         await asyncio.wait_for(daemon, 5)
-        assert ("ns", "a") not in memo["wakers"]
+        assert ("ns", "a") not in state.operator_state(memo).wakers
 
     asyncio.run(flow())
     return ran
@@ -380,10 +381,10 @@ def test_an_object_listed_at_start_or_already_started_waits_for_its_daemon(monke
 
     async def flow() -> None:
         for type_, status in ((None, {}), ("ADDED", {"attempt": 1}), ("MODIFIED", {})):
-            memo = kopf.Memo(wakers={}, phases={}, executor=None, kube=None, http=None, settings=OperatorSettings.from_env())
+            memo = state.new_memo(OperatorSettings.from_env())
             await handlers.finetune_seen(type=type_, name="a", namespace="ns", status=kopf.Status({"status": status}), memo=memo,
                                          logger=None, body=kopf.Body({"metadata": {"name": "a"}, "status": status}))
-            assert "first_step" not in memo
+            assert state.object_state(memo).first_step is None
 
     asyncio.run(flow())
 
@@ -403,8 +404,7 @@ def test_the_first_step_reads_nothing_it_was_given_and_its_own_job_does_not_wake
         custom = client.CustomObjectsApi(api)
         created = custom.create_namespaced_custom_object("llamaft.io", "v1alpha1", "default", "llamafinetunes", {
             "apiVersion": "llamaft.io/v1alpha1", "kind": "LlamaFineTune", "metadata": {"name": "x"}, "spec": tiny_spec()})
-        memo = kopf.Memo(kube=Kube(api), settings=OperatorSettings(), wakers={}, phases={}, applied={}, drifted=set(),
-                         created_jobs={}, http=None)
+        memo = state.new_memo(OperatorSettings(), kube=Kube(api))
         step = Step(memo, "default", "x", logger=None)
         step.event = lambda *_: None  # type: ignore[method-assign]
         step.children_index = {}
@@ -415,9 +415,10 @@ def test_the_first_step_reads_nothing_it_was_given_and_its_own_job_does_not_wake
 
         step.run()
         assert finetune_reads() == 0
-        [(namespace, job_name)] = memo["created_jobs"]
+        created_jobs = state.operator_state(memo).created_jobs
+        [(namespace, job_name)] = created_jobs
         job = custom.get_namespaced_custom_object("kubeflow.org", "v1", "default", "pytorchjobs", job_name)
-        assert memo["created_jobs"] == {("default", job_name): job["metadata"]["resourceVersion"]}
+        assert created_jobs == {("default", job_name): job["metadata"]["resourceVersion"]}
         step.run()
         assert finetune_reads() == 1, "later steps read the object afresh"
     finally:
@@ -431,12 +432,12 @@ def test_the_first_step_reads_nothing_it_was_given_and_its_own_job_does_not_wake
         try:
             meta = {"name": job["metadata"]["name"], "namespace": "default", "labels": job["metadata"]["labels"],
                     "resourceVersion": job["metadata"]["resourceVersion"]}
-            echo = dict(memo, created_jobs=dict(memo["created_jobs"]))
+            echo = kopf.Memo(operator=dataclasses.replace(state.operator_state(memo), created_jobs=dict(created_jobs)))
             await handlers.child_changed(type="ADDED", body=kopf.Body({**job}), meta=kopf.Meta({"metadata": meta}), memo=echo)
-            assert woken == [] and echo["created_jobs"] == {}, "the echo of llamaft's own create"
+            assert woken == [] and state.operator_state(echo).created_jobs == {}, "the echo of llamaft's own create"
             await handlers.child_changed(type="MODIFIED", body=kopf.Body({**job}), meta=kopf.Meta({"metadata": meta}), memo=echo)
             assert woken == [("default", "x")], "the training operator's first status update"
-            other = dict(memo, created_jobs={})
+            other = kopf.Memo(operator=dataclasses.replace(state.operator_state(memo), created_jobs={}))
             await handlers.child_changed(type="ADDED", body=kopf.Body({**job}), meta=kopf.Meta({"metadata": meta}), memo=other)
             assert len(woken) == 2, "a job llamaft did not just create (another replica's, a restart's)"
         finally:

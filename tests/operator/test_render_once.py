@@ -12,6 +12,7 @@ from llamaft.api.validation import SpecInvalid
 from llamaft.operator import specs
 from llamaft.operator.children import adopted
 from llamaft.operator.settings import OperatorSettings
+from llamaft.operator.state import new_memo, object_state
 from llamaft.operator.step import Step
 from llamaft.render import admission, desired
 from llamaft.render.naming import Owner
@@ -30,8 +31,7 @@ def finetune(generation: int = 1, **spec: Any) -> dict[str, Any]:
 
 def step_with(settings: OperatorSettings | None = None) -> tuple[Step, RecordingKube]:
     kube = RecordingKube()
-    memo: Any = {"kube": kube, "settings": settings or OperatorSettings(), "wakers": {}, "phases": {}, "applied": {},
-                 "drifted": set(), "http": None}
+    memo: Any = new_memo(settings or OperatorSettings(), kube=kube)
     step = Step(memo, "default", "x", logger=None)
     step.event = lambda *_: None  # type: ignore[method-assign]
     step.children_index = {}
@@ -66,7 +66,7 @@ def test_one_render_per_generation_and_the_checked_objects_are_applied(renders: 
     assert checked and applied == [adopted(child, obj) for child in checked[0]], \
         "the objects applied are the ones checked, owned by the LlamaFineTune"
     assert {o["kind"] for o in applied} >= {"ConfigMap", "PodMonitor", "PrometheusRule"}
-    assert "rendered" not in step.memo, "handed over once: the memo does not keep the objects"
+    assert object_state(step.memo).rendered is None, "handed over once: the memo does not keep the objects"
 
     # The next step of the same generation renders nothing; a new generation renders once more.
     specs.validated(step.memo, obj)
@@ -85,7 +85,7 @@ def test_the_operators_settings_are_in_the_checked_objects(renders: list[Any]) -
     step, _ = step_with(OperatorSettings(dashboard_labels=(("grafana_dashboard", "not a label value!"),)))
     result = specs.validated(step.memo, finetune())
     assert isinstance(result, SpecInvalid) and "not a label value!" in str(result), result
-    assert "rendered" not in step.memo, "nothing to apply from a generation that failed its check"
+    assert object_state(step.memo).rendered is None, "nothing to apply from a generation that failed its check"
 
 
 def test_objects_of_one_template_are_checked_once(renders: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:

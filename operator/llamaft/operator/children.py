@@ -16,7 +16,7 @@ from llamaft.api.spec import LlamaFineTuneSpec
 from llamaft.operator import lifecycle, observe
 from llamaft.operator.kube import ForeignObject, Kube, MonitoringUnavailable, owned_by
 from llamaft.operator.settings import OperatorSettings
-from llamaft.operator.state import Obj, now, wake
+from llamaft.operator.state import Obj, now, object_state, operator_state, wake
 from llamaft.render import desired
 from llamaft.render.naming import LABEL_FINETUNE, Owner
 
@@ -59,13 +59,14 @@ def note_drift(memo: kopf.Memo, type: str | None, body: Mapping[str, Any], meta:
     owner, namespace = (meta.get("labels") or {}).get(LABEL_FINETUNE), meta.get("namespace")
     if not owner or not namespace:
         return
-    applied = memo["applied"].get((namespace, owner))
+    shared = operator_state(memo)
+    applied = shared.applied.get((str(namespace), str(owner)))
     child = (str(body.get("kind")), str(meta.get("name")))
     if applied is None or child not in applied:
         return  # not (yet) applied by this operator: the owner's next apply covers it
     if type == "DELETED" or str(meta.get("resourceVersion")) != applied[child]:
-        memo["drifted"].add((namespace, owner))
-        wake(memo, namespace, owner)
+        shared.drifted.add((str(namespace), str(owner)))
+        wake(memo, str(namespace), str(owner))
 
 
 def index_entry(kind: str, meta: Mapping[str, Any]) -> dict[tuple[str, str], Obj]:
@@ -108,23 +109,24 @@ class ChildReconciler:
         rendered children are the same and no child event reported a hand edit or deletion (see
         `child_drifted`). Returns a requeue delay while the previous incarnation's objects go."""
         key = (self.namespace, self.name)
-        drifted = key in self.memo["drifted"]
+        shared, own = operator_state(self.memo), object_state(self.memo)
+        drifted = key in shared.drifted
         # The children derive from the spec (its generation), the incarnation and the settings only:
         # a step of an unchanged generation does not render them (the dashboard alone is a large JSON).
         source = (owner.uid, obj["metadata"].get("generation"))
-        if not force and not drifted and self.memo.get("children_source") == source:
+        if not force and not drifted and own.children_source == source:
             return None
         wanted = [adopted(child, obj) for child in self._rendered_children(owner, spec, source)]
         digest = hashlib.sha256(json.dumps(wanted, sort_keys=True).encode()).hexdigest()
-        if not force and not drifted and self.memo.get("children_digest") == digest:
-            self.memo["children_source"] = source
+        if not force and not drifted and own.children_digest == digest:
+            own.children_source = source
             return None
-        self.memo["drifted"].discard(key)
+        shared.drifted.discard(key)
         # The first apply for this incarnation (in this process) looks at what carries its label:
         # the previous incarnation's objects to wait for, and what an earlier process applied for
-        # it that the spec no longer wants. Later applies know what they applied (memo["applied"]).
+        # it that the spec no longer wants. Later applies know what they applied (OperatorState.applied).
         listed: dict[str, list[Obj]] | None = None
-        if self.memo.get("owner_checked") != owner.uid:
+        if own.owner_checked != owner.uid:
             listed = self._labelled_children()
             try:
                 self._check_owners(wanted, listed, owner)
@@ -132,9 +134,9 @@ class ChildReconciler:
                 self._condition(obj, patch, "RendezvousReady", False, "PreviousIncarnation", str(exc))
                 patch["message"] = f"waiting for the previous incarnation's objects to go: {exc}"
                 return 1.0
-            self.memo["owner_checked"] = owner.uid
+            own.owner_checked = owner.uid
         applied: dict[tuple[str, str], str] = {}
-        previous = self.memo["applied"].get(key, {})
+        previous = shared.applied.get(key, {})
         # The versions each child is known to have had before this apply: what this process applied
         # last, and the live object's (kopf's index, or the listing), either possibly the older.
         seen = live_versions(self._indexed_children() if listed is None else listed)
@@ -149,9 +151,8 @@ class ChildReconciler:
             applied[(kind, name)] = str(live.get("metadata", {}).get("resourceVersion", ""))
         changed = changed_children(applied, previous, seen)
         pruned = self._prune(owner, set(applied) | {(c["kind"], c["metadata"]["name"]) for c in wanted}, listed, previous)
-        self.memo["applied"][key] = applied
-        self.memo["children_digest"] = digest
-        self.memo["children_source"] = source
+        shared.applied[key] = applied
+        own.children_digest, own.children_source = digest, source
         if changed or pruned:
             what = (f"applied {', '.join(changed)}" if changed else "") + ("; " if changed and pruned else "") + \
                    (f"pruned {', '.join(pruned)}" if pruned else "")
@@ -172,7 +173,8 @@ class ChildReconciler:
         (`validated`), handed over once (the memo does not keep them); rendered again only for a
         later apply of the same generation (a repair, the next attempt's start) or when there are
         none (a step that did not validate, e.g. in tests). Copies: adoption must not change them."""
-        handed = self.memo.pop("rendered", None)
+        own = object_state(self.memo)
+        handed, own.rendered = own.rendered, None
         if handed is not None and handed[0] == source:
             return copy.deepcopy(handed[1])  # type: ignore[no-any-return]
         return desired.children(owner, spec, self.settings.etcd_image, dict(self.settings.dashboard_labels))

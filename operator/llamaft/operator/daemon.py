@@ -11,7 +11,8 @@ from typing import Any
 
 import kopf
 
-from llamaft.operator.state import wake
+from llamaft.api.status import Phase
+from llamaft.operator.state import object_state, operator_state, record_phase, wake
 from llamaft.operator.step import Step
 from llamaft.render.backends import BACKENDS
 from llamaft.render.naming import LABEL_FINETUNE
@@ -21,9 +22,10 @@ def _waker(memo: kopf.Memo, namespace: str, name: str) -> asyncio.Event:
     """The object's wake-up event on this loop (registered once: by the first of the creation
     event's step and the daemon)."""
     loop = asyncio.get_running_loop()
-    entry = memo["wakers"].get((namespace, name))
+    wakers = operator_state(memo).wakers
+    entry = wakers.get((namespace, name))
     if entry is None or entry[0] is not loop:
-        entry = memo["wakers"][(namespace, name)] = (loop, asyncio.Event())
+        entry = wakers[(namespace, name)] = (loop, asyncio.Event())
     return entry[1]  # type: ignore[no-any-return]
 
 def _first_step(step: Step, logger: Any) -> tuple[bool, float | None]:
@@ -43,8 +45,9 @@ async def lifecycle_loop(name: str, namespace: str, memo: kopf.Memo, stopped: ko
     woken = _waker(memo, namespace, name)
     step = Step(memo, namespace, name, logger)
     step.children_index = children_index
-    executor = memo.get("executor")  # None: the loop's default executor
-    first: asyncio.Future[tuple[bool, float | None]] | None = memo.pop("first_step", None)
+    executor = operator_state(memo).executor  # None: the loop's default executor
+    own = object_state(memo)
+    first, own.first_step = own.first_step, None
     delay: float | None = None
     looked = False
     if first is not None:
@@ -70,8 +73,9 @@ async def lifecycle_loop(name: str, namespace: str, memo: kopf.Memo, stopped: ko
                 for w in waits:
                     w.cancel()
     finally:
-        if memo["wakers"].get((namespace, name), (None, None))[1] is woken:
-            del memo["wakers"][(namespace, name)]
+        wakers = operator_state(memo).wakers
+        if wakers.get((namespace, name), (None, None))[1] is woken:
+            del wakers[(namespace, name)]
 
 
 def start_first_step(memo: kopf.Memo, namespace: str, name: str, logger: Any, body: Mapping[str, Any],
@@ -85,8 +89,8 @@ def start_first_step(memo: kopf.Memo, namespace: str, name: str, logger: Any, bo
     step = Step(memo, namespace, name, logger)
     step.children_index = children_index
     step.created = copy.deepcopy(dict(body))
-    memo["first_step"] = asyncio.get_running_loop().run_in_executor(
-        memo.get("executor"), contextvars.copy_context().run, _first_step, step, logger)
+    object_state(memo).first_step = asyncio.get_running_loop().run_in_executor(
+        operator_state(memo).executor, contextvars.copy_context().run, _first_step, step, logger)
 
 
 def wake_for_child(memo: kopf.Memo, type: str | None, body: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
@@ -97,7 +101,22 @@ def wake_for_child(memo: kopf.Memo, type: str | None, body: Mapping[str, Any], m
     if not owner or not namespace:
         return
     if body.get("kind") in BACKENDS:
-        ours = memo["created_jobs"].pop((namespace, meta.get("name")), None)
+        ours = operator_state(memo).created_jobs.pop((str(namespace), str(meta.get("name"))), None)
         if type == "ADDED" and ours is not None and ours == str(meta.get("resourceVersion")):
             return
     wake(memo, str(namespace), str(owner))
+
+
+def finetune_event(memo: kopf.Memo, type: str | None, namespace: str, name: str, logger: Any, body: Mapping[str, Any],
+                   children_index: Any) -> None:
+    """A LlamaFineTune's watch event: the per-phase gauge moves, a creation starts the first step
+    (`start_first_step`), a deletion before the daemon started drops its wake-up."""
+    # The plain dict under kopf's view: each lookup through the view re-resolves its path (a
+    # measurable share of the loop's time under a burst, for one field).
+    raw_status = body.get("status") or {}
+    record_phase(memo, namespace, name, None if type == "DELETED" else str(raw_status.get("phase") or Phase.PENDING.value))
+    own = object_state(memo)
+    if type == "DELETED" and own.first_step is not None:  # gone before its daemon started
+        operator_state(memo).wakers.pop((namespace, name), None)
+    if type == "ADDED" and not raw_status.get("attempt") and own.first_step is None:
+        start_first_step(memo, namespace, name, logger, body, children_index)

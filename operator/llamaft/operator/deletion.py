@@ -7,7 +7,7 @@ import kopf
 
 from llamaft.api.spec import LlamaFineTuneSpec
 from llamaft.operator import rendezvous
-from llamaft.operator.state import measured, object_lock, settings_of
+from llamaft.operator.state import measured, object_lock, operator_state, settings_of
 from llamaft.render.naming import Owner
 
 
@@ -29,10 +29,10 @@ def deleted(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Stat
         attempt = int(status.get("attempt") or 0)
         if parsed is not None and parsed.rendezvous.endpoint is not None and attempt:
             try:
-                rendezvous.reset_attempts(settings, memo["http"], owner, parsed, [attempt], lambda r, m: None)
+                rendezvous.reset_attempts(settings, operator_state(memo).http, owner, parsed, [attempt], lambda r, m: None)
             except rendezvous.RendezvousResetError as exc:
                 kopf.warn(body, reason="RendezvousResetFailed", message=f"left rendezvous state behind: {exc}")
-        memo["applied"].pop((namespace, name), None)
-        memo["drifted"].discard((namespace, name))
+        operator_state(memo).applied.pop((namespace, name), None)
+        operator_state(memo).drifted.discard((namespace, name))
         kopf.info(body, reason="Deleted", message="the garbage collector removes the jobs, etcd, config and monitoring "
                   "(all owned by this LlamaFineTune); checkpoints are kept")

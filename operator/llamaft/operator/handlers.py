@@ -24,9 +24,7 @@ from typing import Any
 import kopf
 
 from llamaft.api import resource
-from llamaft.api.status import Phase
 from llamaft.operator import children, daemon, deletion, spec_changes, startup
-from llamaft.operator.state import record_phase
 from llamaft.render.naming import LABEL_FINETUNE
 
 RESOURCE = (resource.GROUP, resource.VERSION, resource.PLURAL)
@@ -94,17 +92,9 @@ async def finetune_seen(type: str | None, name: str | None, namespace: str | Non
                         logger: Any, body: kopf.Body, children_by_owner: Any = None, **_: Any) -> None:
     """The per-phase gauge, from the phases the API server holds (every object is listed at
     startup, so the gauge is right after a restart too); a LlamaFineTune just created gets its
-    first lifecycle step at once (`daemon.start_first_step`)."""
-    if not (name and namespace):
-        return
-    # The plain dict under kopf's view: each lookup through the view re-resolves its path (a
-    # measurable share of the loop's time under a burst, for one field).
-    raw_status = body.get("status") or {}
-    record_phase(memo, namespace, name, None if type == "DELETED" else str(raw_status.get("phase") or Phase.PENDING.value))
-    if type == "DELETED" and "first_step" in memo:  # gone before its daemon started
-        memo["wakers"].pop((namespace, name), None)
-    if type == "ADDED" and not raw_status.get("attempt") and "first_step" not in memo:
-        daemon.start_first_step(memo, namespace, name, logger, body, children_by_owner)
+    first lifecycle step at once (`daemon.finetune_event`)."""
+    if name and namespace:
+        daemon.finetune_event(memo, type, namespace, name, logger, body, children_by_owner)
 
 
 @kopf.on.update(*RESOURCE, field="spec")

@@ -93,7 +93,7 @@ def reset(endpoint: str, backend: RendezvousBackend, rdzv_id: str, http: HttpCli
     return deleted
 
 
-def reset_attempts(settings: OperatorSettings, http: HttpClient, owner: Owner, spec: LlamaFineTuneSpec, attempts: list[int],
+def reset_attempts(settings: OperatorSettings, http: HttpClient | None, owner: Owner, spec: LlamaFineTuneSpec, attempts: list[int],
                      announce: Any) -> None:
     """Remove the rendezvous state of the given attempts' ids (never by restarting etcd)."""
     if spec.rendezvous.backend is RendezvousBackend.C10D or not attempts:

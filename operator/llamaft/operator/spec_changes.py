@@ -12,7 +12,16 @@ from llamaft.api.validation import SpecInvalid
 from llamaft.operator import lifecycle, observe, rendezvous
 from llamaft.operator.kube import owned_by
 from llamaft.operator.specs import invalid_message, validated
-from llamaft.operator.state import kube_of, measured, now, object_lock, settings_of, wake
+from llamaft.operator.state import (
+    kube_of,
+    measured,
+    now,
+    object_lock,
+    object_state,
+    operator_state,
+    settings_of,
+    wake,
+)
 from llamaft.render.backends import backend_for
 from llamaft.render.naming import Owner
 
@@ -31,7 +40,7 @@ def spec_changed(body: kopf.Body, old: Any, meta: kopf.Meta, memo: kopf.Memo) ->
         attempt = int(status.get("attempt") or 0)
         kind = str(status.get("backend") or "PyTorchJob")
         parsed = validated(memo, obj, old=old, backend=kind)
-        memo.pop("validated", None)
+        object_state(memo).validated = None
         if isinstance(parsed, SpecInvalid):
             for error in parsed.errors:
                 kopf.warn(body, reason="InvalidSpec", message=str(error))
@@ -51,7 +60,7 @@ def spec_changed(body: kopf.Body, old: Any, meta: kopf.Meta, memo: kopf.Memo) ->
             first_job_exists=first_job_exists, generation=generation))
         job_name = decision.job_name
         if decision.reset_rendezvous:
-            rendezvous.reset_attempts(settings, memo["http"], owner, parsed, decision.reset_rendezvous,
+            rendezvous.reset_attempts(settings, operator_state(memo).http, owner, parsed, decision.reset_rendezvous,
                              lambda r, m: kopf.info(body, reason=r, message=m))
         if decision.suspend is not None and job_name is not None:
             k.patch_job(namespace, job_name, backend.suspend_patch(decision.suspend), kind)

@@ -17,6 +17,7 @@ import kopf
 from llamaft.api.spec import Backend, LlamaFineTuneSpec
 from llamaft.api.validation import SpecInvalid, validate_spec
 from llamaft.operator.settings import OperatorSettings
+from llamaft.operator.state import object_state, operator_state
 from llamaft.render.admission import PLACEHOLDER_UID, checked_children
 from llamaft.render.naming import Owner
 
@@ -59,10 +60,11 @@ def validated(memo: kopf.Memo, obj: Mapping[str, Any], old: Any = None,
     per spec content (`cached_spec`). With `old` (an update: transition rules) nothing is cached.
     `backend`: the job kind the children are checked as (status.backend once resolved).
     The children are rendered here, once per generation, with the operator's settings, and the
-    objects checked are the ones the generation's first apply uses (memo["rendered"],
+    objects checked are the ones the generation's first apply uses (ObjectState.rendered,
     ChildReconciler._rendered_children)."""
     generation = obj.get("metadata", {}).get("generation")
-    cached = memo.get("validated")
+    own = object_state(memo)
+    cached = own.validated
     if old is None and cached is not None and cached[0] == generation:
         return cached[1]  # type: ignore[no-any-return]
     result: LlamaFineTuneSpec | SpecInvalid
@@ -80,15 +82,15 @@ def validated(memo: kopf.Memo, obj: Mapping[str, Any], old: Any = None,
         # What admission cannot see: every child the spec renders, against the schemas the API
         # server and the training operator will apply, before anything is created.
         meta = obj.get("metadata", {})
-        settings = memo.get("settings") or OperatorSettings()
+        settings = operator_state(memo).settings if "operator" in memo else OperatorSettings()
         owner = Owner(str(meta.get("name")), str(meta.get("namespace")), str(meta.get("uid") or PLACEHOLDER_UID))
         checked = checked_children(owner, parsed, backend=Backend(backend), etcd_image=settings.etcd_image,
                                    dashboard_labels=dict(settings.dashboard_labels))
         result = SpecInvalid(checked.errors) if checked.errors else parsed
         if old is None and not checked.errors:
-            memo["rendered"] = ((meta.get("uid", ""), generation), checked.children)
+            own.rendered = ((str(meta.get("uid", "")), generation), checked.children)
     if old is None:
-        memo["validated"] = (generation, result)
+        own.validated = (generation, result)
     return result
 
 

@@ -17,6 +17,7 @@ from llamaft.operator.kube import Kube
 from llamaft.operator.metrics import FINETUNES
 from llamaft.operator.settings import OperatorSettings
 from llamaft.operator.specs import cached_spec
+from llamaft.operator.state import OperatorState, operator_state
 from llamaft.planner import admission
 from llamaft.render.admission import PLACEHOLDER_UID, checked_children
 from llamaft.render.naming import LABEL_FINETUNE, Owner
@@ -47,18 +48,13 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -
     logging.getLogger("celpy").setLevel(logging.WARNING)
     settings.execution.max_workers = 16
     operator_settings = OperatorSettings.from_env()
-    memo["settings"] = operator_settings
-    memo["http"] = HttpClient()  # etcd, Prometheus and /progress: one pool, timeouts and retries
-    memo["wakers"] = {}
-    memo["phases"] = {}
     for phase in Phase:
         FINETUNES.labels(phase.value).set(0)
-    memo["applied"] = {}  # (namespace, name) -> {(kind, child name): resourceVersion llamaft applied}
-    memo["drifted"] = set()  # (namespace, name) whose children were edited or deleted by someone else
-    memo["created_jobs"] = {}  # (namespace, job name) -> resourceVersion of the job as llamaft created it
     # Lifecycle steps block on API round trips: a pool of their own, sized by the settings (the
     # loop's default executor has min(32, cores + 4) threads: 6 on 2 cores, which queued bursts).
-    memo["executor"] = concurrent.futures.ThreadPoolExecutor(operator_settings.workers, thread_name_prefix="lifecycle")
+    memo["operator"] = OperatorState(
+        operator_settings, http=HttpClient(),
+        executor=concurrent.futures.ThreadPoolExecutor(operator_settings.workers, thread_name_prefix="lifecycle"))
     # The handlers' `labels=` filters are client-side: without these, kopf would stream every pod
     # (cluster-wide) and every ConfigMap, Service and Deployment to this process only to drop them.
     # settings.watching.label_selectors is passed to the API as the watch's labelSelector.
@@ -88,7 +84,7 @@ def warm_up(logger: Any) -> None:
     logger.info(f"validation warmed up in {time.perf_counter() - started:.1f} s")
 
 def shutdown(memo: kopf.Memo, **_: Any) -> None:
-    executor = memo.get("executor")
+    executor = operator_state(memo).executor if "operator" in memo else None
     if executor is not None:
         executor.shutdown(wait=False, cancel_futures=True)
 
@@ -101,5 +97,5 @@ def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
         config.load_incluster_config()  # type: ignore[no-untyped-call]
     except config.ConfigException:
         config.load_kube_config()  # type: ignore[no-untyped-call]
-    memo["kube"] = Kube()
+    operator_state(memo).kube = Kube()
     return kopf.login_with_kubeconfig(**kwargs) or kopf.login_with_service_account(**kwargs)

@@ -1,28 +1,34 @@
-"""What the handlers share through kopf's memo, and the small helpers every module uses.
+"""What the handlers share through kopf's memo, typed, and the small helpers every module uses.
 
-The operator's memo is filled at start-up (`startup.configure`): settings, the API and HTTP
-clients, the registries (lifecycle wake-ups, phases, applied children, drift, jobs just created).
-kopf copies it shallowly into each object's memo, so the registries are shared, while the keys an
-object adds (its lock, its validation, what was applied for it) go with the object."""
+The operator's memo holds one `OperatorState` (settings, the API and HTTP clients, the registries
+of wake-ups, phases, applied children, drift and jobs just created), made at start-up
+(`startup.configure`). kopf copies the memo shallowly into each object's memo, so every object
+sees that one state, and adds its own `ObjectState` (its lock, its validation, what was applied
+for it) that goes with the object."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 import kopf
 
 from llamaft.api.status import TERMINAL_PHASES, Phase
+from llamaft.operator.http import HttpClient
 from llamaft.operator.kube import Kube
 from llamaft.operator.metrics import FINETUNES, RECONCILE_SECONDS, RECONCILES
 from llamaft.operator.settings import OperatorSettings
 
 TERMINAL = {p.value for p in TERMINAL_PHASES}
 Obj = dict[str, Any]
+
 
 def now() -> datetime:
     return datetime.now(UTC)
@@ -45,23 +51,93 @@ def measured(handler: str) -> Iterator[None]:
         RECONCILE_SECONDS.labels(handler).observe(time.perf_counter() - started)
 
 
-# ------------------------------------------------------------------------------- memo access
-def settings_of(memo: kopf.Memo) -> OperatorSettings:
-    return memo["settings"]  # type: ignore[no-any-return]
+# ------------------------------------------------------------------------------- the memo
+Key = tuple[str, str]
+"""(namespace, name) of a LlamaFineTune."""
 
 
-def kube_of(memo: kopf.Memo) -> Kube:
-    return memo["kube"]  # type: ignore[no-any-return]
+@dataclass
+class OperatorState:
+    """The operator's memo, one per process (memo["operator"], set at start-up): kopf copies the
+    memo shallowly into every object's memo, so each object sees this same object."""
+
+    settings: OperatorSettings
+    http: HttpClient | None = None
+    """etcd, Prometheus and /progress: one pool, timeouts and retries."""
+    kube: Kube | None = None
+    """The API client, made at login once the credentials are loaded."""
+    executor: concurrent.futures.ThreadPoolExecutor | None = None
+    """The lifecycle steps' threads (None: the loop's default executor)."""
+    wakers: dict[Key, tuple[asyncio.AbstractEventLoop, asyncio.Event]] = field(default_factory=dict)
+    """Each object's lifecycle wake-up (`wake`), registered by its daemon or its first step."""
+    phases: dict[Key, str] = field(default_factory=dict)
+    """Each object's phase, for the per-phase gauge (`record_phase`)."""
+    applied: dict[Key, dict[tuple[str, str], str]] = field(default_factory=dict)
+    """Each object's children as llamaft last applied them: (kind, name) -> resourceVersion."""
+    drifted: set[Key] = field(default_factory=set)
+    """Objects whose children someone else edited or deleted (children.note_drift)."""
+    created_jobs: dict[Key, str] = field(default_factory=dict)
+    """(namespace, job name) -> resourceVersion of a job as llamaft just created it (its ADDED
+    event is that write's echo and wakes nobody)."""
+
+
+@dataclass
+class ObjectState:
+    """One LlamaFineTune's memo (memo["object"]): what a step remembers of the object between
+    looks, lost on restart without harm."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """The daemon and the update handler of one object never interleave."""
+    validated: tuple[int | None, Any] | None = None
+    """(generation, the parsed spec or SpecInvalid) of the current generation (specs.validated)."""
+    rendered: tuple[tuple[str, Any], list[dict[str, Any]]] | None = None
+    """((uid, generation), children) the validation rendered and checked, handed to the first apply."""
+    capacity: tuple[int | None, Any] | None = None
+    """(generation, the capacity planner's Admission)."""
+    progress_cursor: int = 0
+    """Which running pod to ask for /progress next while the leader is not known."""
+    children_source: tuple[str, Any] | None = None
+    """(uid, generation) the children were last applied for."""
+    children_digest: str | None = None
+    """The digest of the children last applied."""
+    owner_checked: str | None = None
+    """The incarnation (uid) whose children's owners were checked in this process."""
+    first_step: asyncio.Future[tuple[bool, float | None]] | None = None
+    """The step the creation event started, for the daemon to wait on."""
+
+
+def new_memo(settings: OperatorSettings, **shared: Any) -> kopf.Memo:
+    """An operator memo holding a fresh OperatorState (start-up, and tests that run handlers)."""
+    return kopf.Memo(operator=OperatorState(settings, **shared))
+
+
+def operator_state(memo: Mapping[str, Any]) -> OperatorState:
+    return memo["operator"]  # type: ignore[no-any-return]
+
+
+def object_state(memo: kopf.Memo) -> ObjectState:
+    """This object's own state (made on first use; dict.setdefault is atomic)."""
+    return memo.setdefault("object", ObjectState())  # type: ignore[no-any-return]
+
+
+def settings_of(memo: Mapping[str, Any]) -> OperatorSettings:
+    return operator_state(memo).settings
+
+
+def kube_of(memo: Mapping[str, Any]) -> Kube:
+    kube = operator_state(memo).kube
+    assert kube is not None, "the API client is made at login"
+    return kube
 
 
 def object_lock(memo: kopf.Memo) -> threading.Lock:
-    """The daemon and the update handler of one object never interleave (dict.setdefault is atomic)."""
-    return memo.setdefault("lock", threading.Lock())  # type: ignore[no-any-return]
+    """The daemon and the update handler of one object never interleave."""
+    return object_state(memo).lock
 
 
-def wake(memo: kopf.Memo, namespace: str, name: str) -> None:
+def wake(memo: Mapping[str, Any], namespace: str, name: str) -> None:
     """Make the object's lifecycle daemon look now (safe from any thread)."""
-    entry = memo["wakers"].get((namespace, name))
+    entry = operator_state(memo).wakers.get((namespace, name))
     if entry is not None:
         loop, event = entry
         loop.call_soon_threadsafe(event.set)
@@ -70,10 +146,10 @@ def wake(memo: kopf.Memo, namespace: str, name: str) -> None:
 PHASES = {p.value for p in Phase}
 
 
-def record_phase(memo: kopf.Memo, namespace: str, name: str, phase: str | None) -> None:
+def record_phase(memo: Mapping[str, Any], namespace: str, name: str, phase: str | None) -> None:
     """The per-phase gauge, from the phases the objects have (pruned on delete): moved by one
     object's change, not recounted over every object on every event."""
-    phases: dict[tuple[str, str], str] = memo["phases"]
+    phases = operator_state(memo).phases
     before = phases.pop((namespace, name), None) if phase is None else phases.get((namespace, name))
     if phase is not None:
         phases[(namespace, name)] = phase
@@ -83,6 +159,7 @@ def record_phase(memo: kopf.Memo, namespace: str, name: str, phase: str | None) 
         FINETUNES.labels(before).dec()
     if phase in PHASES:
         FINETUNES.labels(phase).inc()
+
 
 def condition_is(status: Mapping[str, Any], type_: str, value: str, generation: int | None) -> bool:
     return any(c.get("type") == type_ and c.get("status") == value and c.get("observedGeneration") == generation

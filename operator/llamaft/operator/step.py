@@ -30,6 +30,8 @@ from llamaft.operator.state import (
     measured,
     now,
     object_lock,
+    object_state,
+    operator_state,
     settings_of,
 )
 from llamaft.planner import Admission, admission
@@ -53,7 +55,9 @@ class Step(ChildReconciler):
         self.memo, self.namespace, self.name, self.logger = memo, namespace, name, logger
         self.kube = kube_of(memo)
         self.settings = settings_of(memo)
-        self.http: HttpClient = memo["http"]
+        self.shared = operator_state(memo)
+        self.own = object_state(memo)
+        self.http: HttpClient = self.shared.http  # type: ignore[assignment]
         self.job_kind = "PyTorchJob"
         self.backend: JobBackend = backend_for(self.job_kind)
         """The run's job backend (status.backend), set with job_kind once the step resolves it."""
@@ -199,12 +203,12 @@ class Step(ChildReconciler):
         Warning event when it will not fit, and, with spec.preflight Enforce, no job at all."""
         if spec.preflight is PreflightMode.OFF:
             return None
-        cached = self.memo.get("capacity")
+        cached = self.own.capacity
         if cached is not None and cached[0] == generation:
             verdict: Admission = cached[1]
         else:
             verdict = admission(spec)
-            self.memo["capacity"] = (generation, verdict)
+            self.own.capacity = (generation, verdict)
         # The condition goes into every status written (a step that failed before writing must
         # not lose it); the event only when the verdict is new.
         value = {True: "True", False: "False", None: "Unknown"}[verdict.fits]
@@ -268,7 +272,7 @@ class Step(ChildReconciler):
         running = [p for p in pods if p.get("status", {}).get("phase") == "Running" and p.get("status", {}).get("podIP")]
         known = [p for p in running if p["metadata"]["name"] == leader]
         others = sorted((p for p in running if p["metadata"]["name"] != leader), key=_replica_order)
-        cursor = int(self.memo.get("progress_cursor", 0))
+        cursor = self.own.progress_cursor
         if others:
             turn = cursor % len(others)
             others = others[turn:] + others[:turn]
@@ -286,7 +290,7 @@ class Step(ChildReconciler):
                     return parsed
             return None
         finally:
-            self.memo["progress_cursor"] = cursor
+            self.own.progress_cursor = cursor
 
     def _gpu(self, obj: Obj, owner: Owner, job_name: str, status: Obj, running: bool,
              progress: ProgressDocument | None) -> failures.Failure | None:
@@ -336,7 +340,7 @@ class Step(ChildReconciler):
         created = k.create_job(ns, job)
         if created is not None:
             # The job's creation event is this write's echo: it need not wake this lifecycle.
-            self.memo["created_jobs"][(ns, job_name)] = str(created["metadata"].get("resourceVersion"))
+            self.shared.created_jobs[(ns, job_name)] = str(created["metadata"].get("resourceVersion"))
             self.event(obj, "Normal", "JobCreated", f"created {self.job_kind} {job_name} (attempt {attempt}, "
                        f"rendezvous {owner.rendezvous_id(attempt)})" + (f", avoiding {', '.join(excluded)}" if excluded else ""))
         self._condition(obj, patch, "RendezvousReady", True, "RendezvousReady",
