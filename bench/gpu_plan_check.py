@@ -6,7 +6,7 @@ about 3 minutes):
 
 Each case builds a Llama-shaped model (about 1.2B parameters) with the trainer's own code
 (`model.build_meta_model`, `apply_lora`, `parallelize`, `build_optimizer`) on one GPU (world size
-1, so FULL_SHARD shards over one rank), trains two optimizer steps exactly as `train_loop` does
+1, so FULL_SHARD shards over one rank), trains two optimizer steps exactly as `Trainer.train` does
 (token_loss_sum, no gradient sync between micro-steps, clipping, AdamW), resets the CUDA peak
 after the first step and prints the second step's torch.cuda.max_memory_allocated next to the
 planner's tensor-peak estimate (`device="cuda"`) and the error; max_memory_reserved is printed

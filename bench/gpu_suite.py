@@ -11,7 +11,7 @@ start after `--budget-s` is a Skipped row. The budget is the lent GPU's: the CPU
 
 Throughput cases (world size 1, the trainer's own code: `model.build_meta_model` ->
 `parallelize.parallelize` (float8 conversion, activation checkpointing, compile, FSDP2) ->
-`train.build_optimizer`, steps of `train.token_loss_sum` / `_micro_step` / `optimizer_step` as
+`train.build_optimizer`, steps of `train.token_loss_sum` / `micro_step_sync` / `optimizer_step` as
 `train_loop` makes them), random init and random tokens (throughput does not depend on the
 values), bf16:
 
@@ -112,7 +112,7 @@ def measure_case(case: dict[str, Any], steps: int, warmup: int) -> dict[str, Any
     from llamaft_trainer.metrics import flops_per_token, peak_flops
     from llamaft_trainer.parallelize import parallelize
     from llamaft_trainer.runtime import build_mesh, init_runtime, sharding_plan
-    from llamaft_trainer.train import _micro_step, build_optimizer, optimizer_step, token_loss_sum
+    from llamaft_trainer.train import build_optimizer, micro_step_sync, optimizer_step, token_loss_sum
     from transformers import LlamaConfig
 
     rt = init_runtime()
@@ -145,7 +145,7 @@ def measure_case(case: dict[str, Any], steps: int, warmup: int) -> dict[str, Any
             torch.cuda.reset_peak_memory_stats(rt.device)
         sync()
         start = time.perf_counter()
-        with _micro_step(model, True, cfg):
+        with micro_step_sync(model, True, fsdp_plan):
             loss, tokens = token_loss_sum(model, data, rt.device)
             (loss / max(tokens, 1)).backward()
         optimizer_step(model, optimizer, None, cfg)

@@ -7,8 +7,8 @@ HYBRID_SHARD / NO_SHARD, bf16 / fp16 / fp32 / pure-bf16, activation checkpointin
 selective, LoRA with and without dropout, gradient accumulation, eager vs sdpa, packing vs
 padding, batch and sequence length), each case runs the trainer's own code under torchrun (gloo,
 1, 2 or 4 processes): `model.build_meta_model` (+ `apply_lora`) -> `parallelize.parallelize`
--> `train.build_optimizer`, then optimizer steps made of `train.token_loss_sum`, `_micro_step`
-(no gradient sync between micro-steps), `clip_gradients` and AdamW, exactly as `train_loop` does.
+-> `train.build_optimizer`, then optimizer steps made of `train.token_loss_sum`, `micro_step_sync`
+(no gradient sync between micro-steps), `clip_gradients` and AdamW, exactly as `Trainer.train` does.
 It prints, per case, the measured per-rank peak, the planner's estimate (`device="cpu"`) and the
 error; the target is within +-15%.
 
@@ -163,7 +163,7 @@ def run_case(case: dict[str, Any], rt: Any, steps: int = 2, meter: str = "tracke
     from llamaft_trainer import model as model_step
     from llamaft_trainer.parallelize import parallelize
     from llamaft_trainer.runtime import build_mesh, sharding_plan
-    from llamaft_trainer.train import _micro_step, build_optimizer, optimizer_step, token_loss_sum
+    from llamaft_trainer.train import build_optimizer, micro_step_sync, optimizer_step, token_loss_sum
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from transformers import LlamaConfig
 
@@ -216,7 +216,7 @@ def run_case(case: dict[str, Any], rt: Any, steps: int = 2, meter: str = "tracke
     with tracker:
         for step in range(steps):
             for index, b in enumerate(batches):
-                with _micro_step(model, index == accum - 1, cfg):
+                with micro_step_sync(model, index == accum - 1, fsdp_plan):
                     loss, _ = token_loss_sum(model, b, rt.device)
                     scaled = loss / 1000.0
                     (scaler.scale(scaled) if scaler is not None else scaled).backward()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from llamaft.api.sharding import WRAPPER_ENV, ShardingPlan, Wrapper, plan_sharding
+from llamaft.api.sharding import WRAPPER_ENV, GradientSync, ShardingPlan, Wrapper, plan_sharding
 from llamaft.api.spec import FsdpSpec, LlamaFineTuneSpec, ShardingStrategy
 from llamaft.planner.memory import shard_group_size
 
@@ -15,32 +15,34 @@ def fsdp(**fields: Any) -> FsdpSpec:
     return FsdpSpec.model_validate({"mixedPrecision": "fp32", **fields})
 
 
+E, A, N = GradientSync.EVERY_MICRO_STEP, GradientSync.ALL_REDUCE_ON_LAST, GradientSync.NO_SYNC_UNTIL_LAST
 ROWS = [
-    # (fsdp fields, world, local world) -> (wrapper, mesh shape, shard size, syncs on the last micro-step only)
-    ({}, 1, 1, Wrapper.NONE, (1,), 1, False),
-    ({"mixedPrecision": "pure-bf16"}, 1, 1, Wrapper.NONE, (1,), 1, False),
-    ({"shardingStrategy": "HYBRID_SHARD"}, 1, 1, Wrapper.NONE, (1, 1), 1, False),
-    ({"mixedPrecision": "bf16"}, 1, 1, Wrapper.FSDP2, (1,), 1, False),
-    ({"cpuOffload": True}, 1, 1, Wrapper.FSDP2, (1,), 1, False),
-    ({"float8": {"enabled": True}}, 1, 1, Wrapper.FSDP2, (1,), 1, False),
-    ({"implementation": "fsdp1"}, 1, 1, Wrapper.FSDP1, (1,), 1, False),
-    ({}, 4, 4, Wrapper.FSDP2, (4,), 4, False),
-    ({"shardingStrategy": "SHARD_GRAD_OP"}, 4, 4, Wrapper.FSDP2, (4,), 4, False),
-    ({"shardingStrategy": "NO_SHARD"}, 4, 2, Wrapper.DDP, (4, 1), 1, True),
-    ({"shardingStrategy": "NO_SHARD", "mixedPrecision": "bf16"}, 4, 2, Wrapper.FSDP2, (4, 1), 1, True),
-    ({"shardingStrategy": "NO_SHARD", "implementation": "fsdp1"}, 4, 2, Wrapper.FSDP1, (4, 1), 1, True),
-    ({"shardingStrategy": "HYBRID_SHARD"}, 8, 4, Wrapper.FSDP2, (2, 4), 4, True),
-    ({"shardingStrategy": "HYBRID_SHARD", "hybridShard": {"shardGroupSize": 2, "replicaGroupSize": 4}}, 8, 4, Wrapper.FSDP2, (4, 2), 2, True),
+    # (fsdp fields, world, local world) -> (wrapper, mesh shape, shard size, a non-last micro-step's gradient sync)
+    ({}, 1, 1, Wrapper.NONE, (1,), 1, E),
+    ({"mixedPrecision": "pure-bf16"}, 1, 1, Wrapper.NONE, (1,), 1, E),
+    ({"shardingStrategy": "HYBRID_SHARD"}, 1, 1, Wrapper.NONE, (1, 1), 1, E),
+    ({"mixedPrecision": "bf16"}, 1, 1, Wrapper.FSDP2, (1,), 1, E),
+    ({"cpuOffload": True}, 1, 1, Wrapper.FSDP2, (1,), 1, E),
+    ({"float8": {"enabled": True}}, 1, 1, Wrapper.FSDP2, (1,), 1, E),
+    ({"implementation": "fsdp1"}, 1, 1, Wrapper.FSDP1, (1,), 1, E),
+    ({}, 4, 4, Wrapper.FSDP2, (4,), 4, E),
+    ({"shardingStrategy": "SHARD_GRAD_OP"}, 4, 4, Wrapper.FSDP2, (4,), 4, E),
+    ({"shardingStrategy": "NO_SHARD"}, 4, 2, Wrapper.DDP, (4, 1), 1, N),
+    ({"shardingStrategy": "NO_SHARD", "mixedPrecision": "bf16"}, 4, 2, Wrapper.FSDP2, (4, 1), 1, A),
+    ({"shardingStrategy": "NO_SHARD", "implementation": "fsdp1"}, 4, 2, Wrapper.FSDP1, (4, 1), 1, N),
+    ({"shardingStrategy": "HYBRID_SHARD"}, 8, 4, Wrapper.FSDP2, (2, 4), 4, A),
+    ({"shardingStrategy": "HYBRID_SHARD", "hybridShard": {"shardGroupSize": 2, "replicaGroupSize": 4}}, 8, 4, Wrapper.FSDP2, (4, 2), 2, A),
+    ({"shardingStrategy": "HYBRID_SHARD", "implementation": "fsdp1"}, 8, 4, Wrapper.FSDP1, (2, 4), 4, E),
+    ({"implementation": "fsdp1"}, 4, 4, Wrapper.FSDP1, (4,), 4, E),
 ]
 
 
-@pytest.mark.parametrize(("fields", "world", "local", "wrapper", "mesh", "shard", "last_only"), ROWS)
+@pytest.mark.parametrize(("fields", "world", "local", "wrapper", "mesh", "shard", "sync"), ROWS)
 def test_plan_table(monkeypatch: pytest.MonkeyPatch, fields: dict[str, Any], world: int, local: int, wrapper: Wrapper,
-                    mesh: tuple[int, ...], shard: int, last_only: bool) -> None:
+                    mesh: tuple[int, ...], shard: int, sync: GradientSync) -> None:
     monkeypatch.delenv(WRAPPER_ENV, raising=False)
     plan = plan_sharding(fsdp(**fields), world, local)
-    assert (plan.wrapper, plan.mesh_shape, plan.shard_size, plan.syncs_on_last_micro_step_only) == \
-        (wrapper, mesh, shard, last_only)
+    assert (plan.wrapper, plan.mesh_shape, plan.shard_size, plan.gradient_sync) == (wrapper, mesh, shard, sync)
     assert plan.replicate_size * plan.shard_size == world
     assert len(plan.mesh_dim_names) == len(plan.mesh_shape)
 

@@ -106,7 +106,7 @@ def test_accumulation_keeps_unsharded_gradients() -> None:
     gradient sync off between micro-steps stays checked: FSDP2 would keep every trainable
     parameter's gradient unsharded, in the reduce dtype (fp32 for bf16), until the last micro-step."""
     text = (REPO / "trainer" / "llamaft_trainer" / "train.py").read_text()
-    assert "with _micro_step(model, index == accum - 1, cfg)" in text and TRAINER_SYNCS_EVERY_MICRO_STEP
+    assert "with micro_step_sync(self.model, index == accum - 1, self.s.plan)" in text and TRAINER_SYNCS_EVERY_MICRO_STEP
     one = estimate_memory(SMALL, setup(world_size=8, shard_size=8))
     two = estimate_memory(SMALL, setup(world_size=8, shard_size=8, accumulation=2))
     assert one.components["accumulated_gradients"] == 0

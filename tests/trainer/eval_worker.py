@@ -5,7 +5,7 @@ data, parallelize):
 
 1. `train.evaluate` on the freshly loaded model, and what every rank's validation share held
    (target tokens, sequences, batches): the eval loss must not depend on the world size.
-2. One optimizer step of `train.train_loop`, and the real (non-padding) and padded token counts
+2. One optimizer step of `train.Trainer`, and the real (non-padding) and padded token counts
    of the micro-batches that step consumed on every rank: `tokens_seen` must be the real ones.
 """
 
@@ -49,8 +49,7 @@ def main(config_path: str, out_path: str) -> None:
     real, padded = _sum([float(sum(int(b["attention_mask"].sum()) for b in first)),
                          float(sum(int(b["input_ids"].numel()) for b in first))])
     state = TrainState()
-    train.train_loop(s.model, cfg, s.data, rt, s.optimizer, s.scheduler, state, 1, checkpointer=None, progress=None,
-                     flops_per_token=s.flops_per_token, peak_flops=None)
+    train.Trainer(s, state=state).train(stop_after=1)
     if rt.is_leader:
         with open(out_path, "w") as f:
             json.dump({"eval_loss": eval_loss, "validation_sequences": len(s.data.validation),  # type: ignore[arg-type]

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from llamaft.api.spec import TrainingJobConfig
-from llamaft_trainer import loading
+from llamaft_trainer import downloads, loading
 from llamaft_trainer import model as model_step
 from llamaft_trainer.checkpoint import full_model_state_dict
 from llamaft_trainer.errors import ConfigError
@@ -45,7 +45,7 @@ def run_case(case: dict[str, Any], rt: Runtime) -> dict[str, Any]:
     os.environ[loading.METHOD_ENV] = case["method"]
     os.environ[countingfs.LOG_ENV] = case.get("count_log", "")
     if case.get("cache"):
-        model_step.CACHE_ROOT = Path(case["cache"]) / f"node{rt.rank // case.get('ranks_per_node', rt.world_size)}"
+        downloads.CACHE_ROOT = Path(case["cache"]) / f"node{rt.rank // case.get('ranks_per_node', rt.world_size)}"
     if rt.is_leader:
         for path in case.get("touch", []):
             stat = os.stat(path)

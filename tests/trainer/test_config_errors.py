@@ -81,14 +81,15 @@ def test_main_exits_with_the_permanent_config_code(tiny_model: Path, tmp_path: P
 
 def test_model_from_an_fsspec_uri_is_staged_once_and_loads(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """s3://-style sources go through fsspec into a node-local cache (file:// here, same code)."""
+    from llamaft_trainer import downloads
     from llamaft_trainer import model as model_step
 
-    monkeypatch.setattr(model_step, "CACHE_ROOT", tmp_path / "cache")
+    monkeypatch.setattr(downloads, "CACHE_ROOT", tmp_path / "cache")
     cfg = _cfg(tiny_model, tmp_path)
     cfg.model.source = f"file://{tiny_model}"
-    where = model_step.resolve(cfg.model.source, SOLO, "spec.model.source")
+    where = downloads.resolve(cfg.model.source, SOLO, "spec.model.source")
     assert Path(where, "config.json").exists() and Path(where, ".complete").exists()
     assert model_step.load_config(cfg.model, SOLO).num_hidden_layers == 4
     assert model_step.load_tokenizer(cfg.model, SOLO).eos_token == "</s>"
     with pytest.raises(ConfigError, match="cannot read file:///nowhere"):
-        model_step.resolve("file:///nowhere", SOLO, "spec.model.source")
+        downloads.resolve("file:///nowhere", SOLO, "spec.model.source")

@@ -17,8 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from llamaft_trainer import loading
-from llamaft_trainer import model as model_step
+from llamaft_trainer import downloads, loading
 from llamaft_trainer.errors import ConfigError
 from llamaft_trainer.runtime import Runtime
 
@@ -38,7 +37,7 @@ def source(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     shutil.copytree(tiny_model, folder)
     log = tmp_path / "fetches.log"
     monkeypatch.setenv(countingfs.LOG_ENV, str(log))
-    monkeypatch.setattr(model_step, "CACHE_ROOT", tmp_path / "cache")
+    monkeypatch.setattr(downloads, "CACHE_ROOT", tmp_path / "cache")
     return f"{countingfs.PROTOCOL}://{folder}", folder, log
 
 
@@ -48,51 +47,51 @@ def _names(log: Path) -> list[str]:
 
 def test_config_and_tokenizer_fetch_no_weights(source: tuple[str, Path, Path]) -> None:
     uri, folder, log = source
-    where = Path(model_step.resolve(uri, SOLO, WHAT, weights=False))
+    where = Path(downloads.resolve(uri, SOLO, WHAT, weights=False))
     fetched = _names(log)
     assert "config.json" in fetched and "tokenizer.json" in fetched
-    assert not [n for n in fetched if model_step.is_weight_file(n)]
+    assert not [n for n in fetched if downloads.is_weight_file(n)]
     assert not (where / "model.safetensors").exists()
-    model_step.resolve(uri, SOLO, WHAT, weights=False)
+    downloads.resolve(uri, SOLO, WHAT, weights=False)
     assert _names(log) == fetched, "unchanged files are not fetched again"
 
 
 def test_a_weight_file_is_fetched_once_then_again_when_it_changes(source: tuple[str, Path, Path]) -> None:
     uri, folder, log = source
-    first = model_step.fetch_file(uri, "model.safetensors", SOLO, WHAT)
-    assert model_step.fetch_file(uri, "model.safetensors", SOLO, WHAT) == first
+    first = downloads.fetch_file(uri, "model.safetensors", SOLO, WHAT)
+    assert downloads.fetch_file(uri, "model.safetensors", SOLO, WHAT) == first
     assert _names(log) == ["model.safetensors"]
     stat = os.stat(folder / "model.safetensors")
     os.utime(folder / "model.safetensors", (stat.st_atime, stat.st_mtime + 60))  # a new mtime, same size
-    model_step.fetch_file(uri, "model.safetensors", SOLO, WHAT)
+    downloads.fetch_file(uri, "model.safetensors", SOLO, WHAT)
     assert _names(log) == ["model.safetensors"] * 2
-    model_step.resolve(uri, SOLO, WHAT, weights=False)
+    downloads.resolve(uri, SOLO, WHAT, weights=False)
     config = folder / "config.json"
     config.write_text(config.read_text().replace("{", '{"note": "edited",', 1))  # a new size
-    model_step.resolve(uri, SOLO, WHAT, weights=False)
-    model_step.resolve(uri, SOLO, WHAT, weights=False)
+    downloads.resolve(uri, SOLO, WHAT, weights=False)
+    downloads.resolve(uri, SOLO, WHAT, weights=False)
     assert _names(log).count("config.json") == 2
-    assert "edited" in (Path(model_step.cache_dir(uri, None)) / "config.json").read_text()
+    assert "edited" in (Path(downloads.cache_dir(uri, None)) / "config.json").read_text()
 
 
 def test_another_revision_or_uri_is_another_cache_entry(source: tuple[str, Path, Path], tmp_path: Path) -> None:
     uri, folder, log = source
-    a = model_step.fetch_file(uri, "model.safetensors", SOLO, WHAT)
-    b = model_step.fetch_file(uri, "model.safetensors", SOLO, WHAT, revision="v2")
+    a = downloads.fetch_file(uri, "model.safetensors", SOLO, WHAT)
+    b = downloads.fetch_file(uri, "model.safetensors", SOLO, WHAT, revision="v2")
     shutil.copytree(folder, tmp_path / "elsewhere")
-    c = model_step.fetch_file(f"{countingfs.PROTOCOL}://{tmp_path / 'elsewhere'}", "model.safetensors", SOLO, WHAT)
+    c = downloads.fetch_file(f"{countingfs.PROTOCOL}://{tmp_path / 'elsewhere'}", "model.safetensors", SOLO, WHAT)
     assert len({a.parent, b.parent, c.parent}) == 3
     assert _names(log) == ["model.safetensors"] * 3
 
 
 def test_full_resolve_fetches_everything_and_bad_uris_are_config_errors(source: tuple[str, Path, Path]) -> None:
     uri, folder, log = source
-    where = Path(model_step.resolve(uri, SOLO, WHAT))
+    where = Path(downloads.resolve(uri, SOLO, WHAT))
     assert (where / "model.safetensors").exists() and (where / ".complete").exists()
     with pytest.raises(ConfigError, match=f"{WHAT}: cannot read {countingfs.PROTOCOL}:///nowhere"):
-        model_step.resolve(f"{countingfs.PROTOCOL}:///nowhere", SOLO, WHAT, weights=False)
+        downloads.resolve(f"{countingfs.PROTOCOL}:///nowhere", SOLO, WHAT, weights=False)
     with pytest.raises(ConfigError, match=f"{WHAT}: cannot read .*absent.safetensors"):
-        model_step.fetch_file(uri, "absent.safetensors", SOLO, WHAT)
+        downloads.fetch_file(uri, "absent.safetensors", SOLO, WHAT)
 
 
 def test_a_rank_reads_only_files_holding_rows_it_owns() -> None:

@@ -126,6 +126,29 @@ class SchedulerState(Stateful):
 
 
 @dataclass(frozen=True)
+class RunState:
+    """What a checkpoint holds, as the objects the run trains: given to the Checkpointer once
+    (torchtitan's CheckpointManager holds its states the same way), saved and restored in place."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    train: TrainState
+    scaler: Any | None = None
+    """fp16's gradient scaler: its scale rides with the random states."""
+
+    def payload(self) -> dict[str, Any]:
+        """DCP's state dict of Statefuls (dcp.load calls load_state_dict in sorted key order:
+        model, optimizer, scheduler, train)."""
+        return {
+            "model": ModelState(self.model),
+            "optimizer": OptimizerState(self.model, self.optimizer),
+            "scheduler": SchedulerState(self.scheduler),
+            "train": self.train,
+        }
+
+
+@dataclass(frozen=True)
 class Staged:
     """What `Checkpointer.save` returns: the save has started (async) or is complete (sync)."""
 
@@ -163,12 +186,14 @@ class _InFlight:
 
 class Checkpointer:
     def __init__(
-        self, directory: str, keep_last: int, rank: int, *, async_save: bool = False,
+        self, directory: str, keep_last: int, rank: int, *, run: RunState | None = None, async_save: bool = False,
         device: torch.device | None = None, timeout_s: float = ASYNC_GROUP_TIMEOUT_S,
     ) -> None:
-        """`async_save`: save in the background (needs an initialised process group: it creates a
-        gloo group for the checkpoint's collectives, a collective call on every rank). `device`:
-        where the flags of a synchronous save's all-reduces live (the default group's device)."""
+        """`run`: what `save` writes and `load` restores (None: a checkpointer that only lists and
+        prunes). `async_save`: save in the background (needs an initialised process group: it
+        creates a gloo group for the checkpoint's collectives, a collective call on every rank).
+        `device`: where the flags of a synchronous save's all-reduces live (the default group's device)."""
+        self.run = run
         self.fs, self.root = fsspec.core.url_to_fs(directory)
         self.directory = directory.rstrip("/")
         self.keep_last = keep_last
@@ -219,25 +244,20 @@ class Checkpointer:
         steps = self.complete_steps()
         return steps[-1] if steps else None
 
-    @staticmethod
-    def _payload(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, state: TrainState) -> dict[str, Any]:
-        return {
-            "model": ModelState(model),
-            "optimizer": OptimizerState(model, optimizer),
-            "scheduler": SchedulerState(scheduler),
-            "train": state,
-        }
+    def _run(self) -> RunState:
+        if self.run is None:
+            raise RuntimeError("this Checkpointer was made without the run's state (run=RunState(...)): it cannot save or load")
+        return self.run
 
     # ------------------------------------------------------------------ saving
-    def save(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, state: TrainState,
-        scaler: Any | None = None, *, blocking: bool = False,
-    ) -> Staged:
-        """Save step `state.step` (collective: every rank calls it at the same step).
+    def save(self, *, blocking: bool = False) -> Staged:
+        """Save the run at its current step (collective: every rank calls it at the same step).
 
         Async (and not `blocking`): waits for the previous save, stages a copy of the state and
         returns while the write goes on; `poll` / `wait` report its completion. Otherwise the save
         is complete (or has raised) when this returns. A failed earlier save raises here."""
+        run = self._run()
+        state, model = run.train, run.model
         started = time.perf_counter()
         self.wait()
         waited = time.perf_counter() - started
@@ -247,9 +267,9 @@ class Checkpointer:
             self.fs.rm(path, recursive=True)  # a leftover of an interrupted save of the same step
         dist.barrier()
         rng = io.BytesIO()
-        torch.save(_rng_state(scaler), rng)
+        torch.save(_rng_state(run.scaler), rng)
         marker = json.dumps(state.to_dict())
-        payload = self._payload(model, optimizer, scheduler, state)
+        payload = run.payload()
         checkpoint_id = self._checkpoint_id(name)
         if self.async_save and not blocking:
             if not self._stager_chosen:
@@ -370,23 +390,20 @@ class Checkpointer:
             self._group = None
 
     # ------------------------------------------------------------------ loading
-    def load(
-        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any | None = None,
-    ) -> TrainState:
-        """Restore everything a checkpoint holds; the random states last, so that nothing after this
-        call but the next step draws from them."""
+    def load(self, step: int) -> TrainState:
+        """Restore everything a checkpoint holds into the run, in place; the random states last, so
+        that nothing after this call but the next step draws from them. Returns the run's TrainState."""
+        run = self._run()
         name = f"step-{step:08d}"
-        state = TrainState()
-        # dcp.load calls load_state_dict in sorted key order: model, optimizer, scheduler, train.
-        dcp_load(self._payload(model, optimizer, scheduler, state), checkpoint_id=self._checkpoint_id(name))
+        dcp_load(run.payload(), checkpoint_id=self._checkpoint_id(name))
         rng_path = self._path(f"{name}/rng-rank-{self.rank}.pt")
         if self.fs.exists(rng_path):
             with self.fs.open(rng_path, "rb") as f:
-                _set_rng_state(torch.load(io.BytesIO(f.read()), weights_only=False), scaler)
+                _set_rng_state(torch.load(io.BytesIO(f.read()), weights_only=False), run.scaler)
         else:  # more ranks than the run that saved it: training continues, but not bit for bit
             print(f"llamaft_trainer: {name} has no random state for rank {self.rank}; dropout masks will differ "
                   "from an uninterrupted run", file=sys.stderr, flush=True)
-        return state
+        return run.train
 
     def _prune(self) -> None:
         """Delete complete checkpoints beyond keep_last and interrupted ones older than the newest.

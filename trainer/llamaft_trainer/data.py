@@ -452,7 +452,7 @@ def store_root(checkpoint_directory: str) -> tuple[Path, bool]:
     operator mounted spec.cache.volumeClaim there: LLAMAFT_CACHE_SHARED=1)."""
     if "://" not in checkpoint_directory:
         return Path(checkpoint_directory).expanduser() / "data", True
-    from llamaft_trainer.model import CACHE_ROOT
+    from llamaft_trainer.downloads import CACHE_ROOT
 
     return CACHE_ROOT / "data", os.environ.get("LLAMAFT_CACHE_SHARED") == "1"
 

@@ -78,6 +78,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import PretrainedConfig
 
+from llamaft_trainer import downloads
 from llamaft_trainer import model as model_step
 from llamaft_trainer.errors import ConfigError
 from llamaft_trainer.metrics import log_json
@@ -268,8 +269,8 @@ class Weights:
 
             return hub.repo_files(self.spec.source, "model", self.spec.revision, "spec.model.source")
         if self.kind is SourceKind.URI:
-            return set(model_step.remote_files(self.spec.source, "spec.model.source"))
-        where = Path(model_step.resolve(self.spec.source, self.rt, "spec.model.source"))
+            return set(downloads.remote_files(self.spec.source, "spec.model.source"))
+        where = Path(downloads.resolve(self.spec.source, self.rt, "spec.model.source"))
         return {p.name for p in where.iterdir()} if where.is_dir() else set()
 
     def path(self, name: str) -> Path:
@@ -280,16 +281,16 @@ class Weights:
     def _locate(self, name: str) -> Path:
         source = self.spec.source
         if self.kind is SourceKind.URI:
-            return model_step.fetch_file(source, name, self.rt, "spec.model.source", self.spec.revision)
+            return downloads.fetch_file(source, name, self.rt, "spec.model.source", self.spec.revision)
         if self.kind is SourceKind.HUB:
             from huggingface_hub import hf_hub_download
 
             try:
-                return Path(hf_hub_download(source, name, revision=self.spec.revision, token=model_step._hf_token()))
+                return Path(hf_hub_download(source, name, revision=self.spec.revision, token=downloads.hf_token()))
             except Exception as exc:
-                model_step._raise_hub_error(exc, "spec.model.source", source, self.spec.revision)
+                downloads.raise_hub_error(exc, "spec.model.source", source, self.spec.revision)
                 raise
-        return Path(model_step.resolve(source, self.rt, "spec.model.source")) / name
+        return Path(downloads.resolve(source, self.rt, "spec.model.source")) / name
 
     def layout(self) -> dict[str, str] | None:
         """Checkpoint key -> file name, or None when the source has no safetensors checkpoint."""

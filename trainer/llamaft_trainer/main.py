@@ -23,14 +23,13 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import torch
 from llamaft.api.documents import parse_documents
-from llamaft.api.sharding import Wrapper
+from llamaft.api.sharding import ShardingPlan, Wrapper
 from llamaft.api.spec import LoraExport, TrainingJobConfig
 from llamaft.api.validation import SpecInvalid, validate_resource
 from torch import nn
@@ -38,7 +37,7 @@ from torch import nn
 from llamaft_trainer import data as data_step
 from llamaft_trainer import elastic, float8, kubeflow_progress, loading, termination, tracking
 from llamaft_trainer import model as model_step
-from llamaft_trainer.checkpoint import Checkpointer, TrainState
+from llamaft_trainer.checkpoint import Checkpointer, RunState, TrainState
 from llamaft_trainer.errors import EXIT_CONFIG_ERROR, EXIT_FAILURE, EXIT_PREEMPTED, ConfigError
 from llamaft_trainer.evaluation import build_evaluator
 from llamaft_trainer.export import export_hugging_face
@@ -50,11 +49,12 @@ from llamaft_trainer.shutdown import exit_process, teardown
 from llamaft_trainer.termination import RunRecord
 from llamaft_trainer.train import (
     LoopResult,
+    Session,
+    Trainer,
     build_optimizer,
     build_scaler,
     build_scheduler,
     total_steps,
-    train_loop,
 )
 
 
@@ -88,27 +88,12 @@ def load_config(path: str | Path) -> TrainingJobConfig:
         raise ConfigError(f"{path}: {exc}") from exc
 
 
-@dataclass
-class Session:
-    """Everything built before the first step."""
-
-    cfg: TrainingJobConfig
-    rt: Runtime
-    model: nn.Module
-    tokenizer: Any
-    model_config: Any
-    data: data_step.Data
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    steps: int
-    flops_per_token: float
-    n_params: int
-
-
-def build_model(cfg: TrainingJobConfig, rt: Runtime, model_config: Any) -> tuple[nn.Module, int]:
+def build_model(cfg: TrainingJobConfig, rt: Runtime, model_config: Any,
+                plan: ShardingPlan | None = None) -> tuple[nn.Module, int]:
     """Meta model -> (LoRA) -> parallelize -> allocate shards -> pretrained weights streamed into
     the shards (loading.py: each rank reads only its own rows, or rank 0 broadcasts tensor by tensor)
-    -> DDP where the sharding plan replicates without FSDP."""
+    -> DDP where the sharding plan replicates without FSDP. `plan`: the run's sharding plan
+    (derived from the spec and the runtime when not given)."""
     dtype = model_step.master_dtype(cfg.fsdp.mixed_precision)
     lora = cfg.training.lora if cfg.training.lora is not None and cfg.training.lora.enabled else None
     model = model_step.build_meta_model(model_config, cfg.model, dtype)
@@ -116,7 +101,7 @@ def build_model(cfg: TrainingJobConfig, rt: Runtime, model_config: Any) -> tuple
         model = model_step.apply_lora(model, lora)
     n_params = sum(p.numel() for p in model.parameters())
     want = loading.wanted(model)  # the checkpoint's names, before wrappers rename the parameters
-    plan = sharding_plan(cfg.fsdp, rt)
+    plan = plan if plan is not None else sharding_plan(cfg.fsdp, rt)
     model = parallelize(model, cfg.fsdp, plan, build_mesh(plan, rt), rt.device)
     if plan.wrapper is not Wrapper.FSDP1:  # FSDP1 allocates its units itself (param_init_fn)
         model.to_empty(device=rt.device)
@@ -135,7 +120,8 @@ def setup(cfg: TrainingJobConfig, rt: Runtime) -> Session:
     data = data_step.build_data(
         cfg.dataset, tokenizer, cfg.training.per_device_batch_size, cfg.training.seed, rt, cfg.checkpointing.directory,
     )
-    model, n_params = build_model(cfg, rt, model_config)
+    plan = sharding_plan(cfg.fsdp, rt)
+    model, n_params = build_model(cfg, rt, model_config, plan)
     optimizer = build_optimizer(model, cfg)
     per_epoch = data.batches_per_epoch
     if per_epoch is None and cfg.training.max_steps is None:
@@ -143,7 +129,7 @@ def setup(cfg: TrainingJobConfig, rt: Runtime) -> Session:
     steps = total_steps(cfg, per_epoch or 0)
     scheduler = build_scheduler(optimizer, cfg, steps)
     fpt = flops_per_token(model_config, n_params, cfg.dataset.max_seq_length)
-    return Session(cfg, rt, model, tokenizer, model_config, data, optimizer, scheduler, steps, fpt, n_params)
+    return Session(cfg, rt, model, tokenizer, model_config, data, optimizer, scheduler, steps, fpt, n_params, plan)
 
 
 def run(
@@ -158,7 +144,7 @@ def run(
     if rt.is_leader:
         log_json(
             "setup", parameters=s.n_params, world_size=rt.world_size, device=str(rt.device),
-            strategy=cfg.fsdp.sharding_strategy.value, wrapper=sharding_plan(cfg.fsdp, rt).wrapper.value,
+            strategy=cfg.fsdp.sharding_strategy.value, wrapper=s.plan.wrapper.value,
             precision=cfg.fsdp.mixed_precision.value,
             activation_checkpointing=cfg.fsdp.activation_checkpointing.mode.value,
             **s.data.info, total_steps=s.steps, seconds=round(time.perf_counter() - started, 2),
@@ -166,15 +152,15 @@ def run(
     if progress is not None:
         progress.total_steps.set(s.steps)
         progress.update(phase="Training", totalSteps=s.steps)
+    state, scaler = TrainState(), build_scaler(cfg, rt)
     checkpointer = Checkpointer(
         cfg.checkpointing.directory, cfg.checkpointing.keep_last, rt.rank,
+        run=RunState(s.model, s.optimizer, s.scheduler, state, scaler),
         async_save=cfg.checkpointing.async_save, device=rt.device, timeout_s=rt.timeout_s,
     )
-    state = TrainState()
-    scaler = build_scaler(cfg, rt)
     latest = checkpointer.latest() if cfg.checkpointing.resume else None
     if latest is not None:
-        state = checkpointer.load(latest, s.model, s.optimizer, s.scheduler, scaler)
+        checkpointer.load(latest)
         record.checkpoint_step = latest
         if rt.is_leader:
             log_json("resume", step=state.step, epoch=state.epoch, path=f"{cfg.checkpointing.directory}/step-{latest:08d}")
@@ -184,12 +170,11 @@ def run(
         if tracker is not None:
             progress = progress or Progress()
             progress.trackers.append(tracker)
-        result = train_loop(
-            s.model, cfg, s.data, rt, s.optimizer, s.scheduler, state, s.steps,
-            checkpointer=checkpointer, progress=progress, flops_per_token=s.flops_per_token,
-            peak_flops=peak_flops(rt.device), stop_after=stop_after, stop=stop, record=record, scaler=scaler,
-            evaluator=build_evaluator(cfg.evaluation, s.data.validation, s.tokenizer),
+        trainer = Trainer(
+            s, state=state, scaler=scaler, checkpointer=checkpointer, progress=progress, record=record, stop=stop,
+            evaluator=build_evaluator(cfg.evaluation, s.data.validation, s.tokenizer), peak_flops=peak_flops(rt.device),
         )
+        result = trainer.train(stop_after)
         outcome = "KILLED" if result.stopped is not None else "FINISHED"
     finally:
         if tracker is not None:

@@ -3,7 +3,7 @@
     LLAMAFT_PHASE_TIMERS=1 torchrun ... -m llamaft_trainer --config ...
 
 Off (the default) every hook is `phase(name)` returning one shared no-op context manager: a
-global read and a function call per hook, a few per micro-step. On, `train_loop` calls `start`,
+global read and a function call per hook, a few per micro-step. On, `Trainer.train` calls `start`,
 which makes a registry active and, for FSDP2, swaps each FSDP unit's all-gather / reduce-scatter
 for the default ones wrapped in a timer (`FSDPModule.set_custom_all_gather` /
 `set_custom_reduce_scatter`, public API since torch 2.7); every rank then logs one `phases` event

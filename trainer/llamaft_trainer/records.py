@@ -64,7 +64,7 @@ class RecordSource:
 
                 fs, path = fsspec.core.url_to_fs(self.location)
                 info = fs.info(path)
-                from llamaft_trainer.model import IDENTITY_KEYS
+                from llamaft_trainer.downloads import IDENTITY_KEYS
 
                 stamp = {k: str(info[k]) for k in IDENTITY_KEYS if info.get(k) is not None}
                 return f"uri:{self.location}:{json.dumps(stamp, sort_keys=True)}"

@@ -22,6 +22,7 @@ scheduled checkpoint would (a resumed run continues exactly as from any other ch
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Iterator
@@ -31,13 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from llamaft.api.spec import (
-    FsdpImplementation,
-    MixedPrecision,
-    SchedulerType,
-    ShardingStrategy,
-    TrainingJobConfig,
-)
+from llamaft.api.sharding import GradientSync, ShardingPlan
+from llamaft.api.spec import FsdpImplementation, MixedPrecision, SchedulerType, TrainingJobConfig
 from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import get_scheduler
@@ -142,7 +138,7 @@ def _all_reduce_max(value: float, device: torch.device) -> float:
 def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any, cfg: TrainingJobConfig) -> float:
     """Unscale (fp16), clip to training.maxGradNorm, step, zero the gradients, and with float8
     all-gather precompute the float8 weights' scales; the global grad norm.
-    (bench/plan_accuracy.py replays the trainer's step with this and `_micro_step`.)"""
+    (bench/plan_accuracy.py replays the trainer's step with this and `micro_step_sync`.)"""
     if scaler is not None:
         scaler.unscale_(optimizer)
     with profiling.phase("grad_norm"):
@@ -157,24 +153,16 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: A
     return grad_norm
 
 
-def _micro_step(model: nn.Module, last: bool, cfg: TrainingJobConfig) -> Any:
-    """The communication of one micro-step's backward (see the module docstring): a context to run
-    it in. `last`: the micro-step whose backward completes the optimizer step's gradients."""
-    import contextlib
-
-    from torch.nn.parallel import DistributedDataParallel
-
-    strategy = cfg.fsdp.sharding_strategy
-    if isinstance(model, DistributedDataParallel):
-        return model.no_sync() if not last else contextlib.nullcontext()
-    if cfg.fsdp.implementation is FsdpImplementation.FSDP1:
-        if strategy is ShardingStrategy.NO_SHARD and not last:
-            return model.no_sync()  # type: ignore[operator]
-        return contextlib.nullcontext()
-    if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.NO_SHARD):
+def micro_step_sync(model: nn.Module, last: bool, plan: ShardingPlan) -> Any:
+    """The communication of one micro-step's backward, as the sharding plan says
+    (`ShardingPlan.gradient_sync`, see the module docstring): a context to run it in. `last`: the
+    micro-step whose backward completes the optimizer step's gradients."""
+    sync = plan.gradient_sync
+    if sync is GradientSync.NO_SYNC_UNTIL_LAST and not last:
+        return model.no_sync()  # type: ignore[operator]
+    if sync is GradientSync.ALL_REDUCE_ON_LAST:
         model.set_requires_all_reduce(last)  # type: ignore[operator]
     return contextlib.nullcontext()
-
 
 
 def clip_gradients(model: nn.Module, max_norm: float, cfg: TrainingJobConfig) -> float:
@@ -227,184 +215,227 @@ def _micro_batches(data: Data, state: TrainState, accum: int) -> Iterator[list[d
         state.batches_in_epoch = 0
 
 
-def train_loop(
-    model: nn.Module,
-    cfg: TrainingJobConfig,
-    data: Data,
-    rt: Runtime,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    state: TrainState,
-    steps: int,
-    *,
-    checkpointer: Checkpointer | None,
-    progress: Progress | None,
-    flops_per_token: float,
-    peak_flops: float | None,
-    stop_after: int | None = None,
-    stop: StopSignal | None = None,
-    record: RunRecord | None = None,
-    scaler: Any | None = None,
-    evaluator: Evaluator | None = None,
-) -> LoopResult:
-    """Run optimizer steps from `state.step` to `steps` (or `stop_after`, for tests), or until
-    some rank got SIGTERM (`stop`). `record` is kept current for the termination message.
-    `scaler`: fp16's gradient scaler as a resume restored it (built here when not given).
-    `evaluator`: generations and task scores at each eval (spec.evaluation)."""
-    tc = cfg.training
-    accum = tc.gradient_accumulation_steps
-    if scaler is None:
-        scaler = build_scaler(cfg, rt)
-    result = LoopResult(state)
-    record = record if record is not None else RunRecord()
-    record.step, record.total_steps = state.step, steps
-    record.world_size, record.flops_per_token, record.peak_flops = rt.world_size, flops_per_token, peak_flops
-    if stop is not None and _all_reduce_sum([1.0 if stop.requested else 0.0], rt.device)[0] > 0:
-        # SIGTERM during setup or resume: nothing new to save.
-        result.stopped = StopReport(state.step, stop.requested, False, "the signal came before the first step: nothing new to save")
+@dataclass
+class Session:
+    """Everything built before the first step (main.setup)."""
+
+    cfg: TrainingJobConfig
+    rt: Runtime
+    model: nn.Module
+    tokenizer: Any
+    model_config: Any
+    data: Data
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    steps: int
+    flops_per_token: float
+    n_params: int
+    plan: ShardingPlan
+    """The sharding plan the model was parallelized by, and the loop syncs gradients by."""
+
+
+class Trainer:
+    """One run's training loop and the state it holds (torchtitan's Trainer): the session's model,
+    optimizer, scheduler and data, the train state, fp16's scaler, the checkpointer (built once
+    with the run's state), and where it reports: the progress document, the run record for the
+    termination message, experiment trackers through the progress, the evaluator."""
+
+    def __init__(
+        self, session: Session, *, state: TrainState | None = None, scaler: Any | None = None,
+        checkpointer: Checkpointer | None = None, progress: Progress | None = None, record: RunRecord | None = None,
+        stop: StopSignal | None = None, evaluator: Evaluator | None = None, peak_flops: float | None = None,
+    ) -> None:
+        """`state`/`scaler`: as a resume restored them (the checkpointer's run state; new ones when
+        not given). `stop`: SIGTERM, agreed on by all ranks every step."""
+        self.s, self.cfg, self.rt = session, session.cfg, session.rt
+        self.model, self.optimizer, self.scheduler, self.data = session.model, session.optimizer, session.scheduler, session.data
+        self.state = state if state is not None else TrainState()
+        self.scaler = scaler if scaler is not None else build_scaler(self.cfg, self.rt)
+        self.checkpointer, self.progress, self.stop, self.evaluator = checkpointer, progress, stop, evaluator
+        self.record = record if record is not None else RunRecord()
+        self.peak_flops = peak_flops
+        self.result = LoopResult(self.state)
+
+    # ------------------------------------------------------------------ the loop
+    def train(self, stop_after: int | None = None) -> LoopResult:
+        """Run optimizer steps from `state.step` to the session's steps (or `stop_after`, for
+        tests), or until some rank got SIGTERM."""
+        s, rt, state, record, result = self.s, self.rt, self.state, self.record, self.result
+        steps, tc = s.steps, self.cfg.training
+        record.step, record.total_steps = state.step, steps
+        record.world_size, record.flops_per_token, record.peak_flops = rt.world_size, s.flops_per_token, self.peak_flops
+        if self.stop is not None and _all_reduce_sum([1.0 if self.stop.requested else 0.0], rt.device)[0] > 0:
+            # SIGTERM during setup or resume: nothing new to save.
+            result.stopped = StopReport(state.step, self.stop.requested, False, "the signal came before the first step: nothing new to save")
+            return result
+        self.model.train()
+        timers = profiling.start(self.model)  # LLAMAFT_PHASE_TIMERS=1: a `phases` event per step (None: off)
+        groups = _micro_batches(self.data, state, tc.gradient_accumulation_steps)
+        started, first_step = time.perf_counter(), state.step
+        while state.step < steps and (stop_after is None or state.step < stop_after):
+            step_start = time.perf_counter()
+            step_loss, grad_norm, lr, tokens, stop_votes = self._step(next(groups))
+            elapsed = time.perf_counter() - step_start
+            if timers is not None:
+                log_json("phases", step=state.step, rank=rt.rank, world_size=rt.world_size, **timers.end_step(elapsed))
+            self._account(step_loss, grad_norm, tokens, elapsed, first_step)
+            if state.step % tc.log_interval == 0 or state.step == steps:
+                self._log_step(step_loss, grad_norm, lr, tokens, elapsed, (time.perf_counter() - started) / max(state.step - first_step, 1))
+            if tc.eval_interval and state.step % tc.eval_interval == 0 and state.step < steps:
+                self._eval()
+            if self.checkpointer is not None:
+                self._report_completed()  # a background save that finished (no collective)
+            if self.stop is not None and stop_votes > 0:
+                result.stopped = self._save_on_stop(self.stop)
+                return result
+            if self.checkpointer is not None and (state.step % self.cfg.checkpointing.every_n_steps == 0 or state.step == steps):
+                self._save()
+        if state.step >= steps:
+            self._eval()
+            record.peak_memory_bytes = int(_all_reduce_max(float(peak_memory_bytes(rt.device)), rt.device))
+        if self.checkpointer is not None:
+            self.checkpointer.wait()  # the last save, written in the background during the final eval
+            self._report_completed()
         return result
-    model.train()
-    timers = profiling.start(model)  # LLAMAFT_PHASE_TIMERS=1: a `phases` event per step (None: off)
-    groups = _micro_batches(data, state, accum)
-    started = time.perf_counter()
-    first_step = state.step
-    while state.step < steps and (stop_after is None or state.step < stop_after):
-        step_start = time.perf_counter()
+
+    def _step(self, group: list[dict[str, torch.Tensor]]) -> tuple[float, float, float, int, float]:
+        """One optimizer step over a group of micro-batches: (loss, grad norm, learning rate, real
+        tokens, stop votes), every value the same on every rank."""
+        rt, state, scaler, tc = self.rt, self.state, self.scaler, self.cfg.training
+        accum = len(group)
         with profiling.phase("data"):
-            group = next(groups)
             local_tokens = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in group)
         with profiling.phase("sync"):
             (global_tokens,) = _all_reduce_sum([float(local_tokens)], rt.device)
         scale = rt.world_size / max(global_tokens, 1.0)
         loss_sum = 0.0
         for index, batch in enumerate(group):
-            with _micro_step(model, index == accum - 1, cfg):
+            with micro_step_sync(self.model, index == accum - 1, self.s.plan):
                 with profiling.phase("forward"):
-                    loss, _ = token_loss_sum(model, batch, rt.device, tc.loss_chunks)
+                    loss, _ = token_loss_sum(self.model, batch, rt.device, tc.loss_chunks)
                     scaled = loss * scale
                 with profiling.phase("backward"):
                     (scaler.scale(scaled) if scaler is not None else scaled).backward()
             loss_sum += float(loss.detach())
         with profiling.phase("optimizer"):
-            grad_norm = optimizer_step(model, optimizer, scaler, cfg)
-            lr = float(scheduler.get_last_lr()[0])
-            scheduler.step()
+            grad_norm = optimizer_step(self.model, self.optimizer, scaler, self.cfg)
+            lr = float(self.scheduler.get_last_lr()[0])
+            self.scheduler.step()
         state.step += 1
         state.batches_in_epoch += accum
         # Real tokens only: padding (per-batch, when packing is off) is neither work nor progress.
         seq_tokens = sum(int(b["attention_mask"].sum()) for b in group)
         # The stop flag rides along: every rank gets the same sum, so all stop after this step.
-        stop_vote = 1.0 if stop is not None and stop.requested else 0.0
+        stop_vote = 1.0 if self.stop is not None and self.stop.requested else 0.0
         with profiling.phase("sync"):
             (loss_total, tokens_total, stop_votes) = _all_reduce_sum([loss_sum, float(seq_tokens), stop_vote], rt.device)
-        step_loss = loss_total / max(global_tokens, 1.0)
-        state.tokens_seen += int(tokens_total)
-        result.losses.append(step_loss)
-        result.grad_norms.append(grad_norm)
-        elapsed = time.perf_counter() - step_start
-        if timers is not None:
-            log_json("phases", step=state.step, rank=rt.rank, world_size=rt.world_size, **timers.end_step(elapsed))
+        return loss_total / max(global_tokens, 1.0), grad_norm, lr, int(tokens_total), stop_votes
+
+    def _account(self, step_loss: float, grad_norm: float, tokens: int, elapsed: float, first_step: int) -> None:
+        state, record = self.state, self.record
+        state.tokens_seen += tokens
+        self.result.losses.append(step_loss)
+        self.result.grad_norms.append(grad_norm)
         record.step, record.loss = state.step, step_loss
-        record.tokens += int(tokens_total)
+        record.tokens += tokens
         record.train_seconds += elapsed
         if state.step - first_step > 1:
             record.steady_steps += 1
-            record.steady_tokens += int(tokens_total)
+            record.steady_tokens += tokens
             record.steady_seconds += elapsed
-        if state.step % tc.log_interval == 0 or state.step == steps:
-            tps = tokens_total / elapsed
-            mfu = (tps / rt.world_size) * flops_per_token / peak_flops if peak_flops else None
-            done = state.step - first_step
-            eta = (time.perf_counter() - started) / max(done, 1) * (steps - state.step)
-            metrics = {
-                "step": state.step, "total_steps": steps, "epoch": state.epoch, "loss": round(step_loss, 6),
-                "lr": lr, "grad_norm": round(grad_norm, 6), "tokens": int(tokens_total),
-                "tokens_per_second": round(tps, 2), "tokens_per_second_per_device": round(tps / rt.world_size, 2),
-                "mfu": round(mfu, 5) if mfu is not None else None, "peak_memory_bytes": peak_memory_bytes(rt.device),
-                "eta_seconds": int(eta), "step_seconds": round(elapsed, 4),
-            }
+
+    def _log_step(self, step_loss: float, grad_norm: float, lr: float, tokens: int, elapsed: float,
+                  seconds_per_step: float) -> None:
+        rt, state, steps = self.rt, self.state, self.s.steps
+        tps = tokens / elapsed
+        mfu = (tps / rt.world_size) * self.s.flops_per_token / self.peak_flops if self.peak_flops else None
+        metrics = {
+            "step": state.step, "total_steps": steps, "epoch": state.epoch, "loss": round(step_loss, 6),
+            "lr": lr, "grad_norm": round(grad_norm, 6), "tokens": tokens,
+            "tokens_per_second": round(tps, 2), "tokens_per_second_per_device": round(tps / rt.world_size, 2),
+            "mfu": round(mfu, 5) if mfu is not None else None, "peak_memory_bytes": peak_memory_bytes(rt.device),
+            "eta_seconds": int(seconds_per_step * (steps - state.step)), "step_seconds": round(elapsed, 4),
+        }
+        if rt.is_leader:
+            log_json("step", **metrics)
+        if self.progress is not None:
+            self.progress.record_step(metrics)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save(self, *, blocking: bool = False) -> None:
+        """Save this step (collective). Async: the loop waits for the previous save (one in flight
+        at a time) and the staging copy, logs `checkpoint_staged`, and `checkpoint` follows once the
+        background write is complete; otherwise `checkpoint` comes at once."""
+        assert self.checkpointer is not None
+        staged = self.checkpointer.save(blocking=blocking)
+        self._report_completed()  # the previous save, if this one waited for it
+        if staged.background and self.rt.is_leader:
+            log_json("checkpoint_staged", step=staged.step, path=staged.path, stall_seconds=round(staged.stall_seconds, 4),
+                     waited_seconds=round(staged.waited_seconds, 4))
+
+    def _report_completed(self) -> None:
+        """Log and record the checkpoints completed since the last call (this rank's view, no collective)."""
+        assert self.checkpointer is not None
+        for done in self.checkpointer.poll():
+            self.result.checkpoints.append(done.path)
+            self.record.checkpoint_step = done.step
+            if self.rt.is_leader:
+                log_json("checkpoint", step=done.step, path=done.path, stall_seconds=round(done.stall_seconds, 4),
+                         write_seconds=round(done.write_seconds, 4), **{"async": done.background})
+
+    def _save_on_stop(self, stop: StopSignal) -> StopReport:
+        """Save when every rank has time for it (a collective decision), else leave the newest
+        complete checkpoint as it is: an interrupted save has no COMPLETE marker and is never resumed.
+
+        A background save still in flight goes first: every rank waits for it until the same
+        deadline (the least time left anywhere, less the exit reserve). If it is not complete
+        everywhere by then, it stays unmarked and no new save starts; otherwise the stop's own save
+        is decided on as before and runs synchronously."""
+        rt, state, checkpointer = self.rt, self.state, self.checkpointer
+        if checkpointer is None:
+            return StopReport(state.step, stop.requested, False, "checkpointing is off")
+        in_flight = checkpointer.in_flight_step
+        left = _least_time_left(stop, rt.device)
+        problem = ""
+        try:
+            finished = checkpointer.wait(timeout=max(0.0, left - EXIT_RESERVE_S))
+            if not finished:
+                problem = f"did not finish within the grace period ({left:.1f} s to SIGKILL)"
+        except Exception as exc:  # the same on every rank (Checkpointer._commit agrees on it)
+            finished, problem = False, f"failed: {type(exc).__name__}: {exc}"
+        self._report_completed()
+        if not _on_every_rank(finished, rt.device):
+            why = f"the background save of step {in_flight} {problem or 'did not finish on another rank'}; no new save"
             if rt.is_leader:
-                log_json("step", **metrics)
-            if progress is not None:
-                progress.record_step(metrics)
-        if tc.eval_interval and state.step % tc.eval_interval == 0 and state.step < steps:
-            _run_eval(model, data, rt, state, progress, result, record, evaluator, tc.loss_chunks)
-        if checkpointer is not None:
-            _report_completed(checkpointer, rt, result, record)  # a background save that finished (no collective)
-        if stop is not None and stop_votes > 0:
-            result.stopped = _save_on_stop(model, optimizer, scheduler, state, rt, checkpointer, stop, result, record, scaler)
-            return result
-        if checkpointer is not None and (state.step % cfg.checkpointing.every_n_steps == 0 or state.step == steps):
-            _save(model, optimizer, scheduler, state, rt, checkpointer, result, record, scaler)
-    if state.step >= steps:
-        _run_eval(model, data, rt, state, progress, result, record, evaluator, tc.loss_chunks)
-        record.peak_memory_bytes = int(_all_reduce_max(float(peak_memory_bytes(rt.device)), rt.device))
-    if checkpointer is not None:
-        checkpointer.wait()  # the last save, written in the background during the final eval
-        _report_completed(checkpointer, rt, result, record)
-    return result
-
-
-def _save(
-    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, state: TrainState, rt: Runtime,
-    checkpointer: Checkpointer, result: LoopResult, record: RunRecord, scaler: Any | None = None,
-    *, blocking: bool = False,
-) -> None:
-    """Save this step (collective). Async: the loop waits for the previous save (one in flight at a
-    time) and the staging copy, logs `checkpoint_staged`, and `checkpoint` follows once the
-    background write is complete; otherwise `checkpoint` comes at once."""
-    staged = checkpointer.save(model, optimizer, scheduler, state, scaler, blocking=blocking)
-    _report_completed(checkpointer, rt, result, record)  # the previous save, if this one waited for it
-    if staged.background and rt.is_leader:
-        log_json("checkpoint_staged", step=staged.step, path=staged.path, stall_seconds=round(staged.stall_seconds, 4),
-                 waited_seconds=round(staged.waited_seconds, 4))
-
-
-def _report_completed(checkpointer: Checkpointer, rt: Runtime, result: LoopResult, record: RunRecord) -> None:
-    """Log and record the checkpoints completed since the last call (this rank's view, no collective)."""
-    for done in checkpointer.poll():
-        result.checkpoints.append(done.path)
-        record.checkpoint_step = done.step
+                log_json("preempted", step=state.step, save=False, detail=why)
+            return StopReport(state.step, stop.requested, False, why)
+        estimate = estimate_save_seconds(checkpointer.save_seconds, local_checkpoint_bytes(self.model, self.optimizer))
+        save, why = agree_to_save(stop, estimate, rt.device)
         if rt.is_leader:
-            log_json("checkpoint", step=done.step, path=done.path, stall_seconds=round(done.stall_seconds, 4),
-                     write_seconds=round(done.write_seconds, 4), **{"async": done.background})
+            log_json("preempted", step=state.step, save=save, detail=why)
+        if save:
+            self._save(blocking=True)
+        return StopReport(state.step, stop.requested, save, why)
 
-
-def _save_on_stop(
-    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, state: TrainState, rt: Runtime,
-    checkpointer: Checkpointer | None, stop: StopSignal, result: LoopResult, record: RunRecord, scaler: Any | None = None,
-) -> StopReport:
-    """Save when every rank has time for it (a collective decision), else leave the newest
-    complete checkpoint as it is: an interrupted save has no COMPLETE marker and is never resumed.
-
-    A background save still in flight goes first: every rank waits for it until the same deadline
-    (the least time left anywhere, less the exit reserve). If it is not complete everywhere by
-    then, it stays unmarked and no new save starts; otherwise the stop's own save is decided on as
-    before and runs synchronously."""
-    if checkpointer is None:
-        return StopReport(state.step, stop.requested, False, "checkpointing is off")
-    in_flight = checkpointer.in_flight_step
-    left = _least_time_left(stop, rt.device)
-    problem = ""
-    try:
-        finished = checkpointer.wait(timeout=max(0.0, left - EXIT_RESERVE_S))
-        if not finished:
-            problem = f"did not finish within the grace period ({left:.1f} s to SIGKILL)"
-    except Exception as exc:  # the same on every rank (Checkpointer._commit agrees on it)
-        finished, problem = False, f"failed: {type(exc).__name__}: {exc}"
-    _report_completed(checkpointer, rt, result, record)
-    if not _on_every_rank(finished, rt.device):
-        why = f"the background save of step {in_flight} {problem or 'did not finish on another rank'}; no new save"
-        if rt.is_leader:
-            log_json("preempted", step=state.step, save=False, detail=why)
-        return StopReport(state.step, stop.requested, False, why)
-    estimate = estimate_save_seconds(checkpointer.save_seconds, local_checkpoint_bytes(model, optimizer))
-    save, why = agree_to_save(stop, estimate, rt.device)
-    if rt.is_leader:
-        log_json("preempted", step=state.step, save=save, detail=why)
-    if save:
-        _save(model, optimizer, scheduler, state, rt, checkpointer, result, record, scaler, blocking=True)
-    return StopReport(state.step, stop.requested, save, why)
+    # ------------------------------------------------------------------ evaluation
+    def _eval(self) -> None:
+        eval_loss = evaluate(self.model, self.data, self.rt, self.cfg.training.loss_chunks)
+        if eval_loss is None:
+            return
+        step, progress = self.state.step, self.progress
+        self.result.eval_losses.append(eval_loss)
+        self.record.eval_loss = eval_loss
+        perplexity = math.exp(min(eval_loss, 50))
+        if self.rt.is_leader:
+            log_json("eval", step=step, eval_loss=round(eval_loss, 6), perplexity=round(perplexity, 4))
+        if progress is not None:
+            progress.record_eval(step, eval_loss, perplexity)
+        if self.evaluator is not None:
+            report = self.evaluator.run(self.model, self.rt, step)  # every rank generates; rank 0 reports
+            if report is not None:
+                log_json("generations", **report)
+                if progress is not None:
+                    progress.record_generations(report)
 
 
 def _least_time_left(stop: StopSignal, device: torch.device) -> float:
@@ -419,25 +450,3 @@ def _on_every_rank(ok: bool, device: torch.device) -> bool:
     t = torch.tensor([1.0 if ok else 0.0], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t[0] > 0)
-
-
-def _run_eval(
-    model: nn.Module, data: Data, rt: Runtime, state: TrainState, progress: Progress | None, result: LoopResult,
-    record: RunRecord, evaluator: Evaluator | None = None, loss_chunks: int = 1,
-) -> None:
-    eval_loss = evaluate(model, data, rt, loss_chunks)
-    if eval_loss is None:
-        return
-    result.eval_losses.append(eval_loss)
-    record.eval_loss = eval_loss
-    perplexity = math.exp(min(eval_loss, 50))
-    if rt.is_leader:
-        log_json("eval", step=state.step, eval_loss=round(eval_loss, 6), perplexity=round(perplexity, 4))
-    if progress is not None:
-        progress.record_eval(state.step, eval_loss, perplexity)
-    if evaluator is not None:
-        report = evaluator.run(model, rt, state.step)  # every rank generates; rank 0 reports
-        if report is not None:
-            log_json("generations", **report)
-            if progress is not None:
-                progress.record_generations(report)

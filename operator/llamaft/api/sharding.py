@@ -37,6 +37,21 @@ class Wrapper(ApiEnum):
     FSDP1 = "fsdp1"
 
 
+class GradientSync(ApiEnum):
+    """How a micro-step that does not complete the optimizer step communicates gradients."""
+
+    EVERY_MICRO_STEP = "every-micro-step"
+    """Sharded gradients are reduce-scattered on every micro-step and accumulate in the shards (FSDP
+    over a 1-D mesh; FSDP1 for every strategy but NO_SHARD, having no all-reduce-only switch), or
+    there is nobody to sync with (one process)."""
+    ALL_REDUCE_ON_LAST = "all-reduce-on-last"
+    """FSDP2 over a 2-D mesh (HYBRID_SHARD, NO_SHARD): reduce-scatter inside the shard group every
+    micro-step, the all-reduce across replicas only on the last (`set_requires_all_reduce`)."""
+    NO_SYNC_UNTIL_LAST = "no-sync-until-last"
+    """Replicated gradients (DDP, FSDP1 NO_SHARD): nothing is communicated until the last micro-step
+    (`no_sync`); the full gradients it holds meanwhile are held anyway."""
+
+
 FULL_PRECISION = (MixedPrecision.FP32, MixedPrecision.PURE_BF16)
 """Precisions whose compute dtype is the master dtype: no cast for FSDP's policy to do, so a plain
 module (or DDP, which reduces in the parameters' dtype as these do) computes the same thing."""
@@ -78,13 +93,13 @@ class ShardingPlan:
         return self.strategy is not ShardingStrategy.SHARD_GRAD_OP
 
     @property
-    def syncs_on_last_micro_step_only(self) -> bool:
-        """Gradients are all-reduced across replicas only at the micro-step that completes the
-        optimizer step (the others accumulate locally, unsharded); sharded gradients are
-        reduce-scattered every micro-step."""
-        return self.wrapper is Wrapper.DDP or (
-            self.fsdp and self.strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.NO_SHARD)
-        )
+    def gradient_sync(self) -> GradientSync:
+        """What the training loop does on a micro-step that does not complete the optimizer step."""
+        if self.wrapper is Wrapper.DDP or (self.wrapper is Wrapper.FSDP1 and self.strategy is ShardingStrategy.NO_SHARD):
+            return GradientSync.NO_SYNC_UNTIL_LAST
+        if self.wrapper is Wrapper.FSDP2 and len(self.mesh_shape) == 2:
+            return GradientSync.ALL_REDUCE_ON_LAST
+        return GradientSync.EVERY_MICRO_STEP
 
 
 def shard_size(fsdp: FsdpSpec, world_size: int, local_world_size: int) -> int:

@@ -73,9 +73,10 @@ from llamaft.api.spec import (
 from llamaft.planner.shapes import LORA_MODULES, ModelShape
 
 TRAINER_SYNCS_EVERY_MICRO_STEP = True
-"""Mirrors llamaft_trainer.train._micro_step: gradients are reduce-scattered on every micro-step, so
-they stay sharded between micro-steps (False models a trainer that turned gradient sync off until
-the last micro-step, keeping them unsharded). Flip when the trainer changes."""
+"""Mirrors llamaft_trainer.train.micro_step_sync (api.sharding.GradientSync): sharded gradients are
+reduce-scattered on every micro-step, so they stay sharded between micro-steps (False models a
+trainer that turned gradient sync off until the last micro-step, keeping them unsharded). Flip
+when the trainer changes."""
 
 LOGITS_NOTE_SHARE = 0.25
 """Above this share of the peak, the logits get a note suggesting training.lossChunks."""
