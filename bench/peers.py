@@ -313,10 +313,13 @@ def run_llamaft(name: str, pair: Pair, steps: int, model: Path, store_root: Path
                {"spawned": tree.spawned, "trainer_events_s": {k: round(stamps[k], 2) for k in ("data", "setup") if k in stamps}})
 
 
+HF_SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
+"""transformers' `lr_scheduler_type` for each `training.scheduler` (train.lr_factor's formulas)."""
+
+
 def run_hf(name: str, pair: Pair, steps: int, model: Path, batches: Path, work: Path, python: Path, doc: dict[str, Any],
            timeout_s: float) -> Run:
     from llamaft.api.spec import LlamaFineTuneSpec
-    from llamaft_trainer.train import SCHEDULER_NAMES
 
     tc = LlamaFineTuneSpec.model_validate(doc["spec"]).training
     folder = work / "hf" / name
@@ -326,7 +329,7 @@ def run_hf(name: str, pair: Pair, steps: int, model: Path, batches: Path, work: 
     cfg = {
         "model": str(model), "batches": str(batches), "out": str(out), "output_dir": str(folder / "trainer"),
         "steps": steps, "batch_size": tc.per_device_batch_size, "learning_rate": tc.learning_rate,
-        "warmup_steps": tc.warmup_steps, "lr_scheduler_type": SCHEDULER_NAMES[tc.scheduler],
+        "warmup_steps": tc.warmup_steps, "lr_scheduler_type": HF_SCHEDULERS[tc.scheduler.value],
         "weight_decay": tc.weight_decay, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8,
         "max_grad_norm": tc.max_grad_norm, "optim": "adamw_torch", "seed": tc.seed,
     }

@@ -23,6 +23,7 @@ scheduled checkpoint would (a resumed run continues exactly as from any other ch
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Iterator
@@ -36,7 +37,6 @@ from llamaft.api.sharding import GradientSync, ShardingPlan
 from llamaft.api.spec import FsdpImplementation, MixedPrecision, SchedulerType, TrainingJobConfig
 from torch import nn
 from torch.distributed.tensor import DTensor
-from transformers import get_scheduler
 
 from llamaft_trainer import float8, profiling
 from llamaft_trainer.checkpoint import Checkpointer, TrainState
@@ -55,11 +55,21 @@ from llamaft_trainer.preemption import (
 from llamaft_trainer.runtime import Runtime
 from llamaft_trainer.termination import RunRecord
 
-SCHEDULER_NAMES = {
-    SchedulerType.COSINE: "cosine",
-    SchedulerType.LINEAR: "linear",
-    SchedulerType.CONSTANT: "constant_with_warmup",
-}
+
+def lr_factor(kind: SchedulerType, step: int, warmup: int, total: int) -> float:
+    """The learning-rate multiplier at `step`: a linear warm-up over `warmup` steps, then constant,
+    linear decay to 0 or a half cosine to 0 at `total`. The formulas are transformers' (its
+    `get_scheduler` "constant_with_warmup", "linear" and "cosine"), so a run matches HF Trainer's
+    schedule step for step; written here on torch's LambdaLR because importing transformers'
+    scheduler imports its Trainer stack (peft, accelerate, torchao), seconds of every worker's start."""
+    if step < warmup:
+        return float(step) / float(max(1, warmup))
+    if kind is SchedulerType.CONSTANT:
+        return 1.0
+    if kind is SchedulerType.LINEAR:
+        return max(0.0, float(total - step) / float(max(1, total - warmup)))
+    progress = float(step - warmup) / float(max(1, total - warmup))
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))
 
 
 @dataclass
@@ -89,11 +99,9 @@ def total_steps(cfg: TrainingJobConfig, batches_per_epoch: int) -> int:
     return cfg.training.epochs * max(1, batches_per_epoch // cfg.training.gradient_accumulation_steps)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingJobConfig, steps: int) -> Any:
-    return get_scheduler(
-        SCHEDULER_NAMES[cfg.training.scheduler], optimizer,
-        num_warmup_steps=cfg.training.warmup_steps, num_training_steps=steps,
-    )
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingJobConfig, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    kind, warmup = cfg.training.scheduler, cfg.training.warmup_steps
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, kind, warmup=warmup, total=steps))
 
 
 def build_scaler(cfg: TrainingJobConfig, rt: Runtime) -> Any | None:
