@@ -10,6 +10,7 @@ not the byte-compilation of a few thousand files that would double their time.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -88,7 +89,7 @@ def test_images_and_ci_install_from_the_constraints() -> None:
     for name, text, extra in (("Dockerfile.trainer", trainer, "trainer"), ("Dockerfile.operator", operator, "operator")):
         assert re.search(r"^COPY [^\n]*\bconstraints\.txt\b[^\n]* \./$", text, re.M), f"{name} copies constraints.txt"
         installs = re.findall(r"pip install ([^\n&\\]*)", text)
-        assert [i.strip() for i in installs] == [f'-c constraints.txt ".[{extra}]"'], (name, installs)
+        assert [i.strip() for i in installs] == ["uv==0.13.9", f'--system -c constraints.txt ".[{extra}]"'], (name, installs)
     python = re.search(r"^FROM python:(\d+\.\d+)-slim$", operator, re.M)
     assert python and python.group(1) == f"{sys.version_info.major}.{sys.version_info.minor}", "operator image Python != CI's"
     setup = (REPO / ".ci" / "setup").read_text()
@@ -111,17 +112,42 @@ def test_dockerfiles_pass_hadolint() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+UV = re.compile(r'pip install (uv==[0-9.]+) && uv pip install --system -c (constraints\.txt) "(\.\[\w+\])"')
+"""An image's install: pip installs the pinned uv, uv installs the extra with the constraints."""
+
+
+def image_install(venv: Path, command: re.Match[str], cwd: Path = REPO) -> None:
+    """The image's install command into `venv`: `--system` (the image's base interpreter) becomes
+    `--python` of the venv, never this machine's own Python."""
+    python = venv / "bin" / "python"
+    env = {**os.environ, "PATH": f"{venv / 'bin'}:{os.environ['PATH']}", "UV_NO_CACHE": "1"}
+    uv = subprocess.run([str(python), "-m", "pip", "install", "-q", command.group(1)], capture_output=True, text=True, timeout=300)
+    assert uv.returncode == 0, uv.stderr[-3000:]
+    assert str(subprocess.run([str(venv / "bin" / "uv"), "--version"], env=env, capture_output=True, text=True).stdout).startswith(
+        f"uv {command.group(1).split('==')[1]}")
+    proc = subprocess.run([str(venv / "bin" / "uv"), "pip", "install", "--python", str(python), "--quiet", "--no-compile", "-c", command.group(2), command.group(3)],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_images_install_with_the_uv_ci_sets_up_with() -> None:
+    """CI (.ci/setup) and both images install with the same pinned uv."""
+    pinned = re.search(r"^UV_VERSION=([0-9.]+)$", (REPO / ".ci" / "setup").read_text(), re.M)
+    assert pinned, ".ci/setup pins uv (UV_VERSION=...)"
+    for name in ("Dockerfile.operator", "Dockerfile.trainer"):
+        install = UV.search((REPO / name).read_text())
+        assert install, f"{name} installs its extra by the pinned uv with the constraints"
+        assert install.group(1) == f"uv=={pinned.group(1)}", f"{name} pins {install.group(1)}, .ci/setup uv=={pinned.group(1)}"
+
+
 @pytest.mark.slow
 def test_operator_install_command_in_a_clean_venv(tmp_path: Path) -> None:
-    dockerfile = (REPO / "Dockerfile.operator").read_text()
-    install = re.search(r'pip install -c (constraints\.txt) "(\.\[operator\])"', dockerfile)
-    assert install, "Dockerfile.operator installs the operator extra with the constraints"
+    install = UV.search((REPO / "Dockerfile.operator").read_text())
+    assert install and install.group(3) == ".[operator]", "Dockerfile.operator installs the operator extra with the constraints"
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
-    proc = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-compile", "-c", install.group(1), install.group(2)],
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    image_install(venv, install)
     check = "import importlib.util, llamaft.operator.handlers; print(importlib.util.find_spec('torch') is None)"
     out = subprocess.run([str(python), "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -135,16 +161,17 @@ def test_trainer_install_command_in_a_clean_venv(tmp_path: Path) -> None:
     """Dockerfile.trainer's RUN line on top of a torch that is already there (the CUDA base image's
     role; here the CPU build): the extra installs and the image's own import check passes."""
     dockerfile = (REPO / "Dockerfile.trainer").read_text()
-    run = re.search(r'RUN pip install -c (constraints\.txt) "(\.\[trainer\])" && python -c "([^"]+)"', dockerfile)
-    assert run, "Dockerfile.trainer installs the trainer extra with the constraints and checks its imports"
+    install = UV.search(dockerfile)
+    imports = re.search(r'uv pip install [^&]+ && python -c "([^"]+)"', dockerfile)
+    assert install and install.group(3) == ".[trainer]" and imports, \
+        "Dockerfile.trainer installs the trainer extra with the constraints and checks its imports"
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile"]
     base = subprocess.run([*pip, f"torch=={pins()['torch']}"], capture_output=True, text=True, timeout=900)
     assert base.returncode == 0, base.stderr[-3000:]
-    extra = subprocess.run([*pip, "-c", run.group(1), run.group(2)], cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert extra.returncode == 0, extra.stderr[-3000:]
-    check = subprocess.run([str(venv / "bin" / "python"), "-c", run.group(3)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    image_install(venv, install)
+    check = subprocess.run([str(venv / "bin" / "python"), "-c", imports.group(1)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert check.returncode == 0, check.stderr[-3000:]
     version = subprocess.run([str(venv / "bin" / "python"), "-c", "import torch; print(torch.__version__)"],
                              capture_output=True, text=True, timeout=120)
