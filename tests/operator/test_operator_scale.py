@@ -32,10 +32,10 @@ from tests.operator.emulator import STATS_PATH, EmulatorThread
 UID = "1234abcd-0000-0000-0000-000000000000"
 
 
-@pytest.fixture(autouse=True)
-def fresh_spec_cache() -> None:
-    with specs._specs_lock:
-        specs._specs.clear()
+@pytest.fixture
+def memo() -> Any:
+    """An operator's memo: its OperatorState holds the validated-spec cache."""
+    return state.new_memo(OperatorSettings())
 
 
 def counting_validate(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
@@ -51,29 +51,29 @@ def counting_validate(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
 
 # ------------------------------------------------------------------------- validation cache
-def test_one_cel_evaluation_per_distinct_spec_shared_by_objects(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_cel_evaluation_per_distinct_spec_shared_by_objects(monkeypatch: pytest.MonkeyPatch, memo: Any) -> None:
     calls = counting_validate(monkeypatch)
     spec = tiny_spec()
     reordered = dict(reversed(list(tiny_spec().items())))  # the same content, keys in another order
-    first = specs.cached_spec(spec)
-    assert specs.cached_spec(reordered) is first and len(calls) == 1
-    other = specs.cached_spec(tiny_spec(cluster={"workers": 4}))
+    first = specs.cached_spec(memo, spec)
+    assert specs.cached_spec(memo, reordered) is first and len(calls) == 1
+    other = specs.cached_spec(memo, tiny_spec(cluster={"workers": 4}))
     assert other is not first and len(calls) == 2
 
 
-def test_an_invalid_spec_is_cached_as_its_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_invalid_spec_is_cached_as_its_errors(monkeypatch: pytest.MonkeyPatch, memo: Any) -> None:
     calls = counting_validate(monkeypatch)
     broken = tiny_spec(fsdp={"shardingStrategy": "HYBRID_SHARD", "hybridShard": {"shardGroupSize": 3, "replicaGroupSize": 2}})
     for _ in range(3):
-        result = specs.cached_spec(broken)
+        result = specs.cached_spec(memo, broken)
         assert isinstance(result, SpecInvalid) and "shardGroupSize" in str(result)
     assert len(calls) == 1
 
 
-def test_concurrent_steps_with_one_spec_wait_for_one_evaluation(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_concurrent_steps_with_one_spec_wait_for_one_evaluation(monkeypatch: pytest.MonkeyPatch, memo: Any) -> None:
     calls = counting_validate(monkeypatch)
     results: list[Any] = []
-    threads = [threading.Thread(target=lambda: results.append(specs.cached_spec(tiny_spec()))) for _ in range(8)]
+    threads = [threading.Thread(target=lambda: results.append(specs.cached_spec(memo, tiny_spec()))) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
@@ -81,21 +81,22 @@ def test_concurrent_steps_with_one_spec_wait_for_one_evaluation(monkeypatch: pyt
     assert len(calls) == 1 and all(r is results[0] for r in results)
 
 
-def test_the_cache_keeps_the_latest_distinct_specs(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(specs, "SPEC_CACHE_SIZE", 2)
+def test_the_cache_keeps_the_latest_distinct_specs(monkeypatch: pytest.MonkeyPatch, memo: Any) -> None:
+    state.operator_state(memo).specs = state.SpecCache(size=2)
     calls = counting_validate(monkeypatch)
     for workers in (1, 2, 3, 1):
-        specs.cached_spec(tiny_spec(cluster={"workers": workers}))
+        specs.cached_spec(memo, tiny_spec(cluster={"workers": workers}))
     assert len(calls) == 4, "workers=1 was evicted by 2 and 3"
-    assert len(specs._specs) == 2
+    assert len(state.operator_state(memo).specs) == 2
 
 
-def test_validated_caches_per_generation_and_not_with_the_old_spec(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_validated_caches_per_generation_and_not_with_the_old_spec(monkeypatch: pytest.MonkeyPatch, memo: Any) -> None:
     calls = counting_validate(monkeypatch)
-    memo: Any = {}
     obj = {"metadata": {"name": "x", "namespace": "default", "uid": UID, "generation": 1}, "spec": tiny_spec()}
     assert specs.validated(memo, obj) is specs.validated(memo, obj)
-    specs.validated({}, {**obj, "metadata": {**obj["metadata"], "name": "y", "generation": 3}})  # another object
+    other = kopf.Memo(memo)  # kopf's shallow copy for another object: the same OperatorState
+    other.pop("object")
+    specs.validated(other, {**obj, "metadata": {**obj["metadata"], "name": "y", "generation": 3}})
     assert len(calls) == 1
     specs.validated(memo, obj, old=tiny_spec())  # an update: transition rules need the old spec
     assert len(calls) == 2
@@ -135,7 +136,7 @@ def step_with(index: dict[tuple[str, str], list[Any]] | None) -> tuple[Step, Rec
 def reconcile(step: Step) -> tuple[float | None, dict[str, Any]]:
     obj = {"apiVersion": "llamaft.io/v1alpha1", "kind": "LlamaFineTune",
            "metadata": {"name": "x", "namespace": "default", "uid": UID, "generation": 1}, "spec": tiny_spec(), "status": {}}
-    spec = specs.cached_spec(obj["spec"])
+    spec = specs.cached_spec(step.memo, obj["spec"])
     assert not isinstance(spec, SpecInvalid)
     patch: dict[str, Any] = {}
     return step._reconcile_children(obj, Owner("x", "default", UID), spec, patch, force=True), patch
@@ -191,7 +192,7 @@ def test_a_step_of_an_unchanged_generation_does_not_render_the_children(monkeypa
     monkeypatch.setattr(desired, "children", lambda *a, **k: rendered.append(a) or real(*a, **k))
     obj = {"apiVersion": "llamaft.io/v1alpha1", "kind": "LlamaFineTune",
            "metadata": {"name": "x", "namespace": "default", "uid": UID, "generation": 1}, "spec": tiny_spec(), "status": {}}
-    spec = specs.cached_spec(obj["spec"])
+    spec = specs.cached_spec(step.memo, obj["spec"])
     assert not isinstance(spec, SpecInvalid)
     kube.calls.clear()
     assert step._reconcile_children(obj, Owner("x", "default", UID), spec, {}) is None
@@ -232,7 +233,7 @@ def test_a_sync_asks_a_bounded_number_of_pods_and_finds_the_leader_in_turn() -> 
     step, _ = step_with(None)
     http = CountingHttp("10.0.0.13")
     step.http = http  # type: ignore[assignment]
-    spec = specs.cached_spec(tiny_spec())
+    spec = specs.cached_spec(step.memo, tiny_spec())
     assert not isinstance(spec, SpecInvalid)
     status: dict[str, Any] = {}
     found, syncs = None, 0
@@ -252,7 +253,7 @@ def test_replica_zero_is_asked_first() -> None:
     step, _ = step_with(None)
     http = CountingHttp("10.0.0.0")
     step.http = http  # type: ignore[assignment]
-    spec = specs.cached_spec(tiny_spec())
+    spec = specs.cached_spec(step.memo, tiny_spec())
     assert not isinstance(spec, SpecInvalid)
     assert step._leader_progress(list(reversed(pods(8))), spec, {}) is not None and http.asked == 1
 

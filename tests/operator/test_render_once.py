@@ -44,8 +44,6 @@ def renders(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     calls: list[Any] = []
     real = desired.children
     monkeypatch.setattr(desired, "children", lambda *a, **k: calls.append(a) or real(*a, **k))
-    with specs._specs_lock:
-        specs._specs.clear()
     admission._clean.clear()
     return calls
 
@@ -96,7 +94,7 @@ def test_objects_of_one_template_are_checked_once(renders: list[Any], monkeypatc
     real_check = admission._check
     monkeypatch.setattr(admission, "_check", lambda spec, render: checks.append(render.children[0]["metadata"]["name"])
                         or real_check(spec, render))
-    spec = specs.cached_spec(tiny_spec())
+    spec = specs.cached_spec(new_memo(OperatorSettings()), tiny_spec())
     assert not isinstance(spec, SpecInvalid)
     first = admission.checked_children(Owner("run-a", "team", UID), spec)
     second = admission.checked_children(Owner("run-b", "team", "5678abcd-0000-0000-0000-000000000000"), spec)

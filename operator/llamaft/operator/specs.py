@@ -4,11 +4,6 @@ against the schemas the API server and the training operator apply."""
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
-import hashlib
-import json
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,37 +16,18 @@ from llamaft.operator.state import object_state, operator_state
 from llamaft.render.admission import PLACEHOLDER_UID, checked_children
 from llamaft.render.naming import Owner
 
-SPEC_CACHE_SIZE = 256
-_specs: collections.OrderedDict[str, concurrent.futures.Future[LlamaFineTuneSpec | SpecInvalid]] = collections.OrderedDict()
-_specs_lock = threading.Lock()
 
-
-def cached_spec(spec: Mapping[str, Any]) -> LlamaFineTuneSpec | SpecInvalid:
+def cached_spec(memo: Mapping[str, Any], spec: Mapping[str, Any]) -> LlamaFineTuneSpec | SpecInvalid:
     """validate_spec (pydantic strict, then the CRD's CEL rules: ~20 ms of CPU) once per distinct
-    spec content, shared by every object and step: LlamaFineTunes made from one template cost one
-    evaluation, not one each, and concurrent steps with the same spec wait for the one running.
-    Keyed by a hash of the canonical JSON; the last SPEC_CACHE_SIZE distinct specs are kept."""
-    key = hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":"), default=repr).encode()).hexdigest()
-    with _specs_lock:
-        future = _specs.get(key)
-        mine = future is None
-        if future is None:
-            future = _specs[key] = concurrent.futures.Future()
-            while len(_specs) > SPEC_CACHE_SIZE:
-                _specs.popitem(last=False)
-        else:
-            _specs.move_to_end(key)
-    if mine:
+    spec content in this operator (OperatorState.specs); without an operator state (a handler run
+    on its own), every time."""
+    if "operator" not in memo:
         try:
-            future.set_result(validate_spec(dict(spec)))
+            return validate_spec(dict(spec))
         except SpecInvalid as exc:
-            future.set_result(exc)
-        except BaseException as exc:
-            with _specs_lock:
-                if _specs.get(key) is future:
-                    del _specs[key]
-            future.set_exception(exc)
-    return future.result()
+            return exc
+    result: LlamaFineTuneSpec | SpecInvalid = operator_state(memo).specs.get(spec, validate_spec, SpecInvalid)
+    return result
 
 
 def validated(memo: kopf.Memo, obj: Mapping[str, Any], old: Any = None,
@@ -70,7 +46,7 @@ def validated(memo: kopf.Memo, obj: Mapping[str, Any], old: Any = None,
     result: LlamaFineTuneSpec | SpecInvalid
     parsed: LlamaFineTuneSpec | SpecInvalid
     if old is None:
-        parsed = cached_spec(dict(obj.get("spec") or {}))
+        parsed = cached_spec(memo, dict(obj.get("spec") or {}))
     else:
         try:
             parsed = validate_spec(dict(obj.get("spec") or {}), old=old)

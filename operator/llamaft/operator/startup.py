@@ -60,7 +60,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -
     # settings.watching.label_selectors is passed to the API as the watch's labelSelector.
     for child, selector in CHILD_SELECTORS.items():
         settings.watching.label_selectors[child] = selector
-    warm_up(logger)
+    warm_up(memo, logger)
     from prometheus_client import start_http_server
 
     try:
@@ -69,13 +69,13 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -
     except OSError as exc:
         logger.warning(f"metrics port {operator_settings.metrics_port} unavailable: {exc}")
 
-def warm_up(logger: Any) -> None:
+def warm_up(memo: kopf.Memo, logger: Any) -> None:
     """Load now what the first validation would load (the CRD schema and its CEL programs, the
     Kubernetes and Kubeflow schemas the children are checked against, about 2 s of CPU), so that
     the first LlamaFineTunes after a start do not all wait for it."""
     started = time.perf_counter()
     try:
-        spec = cached_spec(WARM_UP_SPEC)
+        spec = cached_spec(memo, WARM_UP_SPEC)
         if isinstance(spec, LlamaFineTuneSpec):
             checked_children(Owner("warm-up", "default", PLACEHOLDER_UID), spec)
             admission(spec)

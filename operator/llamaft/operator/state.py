@@ -1,7 +1,7 @@
 """What the handlers share through kopf's memo, typed, and the small helpers every module uses.
 
 The operator's memo holds one `OperatorState` (settings, the API and HTTP clients, the registries
-of wake-ups, phases, applied children, drift and jobs just created), made at start-up
+of wake-ups, phases, applied children, drift, validated specs and jobs just created), made at start-up
 (`startup.configure`). kopf copies the memo shallowly into each object's memo, so every object
 sees that one state, and adds its own `ObjectState` (its lock, its validation, what was applied
 for it) that goes with the object."""
@@ -9,10 +9,13 @@ for it) that goes with the object."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
+import hashlib
+import json
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -56,6 +59,48 @@ Key = tuple[str, str]
 """(namespace, name) of a LlamaFineTune."""
 
 
+SPEC_CACHE_SIZE = 256
+
+
+class SpecCache:
+    """Validation results by spec content, the latest `size` distinct specs (OperatorState.specs):
+    LlamaFineTunes made from one template cost one validation, not one each, and concurrent steps
+    with the same spec wait for the one running (a future per key, where functools.lru_cache would
+    run them all). Keyed by a hash of the canonical JSON."""
+
+    def __init__(self, size: int = SPEC_CACHE_SIZE) -> None:
+        self.size = size
+        self._futures: collections.OrderedDict[str, concurrent.futures.Future[Any]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._futures)
+
+    def get(self, spec: Mapping[str, Any], validate: Callable[[dict[str, Any]], Any], invalid: type[Exception]) -> Any:
+        """validate(spec), or the `invalid` exception it raised, computed once per content."""
+        key = hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":"), default=repr).encode()).hexdigest()
+        with self._lock:
+            future = self._futures.get(key)
+            mine = future is None
+            if future is None:
+                future = self._futures[key] = concurrent.futures.Future()
+                while len(self._futures) > self.size:
+                    self._futures.popitem(last=False)
+            else:
+                self._futures.move_to_end(key)
+        if mine:
+            try:
+                future.set_result(validate(dict(spec)))
+            except invalid as exc:
+                future.set_result(exc)
+            except BaseException as exc:  # not a verdict (a bug, an interrupt): the next call tries again
+                with self._lock:
+                    if self._futures.get(key) is future:
+                        del self._futures[key]
+                future.set_exception(exc)
+        return future.result()
+
+
 @dataclass
 class OperatorState:
     """The operator's memo, one per process (memo["operator"], set at start-up): kopf copies the
@@ -76,6 +121,8 @@ class OperatorState:
     """Each object's children as llamaft last applied them: (kind, name) -> resourceVersion."""
     drifted: set[Key] = field(default_factory=set)
     """Objects whose children someone else edited or deleted (children.note_drift)."""
+    specs: SpecCache = field(default_factory=SpecCache)
+    """Validated specs by content (specs.cached_spec)."""
     created_jobs: dict[Key, str] = field(default_factory=dict)
     """(namespace, job name) -> resourceVersion of a job as llamaft just created it (its ADDED
     event is that write's echo and wakes nobody)."""
