@@ -1,7 +1,7 @@
 """The images, without a Docker engine: both Dockerfiles pass hadolint, install with the one
 constraints file CI installs from (and the trainer image's base is the torch release CI tests), the
 constraints pin everything CI installs, and each image's install command works in a clean virtual
-environment (the operator's brings no torch). Those installs pass --no-compile: what is checked is
+environment (the operator's brings no torch). Those installs pass --no-compile (the images: --compile-bytecode): what is checked is
 that the command resolves and installs with the constraints and that the image's imports work,
 not the byte-compilation of a few thousand files that would double their time.
 
@@ -89,7 +89,7 @@ def test_images_and_ci_install_from_the_constraints() -> None:
     for name, text, extra in (("Dockerfile.trainer", trainer, "trainer"), ("Dockerfile.operator", operator, "operator")):
         assert re.search(r"^COPY [^\n]*\bconstraints\.txt\b[^\n]* \./$", text, re.M), f"{name} copies constraints.txt"
         installs = re.findall(r"pip install ([^\n&\\]*)", text)
-        assert [i.strip() for i in installs] == ["uv==0.13.9", f'--system -c constraints.txt ".[{extra}]"'], (name, installs)
+        assert [i.strip() for i in installs] == ["uv==0.13.9", f'--system --compile-bytecode -c constraints.txt ".[{extra}]"'], (name, installs)
     python = re.search(r"^FROM python:(\d+\.\d+)-slim$", operator, re.M)
     assert python and python.group(1) == f"{sys.version_info.major}.{sys.version_info.minor}", "operator image Python != CI's"
     setup = (REPO / ".ci" / "setup").read_text()
@@ -112,7 +112,7 @@ def test_dockerfiles_pass_hadolint() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-UV = re.compile(r'pip install (uv==[0-9.]+) && uv pip install --system -c (constraints\.txt) "(\.\[\w+\])"')
+UV = re.compile(r'pip install (uv==[0-9.]+) && uv pip install --system --compile-bytecode -c (constraints\.txt) "(\.\[\w+\])"')
 """An image's install: pip installs the pinned uv, uv installs the extra with the constraints."""
 
 

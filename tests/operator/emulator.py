@@ -54,16 +54,38 @@ import attrs
 import jsonpatch
 import kmock
 import yaml
-from kmock._internal import dicts
 from kmock._internal import parsing as kmock_parsing
 
 from tests.operator.apply import ApplyConflict
 from tests.operator.apply import apply as server_side_apply
 
 Obj = dict[str, Any]
-# kmock's public API (everything else used here) has no hook for two things: its merge/JSON patch
-# of a stored object (dicts.patch_dict) and the path parser that _parse_path corrects.
+# kmock's public API (everything else used here) has no hook for one thing: the path parser that
+# _parse_path corrects (kmock._internal.parsing, the only private name used).
 _kmock_parse_path = kmock_parsing.parse_path
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch, as the API server applies application/merge-patch+json: a null
+    removes the key, an object merges into an object (anything else is replaced)."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+def patched(current: Obj, patch: Any) -> Obj:
+    """A stored object after a merge patch (a JSON object) or a JSON patch (RFC 6902, a list)."""
+    if isinstance(patch, dict):
+        return dict(merge_patch(current, patch))
+    if isinstance(patch, list):
+        return dict(jsonpatch.apply_patch(current, patch, in_place=False))
+    raise kmock.KubernetesError(status=400, reason="BadRequest", message="a patch is a JSON object or a JSON patch list")
 
 
 def _parse_path(path: str) -> Any:
@@ -602,7 +624,7 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
             else:
                 wanted = str(request.data.get("metadata", {}).get("resourceVersion") or "") if isinstance(request.data, dict) else ""
                 try:
-                    new = _copy(dict(dicts.patch_dict(current, request.data)))
+                    new = _copy(patched(current, request.data))
                 except (jsonpatch.JsonPatchTestFailed, jsonpatch.JsonPatchConflict, jsonpatch.JsonPointerException) as exc:
                     raise kmock.KubernetesError(status=422, reason="Invalid", message=f"the patch cannot be applied: {exc}") from None
             uid = str(request.data.get("metadata", {}).get("uid") or "") if isinstance(request.data, dict) else ""

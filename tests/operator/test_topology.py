@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import kmock
 import pytest
 from llamaft.api.spec import LlamaFineTuneSpec
 from llamaft.api.validation import SpecInvalid, label_key_problem, validate_spec
@@ -142,14 +143,13 @@ KUEUE_OBJECTS = [
 def kueue_job_webhook(key: str, obj: dict[str, Any]) -> None:
     """Kueue's PyTorchJob webhook: a job with a queue label is validated (the TAS annotations of its
     replica templates) and suspended at creation."""
-    from kmock._internal import k8s
 
     if key != "kubeflow.org/v1/pytorchjobs" or QUEUE_LABEL not in (obj.get("metadata") or {}).get("labels", {}):
         return
     for replica in (obj.get("spec") or {}).get("pytorchReplicaSpecs", {}).values():
         problems = kueue_tas_problems((replica.get("template") or {}).get("metadata") or {})
         if problems:
-            raise k8s.KubernetesError(status=422, reason="Invalid", message="; ".join(problems))
+            raise kmock.KubernetesError(status=422, reason="Invalid", message="; ".join(problems))
     obj["spec"].setdefault("runPolicy", {})["suspend"] = True
 
 
