@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import urllib3
 
+from llamaft_trainer.logline import log_json
+
 if TYPE_CHECKING:  # metrics imports torch; this module must not
     from llamaft_trainer.metrics import Progress
 
@@ -46,10 +48,7 @@ METRIC_TEXT_MAX = 64
 """trainerStatus.metrics[].name and .value are strings of at most 64 characters (the CRD)."""
 
 
-def _log(event: str, **fields: Any) -> None:
-    """One structured line on stdout, as metrics.log_json writes them (without importing torch)."""
-    record = {"ts": datetime.now(UTC).isoformat(timespec="milliseconds"), "event": event, **fields}
-    print(json.dumps(record, default=str), flush=True)
+_log = log_json  # one structured line on stdout, without importing torch
 
 
 def _number(value: Any) -> str:

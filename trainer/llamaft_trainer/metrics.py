@@ -28,17 +28,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from transformers import PretrainedConfig
 
 from llamaft_trainer import termination
+from llamaft_trainer.logline import log_json
+
+__all__ = ["log_json"]  # the trainer's modules log through metrics.log_json (logline.py writes it)
 
 _WIRE_NAMES = {name: str(field.alias) for name, field in ProgressDocument.model_fields.items()}
 """ProgressDocument's field names -> their camelCase wire names."""
 
 PEAK_FLOPS_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
-
-
-def log_json(event: str, **fields: Any) -> None:
-    """One structured log line on stdout (only the caller decides which ranks log)."""
-    record = {"ts": datetime.now(UTC).isoformat(timespec="milliseconds"), "event": event, **fields}
-    print(json.dumps(record, default=str), flush=True)
 
 
 def flops_per_token(config: PretrainedConfig, n_params: int, seq_len: int) -> float:
