@@ -170,3 +170,28 @@ def test_the_registry_check_finds_logic() -> None:
     assert handler_bodies(helper) == {"helper": (False, 1)}
     grown = "import kopf\n@kopf.on.event('x')\ndef h():\n    '''doc'''\n" + "".join(f"    a{i} = {i}\n" for i in range(9))
     assert handler_bodies(grown) == {"h": (True, 9)}
+
+
+def private_torch_imports(module: str, source: str) -> list[str]:
+    """Imports of a private torch module (a name after `torch.` that starts with "_")."""
+    return [f"{module}:{line} imports {target}" for line, target in imported_modules(module, source)
+            if target.split(".")[0] == "torch" and any(p.startswith("_") for p in target.split(".")[1:])]
+
+
+def test_the_trainer_imports_public_torch_only() -> None:
+    """The trainer reads like torchtitan: public torch APIs, so a torch upgrade cannot move the
+    ground under it (FSDP2's collectives are timed through `set_custom_all_gather`, not its
+    private classes)."""
+    checked = [(m, p) for m, p in modules() if layer_of(m) == "trainer"]
+    assert len(checked) > 20
+    assert [p for module, path in checked for p in private_torch_imports(module, path.read_text(encoding="utf-8"))] == []
+
+
+@pytest.mark.parametrize(("source", "private"), [
+    ("from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather\n", True),
+    ("def f():\n    from torch.distributed.fsdp import _fully_shard\n", True),
+    ("import torch._dynamo\n", True),
+    ("from torch.distributed.fsdp import FSDPModule, fully_shard\nimport torch.distributed as dist\n", False),
+])
+def test_a_private_torch_import_is_found(source: str, private: bool) -> None:
+    assert bool(private_torch_imports("llamaft_trainer.x", source)) is private

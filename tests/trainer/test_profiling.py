@@ -16,13 +16,6 @@ from tests.conftest import REPO
 from tests.trainer.conftest import base_config, torchrun_cmd, trainer_env
 
 
-@pytest.fixture(autouse=True)
-def _no_active_timers() -> Any:
-    profiling.stop()
-    yield
-    profiling.stop()
-
-
 class FakeClock:
     def __init__(self) -> None:
         self.now = 100.0
@@ -34,8 +27,7 @@ class FakeClock:
 def test_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(profiling.ENV_VAR, raising=False)
     assert profiling.start() is None
-    assert profiling.active() is None
-    first, second = profiling.phase("forward"), profiling.phase("backward")
+    first, second = profiling.phase(None, "forward"), profiling.phase(None, "backward")
     assert first is second  # one shared no-op context: nothing is timed or allocated
     with first:
         pass
@@ -51,15 +43,15 @@ def test_exclusive_times_sum_to_the_step(monkeypatch: pytest.MonkeyPatch) -> Non
     clock = FakeClock()
     monkeypatch.setattr(profiling.time, "perf_counter", clock)
     timers = profiling.start(enabled=True)
-    assert timers is not None and profiling.active() is timers
-    with profiling.phase("forward"):
+    assert timers is not None and timers is not profiling.start(enabled=True)  # each loop its own
+    with profiling.phase(timers, "forward"):
         clock.now += 0.010
-        with profiling.phase("all_gather"):  # nested: paused forward
+        with profiling.phase(timers, "all_gather"):  # nested: paused forward
             clock.now += 0.004
         clock.now += 0.006
-    with profiling.phase("backward"):
+    with profiling.phase(timers, "backward"):
         clock.now += 0.020
-        with profiling.phase("reduce_scatter"):
+        with profiling.phase(timers, "reduce_scatter"):
             clock.now += 0.005
     timers.count("all_gather", 1000)
     out = timers.end_step(0.050)

@@ -193,9 +193,16 @@ def apply_fsdp2(model: nn.Module, fsdp: FsdpSpec, plan: ShardingPlan, mesh: Devi
         # all-gather (torchtitan does the same).
         fully_shard(unit, reshard_after_forward=reshard and index < len(units) - 1, **common)
     fully_shard(model, reshard_after_forward=reshard, **common)
-    if mesh.device_type == "cpu" and os.environ.get(CPU_OVERLAP_ENV, "1") != "0":
+    if fsdp2_reduce_scatter(mesh.device_type) is not None:
         overlap_on_cpu(model, units)
     return model
+
+
+def fsdp2_reduce_scatter(device_type: str) -> AllToAllReduceScatter | None:
+    """The reduce-scatter `apply_fsdp2` gives every unit on `device_type`: all-to-all on CPU
+    (`overlap_on_cpu`, unless LLAMAFT_FSDP_CPU_OVERLAP=0), FSDP2's default (None) elsewhere.
+    profiling.py wraps the same one in its timer."""
+    return AllToAllReduceScatter() if device_type == "cpu" and os.environ.get(CPU_OVERLAP_ENV, "1") != "0" else None
 
 
 def overlap_on_cpu(model: nn.Module, units: Sequence[nn.Module]) -> None:

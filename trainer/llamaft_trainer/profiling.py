@@ -2,11 +2,12 @@
 
     LLAMAFT_PHASE_TIMERS=1 torchrun ... -m llamaft_trainer --config ...
 
-Off (the default) every hook is `phase(name)` returning one shared no-op context manager: a
-global read and a function call per hook, a few per micro-step. On, `Trainer.train` calls `start`,
-which makes a registry active and, for FSDP2, swaps each FSDP unit's all-gather / reduce-scatter
-for the default ones wrapped in a timer (`FSDPModule.set_custom_all_gather` /
-`set_custom_reduce_scatter`, public API since torch 2.7); every rank then logs one `phases` event
+Off (the default) every hook is `phase(None, name)` returning one shared no-op context manager: a
+function call per hook, a few per micro-step. On, `Trainer.train` calls `start`, which returns the
+timers the Trainer holds for the loop and, for FSDP2, gives each FSDP unit an all-gather and a
+reduce-scatter wrapped in a timer: the same collectives parallelize.py uses, written with public
+torch.distributed calls, installed through the public `FSDPModule.set_custom_all_gather` /
+`set_custom_reduce_scatter` (torch >= 2.7); every rank then logs one `phases` event
 per optimizer step with milliseconds per phase:
 
   data            next micro-batch group from the loader and counting its target tokens
@@ -106,47 +107,33 @@ class PhaseTimers:
         return out
 
 
-_active: PhaseTimers | None = None
-
-
-def phase(name: str) -> AbstractContextManager[None]:
-    """Time the block as `name` when timers are on; a shared no-op context otherwise."""
-    timers = _active
+def phase(timers: PhaseTimers | None, name: str) -> AbstractContextManager[None]:
+    """Time the block as `name` on `timers`; with timers off (None) a shared no-op context."""
     return _NULL if timers is None else timers.phase(name)
 
 
-def active() -> PhaseTimers | None:
-    return _active
-
-
 def start(model: nn.Module | None = None, *, enabled: bool | None = None) -> PhaseTimers | None:
-    """Turn the timers on (`enabled`, default: the LLAMAFT_PHASE_TIMERS variable) for a new loop,
-    timing `model`'s FSDP2 collectives too; returns the registry, or None when off."""
-    global _active
+    """New timers for a loop when they are on (`enabled`, default: the LLAMAFT_PHASE_TIMERS
+    variable), timing `model`'s FSDP2 collectives too; None when off. The caller holds them (the
+    Trainer does): nothing here is process-wide."""
     if not (enabled_by_env() if enabled is None else enabled):
-        _active = None
         return None
-    _active = PhaseTimers()
+    timers = PhaseTimers()
     if model is not None:
-        instrument_fsdp2(model)
-    return _active
-
-
-def stop() -> None:
-    global _active
-    _active = None
+        instrument_fsdp2(model, timers)
+    return timers
 
 
 # ------------------------------------------------------------------ FSDP2 collectives
 class _TimedWork(dist.Work):
     """An async collective's handle whose wait counts as the collective's phase."""
 
-    def __init__(self, inner: dist.Work, name: str) -> None:
+    def __init__(self, inner: dist.Work, timers: PhaseTimers, name: str) -> None:
         super().__init__()
-        self._inner, self._name = inner, name
+        self._inner, self._timers, self._name = inner, timers, name
 
     def wait(self, timeout: Any = None) -> bool:
-        with phase(self._name):
+        with self._timers.phase(self._name):
             return bool(self._inner.wait() if timeout is None else self._inner.wait(timeout))
 
     def is_completed(self) -> bool:
@@ -156,74 +143,90 @@ class _TimedWork(dist.Work):
         return self._inner.get_future()
 
 
-def _timed(result: Any, name: str) -> Any:
-    return _TimedWork(result, name) if isinstance(result, dist.Work) else result
+class PlainAllGather:
+    """FSDP2's default all-gather (one `all_gather_into_tensor` into a fresh buffer), written with
+    public torch.distributed calls: `set_custom_all_gather` takes any object with this `allocate`
+    and `__call__` (the interface its docs name)."""
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
-def _count(collective: str, full: torch.Tensor) -> None:
-    timers = _active
-    if timers is not None:
-        timers.count(collective, full.numel() * full.element_size())
+class PlainReduceScatter:
+    """FSDP2's default reduce-scatter (`reduce_scatter_tensor`), public calls only."""
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
+    ) -> Any:
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
-def instrument_fsdp2(model: nn.Module) -> int:
-    """Wrap the all-gather and reduce-scatter of every FSDP2 unit of `model` (the ones it has:
-    FSDP2's defaults or parallelize.py's) in timers: same collectives, same buffers. Returns how
-    many units; FSDP1 and non-FSDP models: 0. Idempotent."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-        from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
-            DefaultAllGather,
-            DefaultReduceScatter,
-        )
-    except ImportError:  # another torch: the collectives stay inside forward/backward
+class TimedAllGather:
+    """`inner`'s all-gather, its time (and async wait) counted as `all_gather` on `timers`."""
+
+    def __init__(self, inner: Any, timers: PhaseTimers) -> None:
+        self.inner, self.timers = inner, timers
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.inner.allocate(size, dtype=dtype, device=device)  # type: ignore[no-any-return]
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+        self.timers.count("all_gather", output_tensor.numel() * output_tensor.element_size())
+        with self.timers.phase("all_gather"):
+            return _timed(self.inner(output_tensor, input_tensor, group, async_op), self.timers, "all_gather")
+
+
+class TimedReduceScatter:
+    """`inner`'s reduce-scatter, its time counted as `reduce_scatter` on `timers`."""
+
+    def __init__(self, inner: Any, timers: PhaseTimers) -> None:
+        self.inner, self.timers = inner, timers
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.inner.allocate(size, dtype=dtype, device=device)  # type: ignore[no-any-return]
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
+    ) -> Any:
+        self.timers.count("reduce_scatter", input_tensor.numel() * input_tensor.element_size())
+        with self.timers.phase("reduce_scatter"):
+            return _timed(self.inner(output_tensor, input_tensor, group, op, async_op), self.timers, "reduce_scatter")
+
+
+def _timed(result: Any, timers: PhaseTimers, name: str) -> Any:
+    return _TimedWork(result, timers, name) if isinstance(result, dist.Work) else result
+
+
+def instrument_fsdp2(model: nn.Module, timers: PhaseTimers) -> int:
+    """Time the all-gather and reduce-scatter of every FSDP2 unit of `model` on `timers`: the
+    same collectives parallelize.py chose (`parallelize.fsdp2_reduce_scatter`; FSDP2's
+    default all-gather), wrapped, through the public `set_custom_all_gather` /
+    `set_custom_reduce_scatter`. Returns how many units; FSDP1 and non-FSDP models: 0. Calling it
+    again replaces the wrappers (never wraps a wrapper)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from llamaft_trainer.parallelize import fsdp2_reduce_scatter
+
+    first = next(model.parameters(), None)
+    if first is None:
         return 0
-
-    class TimedAllGather(AllGather):  # type: ignore[misc, valid-type]
-        timed = True
-
-        def __init__(self, inner: Any) -> None:
-            self.inner = inner
-
-        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            return self.inner.allocate(size, dtype=dtype, device=device)  # type: ignore[no-any-return]
-
-        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
-            _count("all_gather", output_tensor)
-            with phase("all_gather"):
-                return _timed(self.inner(output_tensor, input_tensor, group, async_op), "all_gather")
-
-    class TimedReduceScatter(ReduceScatter):  # type: ignore[misc, valid-type]
-        timed = True
-
-        def __init__(self, inner: Any) -> None:
-            self.inner = inner
-
-        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            return self.inner.allocate(size, dtype=dtype, device=device)  # type: ignore[no-any-return]
-
-        def __call__(
-            self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
-        ) -> Any:
-            _count("reduce_scatter", input_tensor)
-            with phase("reduce_scatter"):
-                return _timed(self.inner(output_tensor, input_tensor, group, op, async_op), "reduce_scatter")
-
+    device_type = first.device.type
     units = 0
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
-        groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", None) or []
-        if len(groups) != 1:  # no parameters, or several meshes: leave it
+        try:
+            module.set_custom_all_gather(TimedAllGather(PlainAllGather(), timers))  # type: ignore[arg-type]
+            inner = fsdp2_reduce_scatter(device_type) or PlainReduceScatter()
+            module.set_custom_reduce_scatter(TimedReduceScatter(inner, timers))  # type: ignore[arg-type]
+        except ValueError:  # several parameter groups (per-parameter meshes): leave the unit as it is
             continue
-        # The unit's current collectives (FSDP2 keeps them on its parameter group).
-        all_gather = getattr(groups[0], "_all_gather_comm", None) or DefaultAllGather()
-        reduce_scatter = getattr(groups[0], "_reduce_scatter_comm", None) or DefaultReduceScatter()
-        if not getattr(all_gather, "timed", False):
-            module.set_custom_all_gather(TimedAllGather(all_gather))
-        if not getattr(reduce_scatter, "timed", False):
-            module.set_custom_reduce_scatter(TimedReduceScatter(reduce_scatter))
         units += 1
     return units
 

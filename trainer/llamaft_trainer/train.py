@@ -143,13 +143,14 @@ def _all_reduce_max(value: float, device: torch.device) -> float:
     return float(t.item())
 
 
-def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any, cfg: TrainingJobConfig) -> float:
+def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any, cfg: TrainingJobConfig,
+                   timers: profiling.PhaseTimers | None = None) -> float:
     """Unscale (fp16), clip to training.maxGradNorm, step, zero the gradients, and with float8
     all-gather precompute the float8 weights' scales; the global grad norm.
     (bench/plan_accuracy.py replays the trainer's step with this and `micro_step_sync`.)"""
     if scaler is not None:
         scaler.unscale_(optimizer)
-    with profiling.phase("grad_norm"):
+    with profiling.phase(timers, "grad_norm"):
         grad_norm = clip_gradients(model, cfg.training.max_grad_norm, cfg)
     if scaler is not None:
         scaler.step(optimizer)
@@ -263,6 +264,8 @@ class Trainer:
         self.record = record if record is not None else RunRecord()
         self.peak_flops = peak_flops
         self.result = LoopResult(self.state)
+        self.timers: profiling.PhaseTimers | None = None
+        """The phase timers of the running loop (LLAMAFT_PHASE_TIMERS=1), None when off."""
 
     # ------------------------------------------------------------------ the loop
     def train(self, stop_after: int | None = None) -> LoopResult:
@@ -277,7 +280,7 @@ class Trainer:
             result.stopped = StopReport(state.step, self.stop.requested, False, "the signal came before the first step: nothing new to save")
             return result
         self.model.train()
-        timers = profiling.start(self.model)  # LLAMAFT_PHASE_TIMERS=1: a `phases` event per step (None: off)
+        timers = self.timers = profiling.start(self.model)  # LLAMAFT_PHASE_TIMERS=1: a `phases` event per step (None: off)
         groups = _micro_batches(self.data, state, tc.gradient_accumulation_steps)
         started, first_step = time.perf_counter(), state.step
         while state.step < steps and (stop_after is None or state.step < stop_after):
@@ -311,22 +314,22 @@ class Trainer:
         tokens, stop votes), every value the same on every rank."""
         rt, state, scaler, tc = self.rt, self.state, self.scaler, self.cfg.training
         accum = len(group)
-        with profiling.phase("data"):
+        with profiling.phase(self.timers, "data"):
             local_tokens = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in group)
-        with profiling.phase("sync"):
+        with profiling.phase(self.timers, "sync"):
             (global_tokens,) = _all_reduce_sum([float(local_tokens)], rt.device)
         scale = rt.world_size / max(global_tokens, 1.0)
         loss_sum = 0.0
         for index, batch in enumerate(group):
             with micro_step_sync(self.model, index == accum - 1, self.s.plan):
-                with profiling.phase("forward"):
+                with profiling.phase(self.timers, "forward"):
                     loss, _ = token_loss_sum(self.model, batch, rt.device, tc.loss_chunks)
                     scaled = loss * scale
-                with profiling.phase("backward"):
+                with profiling.phase(self.timers, "backward"):
                     (scaler.scale(scaled) if scaler is not None else scaled).backward()
             loss_sum += float(loss.detach())
-        with profiling.phase("optimizer"):
-            grad_norm = optimizer_step(self.model, self.optimizer, scaler, self.cfg)
+        with profiling.phase(self.timers, "optimizer"):
+            grad_norm = optimizer_step(self.model, self.optimizer, scaler, self.cfg, self.timers)
             lr = float(self.scheduler.get_last_lr()[0])
             self.scheduler.step()
         state.step += 1
@@ -335,7 +338,7 @@ class Trainer:
         seq_tokens = sum(int(b["attention_mask"].sum()) for b in group)
         # The stop flag rides along: every rank gets the same sum, so all stop after this step.
         stop_vote = 1.0 if self.stop is not None and self.stop.requested else 0.0
-        with profiling.phase("sync"):
+        with profiling.phase(self.timers, "sync"):
             (loss_total, tokens_total, stop_votes) = _all_reduce_sum([loss_sum, float(seq_tokens), stop_vote], rt.device)
         return loss_total / max(global_tokens, 1.0), grad_norm, lr, int(tokens_total), stop_votes
 
