@@ -153,8 +153,10 @@ def _matches(found: dict[str, str] | None) -> bool:
 
 
 def ensure_venv(venv: Path = VENV) -> Path:
-    """The peer venv's python, made (python -m venv, then pip install the pins) when missing or
-    when its versions differ from the pins."""
+    """The peer venv's python, made when missing or when its versions differ from the pins:
+    python -m venv, torch by pip (its pinned CPU build lies on local disk, where only pip looks),
+    the rest by uv when the project's venv has it (.ci/setup installs it: seconds where pip takes
+    a minute or more, byte-compiled as pip would), else by pip."""
     python = venv / "bin" / "python"
     if python.exists() and _matches(_installed(python)):
         return python
@@ -164,9 +166,19 @@ def ensure_venv(venv: Path = VENV) -> Path:
         made = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True)
         if made.returncode != 0:
             raise VenvError(f"python -m venv {venv} failed: {made.stderr[-2000:]}")
-    pip = subprocess.run([str(python), "-m", "pip", "install", "-q", "-r", str(REQUIREMENTS)], capture_output=True, text=True)
-    if pip.returncode != 0 or not _matches(_installed(python)):
-        raise VenvError(f"pip install -r {REQUIREMENTS} into {venv} failed:\n{(pip.stdout + pip.stderr)[-3000:]}")
+    uv = Path(sys.executable).with_name("uv")
+    if uv.exists():
+        torch_pin = [f"torch=={pins()['torch']}"] if "torch" in pins() else []
+        steps = [[str(python), "-m", "pip", "install", "-q", *torch_pin],
+                 [str(uv), "pip", "install", "--quiet", "--compile-bytecode", "--python", str(python), "-r", str(REQUIREMENTS)]]
+    else:
+        steps = [[str(python), "-m", "pip", "install", "-q", "-r", str(REQUIREMENTS)]]
+    for command in steps:
+        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+        if done.returncode != 0:
+            raise VenvError(f"{' '.join(command[:4])} ... into {venv} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+    if not _matches(_installed(python)):
+        raise VenvError(f"{venv} does not have the versions {REQUIREMENTS.name} pins after installing them: {_installed(python)}")
     return python
 
 
