@@ -16,6 +16,7 @@ from llamaft.api.validation import FieldError, SpecInvalid
 
 if TYPE_CHECKING:
     from llamaft.api.documents import Document
+    from llamaft.render.admission import CheckCache
 
 
 def _cmd_crd(args: argparse.Namespace) -> int:
@@ -31,8 +32,6 @@ def _cmd_crd(args: argparse.Namespace) -> int:
 
 
 MAX_ERRORS_PER_DOCUMENT = 50
-_NOTED: set[str] = set()
-"""Notes printed once per process (at most one key: "schemas"), however many documents are checked."""
 MAX_MESSAGE_CHARS = 1000
 
 
@@ -71,6 +70,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from llamaft.api.documents import read_documents
 
     failed = 0
+    checks = None
+    if not args.schema_only:
+        from llamaft.render.admission import CheckCache
+
+        checks = CheckCache()  # documents of one template share the children's check, for this command
+    notes: set[str] = set()  # notes printed once per command, however many documents are checked
     for path in args.files:
         try:
             docs = read_documents(path)
@@ -83,14 +88,16 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             failed += 1
         for doc in docs:
             try:
-                failed += not _validate_document(doc, render=not args.schema_only)
+                failed += not _validate_document(doc, checks, notes)
             except Exception as exc:  # never a traceback: one line naming the document
                 print(_bounded(f"{doc.label}: could not be checked ({type(exc).__name__}: {exc}); please report this"))
                 failed += 1
     return 1 if failed else 0
 
 
-def _validate_document(doc: Document, render: bool) -> bool:
+def _validate_document(doc: Document, checks: CheckCache | None, notes: set[str]) -> bool:
+    """Check one document; `checks`: the children's check with this cache (None: --schema-only,
+    the LlamaFineTune's own schema and rules only)."""
     spec, errors = _admission(doc)
     if spec is None:
         _print_errors(doc.label, errors)
@@ -102,15 +109,15 @@ def _validate_document(doc: Document, render: bool) -> bool:
     if problem is not None:
         _print_errors(doc.label, [problem])
         return False
-    if render:
+    if checks is not None:
         from llamaft.render.admission import child_errors, schemas_available
 
-        if not schemas_available() and "schemas" not in _NOTED:
+        if not schemas_available() and "schemas" not in notes:
             print("note: kubernetes-validate is not installed (pip install 'llamaft[operator]'): the objects the "
                   "operator would create are checked without the Kubernetes and CRD schemas")
-            _NOTED.add("schemas")
+            notes.add("schemas")
         namespace = doc.body["metadata"].get("namespace") or "default"
-        problems = child_errors(spec, name, namespace)
+        problems = child_errors(spec, name, namespace, cache=checks)
         if problems:
             _print_errors(doc.label, problems)
             return False

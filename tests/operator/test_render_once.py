@@ -44,7 +44,6 @@ def renders(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     calls: list[Any] = []
     real = desired.children
     monkeypatch.setattr(desired, "children", lambda *a, **k: calls.append(a) or real(*a, **k))
-    admission._clean.clear()
     return calls
 
 
@@ -96,9 +95,12 @@ def test_objects_of_one_template_are_checked_once(renders: list[Any], monkeypatc
                         or real_check(spec, render))
     spec = specs.cached_spec(new_memo(OperatorSettings()), tiny_spec())
     assert not isinstance(spec, SpecInvalid)
-    first = admission.checked_children(Owner("run-a", "team", UID), spec)
-    second = admission.checked_children(Owner("run-b", "team", "5678abcd-0000-0000-0000-000000000000"), spec)
+    cache = admission.CheckCache()
+    first = admission.checked_children(Owner("run-a", "team", UID), spec, cache=cache)
+    second = admission.checked_children(Owner("run-b", "team", "5678abcd-0000-0000-0000-000000000000"), spec, cache=cache)
     assert first.errors == second.errors == [] and checks == ["run-a-config"]
     assert second.children[0]["metadata"]["name"] == "run-b-config"
-    too_long = admission.checked_children(Owner("r" * 60, "team", UID), spec)
+    admission.checked_children(Owner("run-c", "team", UID), spec)
+    assert checks == ["run-a-config", "run-c-config"], "without a cache every call checks in full"
+    too_long = admission.checked_children(Owner("r" * 60, "team", UID), spec, cache=cache)
     assert too_long.errors and too_long.errors[0].path == "metadata.name"

@@ -64,8 +64,7 @@ def test_check_children_is_cheap() -> None:
     check_children(spec, "llama2-70b-samsum", "default")  # loads the schemas once
     start = time.perf_counter()
     for _ in range(10):
-        admission._checked.clear()  # the full check each time, not the per-template cache
-        check_children(spec, "llama2-70b-samsum", "default")
+        check_children(spec, "llama2-70b-samsum", "default")  # no cache: the full check each time
     assert (time.perf_counter() - start) / 10 < 0.2
 
 
@@ -77,21 +76,21 @@ def test_one_template_is_checked_once_and_names_are_checked_each_time(monkeypatc
     calls: list[str] = []
     real = admission._object_errors
     monkeypatch.setattr(admission, "_object_errors", lambda spec, name, *a: calls.append(name) or real(spec, name, *a))
-    admission._checked.clear()
-    first = [str(e) for e in child_errors(bad, "run-a", "team-a", uid="uid-a")]
+    cache = admission.CheckCache()
+    first = [str(e) for e in child_errors(bad, "run-a", "team-a", uid="uid-a", cache=cache)]
     assert any("hostNetwrok: unknown field (in the PyTorchJob run-a-" in e for e in first), first
-    admission._checked.clear()
     assert [str(e) for e in child_errors(bad, "run-a", "team-a", uid="uid-a")] == first, "the same, cached or not"
     calls.clear()
-    second = [str(e) for e in child_errors(bad, "run-b", "team-a", uid="uid-b")]
+    second = [str(e) for e in child_errors(bad, "run-b", "team-a", uid="uid-b", cache=cache)]
     assert second == [e.replace("run-a", "run-b") for e in first], "the messages name this object's children"
     assert calls == [], "the second object of the template reuses the first one's check"
-    assert [str(e) for e in child_errors(bad, "run-b", "team-b")] != [] and len(calls) == 1, "another namespace: another check"
-    assert child_errors(bad, "run-bb", "team-a") and len(calls) == 2, "another name length: another check"
+    assert [str(e) for e in child_errors(bad, "run-b", "team-b", cache=cache)] != [] and len(calls) == 1, \
+        "another namespace: another check"
+    assert child_errors(bad, "run-bb", "team-a", cache=cache) and len(calls) == 2, "another name length: another check"
     too_long = "a" * 60
-    errors = [str(e) for e in child_errors(bad, too_long, "team-a")]
+    errors = [str(e) for e in child_errors(bad, too_long, "team-a", cache=cache)]
     assert errors[0].startswith("metadata.name:") and any("hostNetwrok" in e for e in errors)
-    assert calls[-1] == too_long and len(admission._checked) == 3, "a name that does not fit is checked in full, uncached"
+    assert calls[-1] == too_long and len(cache) == 3, "a name that does not fit is checked in full, uncached"
     assert admission._stand_in(5) == "zq9q9" and len(admission._stand_in(42)) == 42
     good = validate_resource(with_())
     assert child_errors(good, "run-a", "team-a") == [] and child_errors(good, "run-c", "team-a") == []

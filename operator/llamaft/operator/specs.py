@@ -58,10 +58,12 @@ def validated(memo: kopf.Memo, obj: Mapping[str, Any], old: Any = None,
         # What admission cannot see: every child the spec renders, against the schemas the API
         # server and the training operator will apply, before anything is created.
         meta = obj.get("metadata", {})
-        settings = operator_state(memo).settings if "operator" in memo else OperatorSettings()
+        state = operator_state(memo) if "operator" in memo else None
+        settings = state.settings if state is not None else OperatorSettings()
         owner = Owner(str(meta.get("name")), str(meta.get("namespace")), str(meta.get("uid") or PLACEHOLDER_UID))
         checked = checked_children(owner, parsed, backend=Backend(backend), etcd_image=settings.etcd_image,
-                                   dashboard_labels=dict(settings.dashboard_labels))
+                                   dashboard_labels=dict(settings.dashboard_labels),
+                                   cache=state.checks if state is not None else None)
         result = SpecInvalid(checked.errors) if checked.errors else parsed
         if old is None and not checked.errors:
             own.rendered = ((str(meta.get("uid", "")), generation), checked.children)

@@ -28,6 +28,7 @@ from llamaft.operator.http import HttpClient
 from llamaft.operator.kube import Kube
 from llamaft.operator.metrics import FINETUNES, RECONCILE_SECONDS, RECONCILES
 from llamaft.operator.settings import OperatorSettings
+from llamaft.render.admission import CheckCache
 
 TERMINAL = {p.value for p in TERMINAL_PHASES}
 Obj = dict[str, Any]
@@ -123,6 +124,9 @@ class OperatorState:
     """Objects whose children someone else edited or deleted (children.note_drift)."""
     specs: SpecCache = field(default_factory=SpecCache)
     """Validated specs by content (specs.cached_spec)."""
+    checks: CheckCache = field(default_factory=CheckCache)
+    """The children's admission check of each template found clean (admission.checked_children):
+    LlamaFineTunes made from one template are checked once."""
     created_jobs: dict[Key, str] = field(default_factory=dict)
     """(namespace, job name) -> resourceVersion of a job as llamaft just created it (its ADDED
     event is that write's echo and wakes nobody)."""

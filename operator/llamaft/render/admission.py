@@ -70,13 +70,14 @@ TEMPLATE = ("spec", "pytorchReplicaSpecs", "Worker", "template")
 
 def child_errors(
     spec: LlamaFineTuneSpec, name: str, namespace: str, *, uid: str = PLACEHOLDER_UID, attempt: int = 1,
-    backend: Backend | None = None,
+    backend: Backend | None = None, cache: CheckCache | None = None,
 ) -> list[FieldError]:
     """Every problem of the objects the operator would create for this (admitted) spec, as
     FieldError (the spec field that causes it, the problem and fix); empty when the cluster will
     accept them all. `backend`: the job kind to check (default spec.backend; `auto` checks what it
-    picks when both are served, trainjob.preferred_backend). Pure and deterministic; about 20-60 ms
-    per call once the schemas are loaded (~1 s once)."""
+    picks when both are served, trainjob.preferred_backend). `cache`: where the verdicts of this
+    checker's earlier calls are kept (none: check in full). Deterministic; about 20-60 ms per
+    call once the schemas are loaded (~1 s once)."""
     backend = backend or trainjob.preferred_backend(spec)
     train_job = backend is Backend.TRAIN_JOB
     name_errors = _name_errors(spec, name, namespace, uid, train_job=train_job)
@@ -86,27 +87,47 @@ def child_errors(
     # With a name that fits every object it names, what the objects' schemas and rules find does
     # not depend on which name (of that length) or uid: LlamaFineTunes made from one template are
     # checked once, for a stand-in name, and the messages name the real objects.
-    key = (spec.model_dump_json(), namespace, len(name), attempt, backend)
+    key = ("child_errors", spec.model_dump_json(), namespace, len(name), attempt, backend)
     stand_in = _stand_in(len(name))
-    with _checked_lock:
-        cached = _checked.get(key)
-        if cached is not None:
-            _checked.move_to_end(key)
+    cached = cache.get(key) if cache is not None else None
     if cached is None:
         cached = _unique([*_runtime_errors(spec), *_object_errors(spec, stand_in, namespace, PLACEHOLDER_UID, attempt, backend)])
-        with _checked_lock:
-            _checked[key] = cached
-            while len(_checked) > CHECKED_CACHE_SIZE:
-                _checked.popitem(last=False)
+        if cache is not None:
+            cache.put(key, cached)
     return [FieldError(e.path.replace(stand_in, name).replace(PLACEHOLDER_UID, uid),
                        e.message.replace(stand_in, name).replace(PLACEHOLDER_UID, uid)) for e in cached]
 
 
 CHECKED_CACHE_SIZE = 256
-_checked: collections.OrderedDict[tuple[str, str, int, int, Backend], list[FieldError]] = collections.OrderedDict()
-_checked_lock = threading.Lock()
-_clean: collections.OrderedDict[tuple[str, str, int, int, Backend, str, str], None] = collections.OrderedDict()
-"""Templates whose objects checked_children found clean (the operator's check), the latest CHECKED_CACHE_SIZE."""
+
+
+class CheckCache:
+    """The verdicts of one checker's earlier checks, by template (spec, namespace, name length,
+    attempt, backend; for the operator's check its settings too): the latest CHECKED_CACHE_SIZE,
+    shared by the threads that check. Its owner decides how long it lives: the operator keeps one
+    in its state (OperatorState.checks), `llamaft validate` and the sweep one per command;
+    without one every call checks in full."""
+
+    def __init__(self, size: int = CHECKED_CACHE_SIZE) -> None:
+        self.size = size
+        self._verdicts: collections.OrderedDict[tuple[Any, ...], list[FieldError]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._verdicts)
+
+    def get(self, key: tuple[Any, ...]) -> list[FieldError] | None:
+        with self._lock:
+            found = self._verdicts.get(key)
+            if found is not None:
+                self._verdicts.move_to_end(key)
+            return found
+
+    def put(self, key: tuple[Any, ...], verdict: list[FieldError]) -> None:
+        with self._lock:
+            self._verdicts[key] = verdict
+            while len(self._verdicts) > self.size:
+                self._verdicts.popitem(last=False)
 
 
 def _stand_in(length: int) -> str:
@@ -188,12 +209,13 @@ class Checked:
 
 
 def checked_children(owner: Owner, spec: LlamaFineTuneSpec, *, attempt: int = 1, backend: Backend | None = None,
-                     etcd_image: str | None = None, dashboard_labels: dict[str, str] | None = None) -> Checked:
+                     etcd_image: str | None = None, dashboard_labels: dict[str, str] | None = None,
+                     cache: CheckCache | None = None) -> Checked:
     """The operator's admission check: render the children once (with the operator's etcd image
     and dashboard labels) and the attempt's job, check exactly those objects (child_errors'
     checks, the name and runtime checks included), and return the children to apply with the
-    problems found. Objects of a template already found clean (same spec, namespace, name length,
-    attempt, backend and settings: _clean) are not checked again, as in child_errors; a spec with
+    problems found. Objects of a template `cache` holds as clean (same spec, namespace, name length,
+    attempt, backend and settings) are not checked again, as in child_errors; a spec with
     problems is checked in full each time (once per generation in the operator)."""
     backend = backend or trainjob.preferred_backend(spec)
     name, namespace, uid = owner.name, owner.namespace, owner.uid or PLACEHOLDER_UID
@@ -203,19 +225,13 @@ def checked_children(owner: Owner, spec: LlamaFineTuneSpec, *, attempt: int = 1,
         return Checked([], _unique([*errors, *_object_errors(spec, name, namespace, uid, attempt, backend)]))
     render = _render(owner, spec, attempt, backend, etcd_image, dashboard_labels)
     errors += render.errors
-    key = (spec.model_dump_json(), namespace, len(name), attempt, backend, etcd_image or "",
+    key = ("checked_children", spec.model_dump_json(), namespace, len(name), attempt, backend, etcd_image or "",
            json.dumps(dashboard_labels, sort_keys=True))
-    with _checked_lock:
-        clean = not errors and key in _clean
-        if clean:
-            _clean.move_to_end(key)
+    clean = not errors and cache is not None and cache.get(key) == []
     if not clean:
         errors += _check(spec, render)
-        if not errors:
-            with _checked_lock:
-                _clean[key] = None
-                while len(_clean) > CHECKED_CACHE_SIZE:
-                    _clean.popitem(last=False)
+        if not errors and cache is not None:
+            cache.put(key, [])
     return Checked(render.children, _unique(errors))
 
 
