@@ -48,9 +48,6 @@ METRIC_TEXT_MAX = 64
 """trainerStatus.metrics[].name and .value are strings of at most 64 characters (the CRD)."""
 
 
-_log = log_json  # one structured line on stdout, without importing torch
-
-
 def _number(value: Any) -> str:
     return f"{float(value):.6g}"[:METRIC_TEXT_MAX]
 
@@ -120,13 +117,13 @@ class KubeflowProgress:
         if not url:
             return None
         if not ca_cert or not token:
-            _log("warning", message=f"{ENV_URL} is set without {ENV_CA_CERT} and {ENV_TOKEN}: TrainJob progress "
+            log_json("warning", message=f"{ENV_URL} is set without {ENV_CA_CERT} and {ENV_TOKEN}: TrainJob progress "
                  "is not reported")
             return None
         try:
             return cls(url, ca_cert, token, **kwargs)
         except Exception as exc:  # e.g. an unreadable CA file: report it, never fail the run
-            _log("warning", message=f"TrainJob progress is not reported: {type(exc).__name__}: {exc}")
+            log_json("warning", message=f"TrainJob progress is not reported: {type(exc).__name__}: {exc}")
             return None
 
     # ------------------------------------------------------------------------------ the caller
@@ -188,7 +185,7 @@ class KubeflowProgress:
             return
         if 200 <= response.status < 300:
             if self.last_error is not None:
-                _log("kubeflow_progress", message="TrainJob progress reporting works again")
+                log_json("kubeflow_progress", message="TrainJob progress reporting works again")
             self.last_error = None
             self.posts += 1
             return
@@ -198,7 +195,7 @@ class KubeflowProgress:
     def _failed(self, error: str) -> None:
         self.failures += 1
         if error != self.last_error:  # once per change, not once per post
-            _log("warning", message=f"TrainJob progress not reported ({self.url}): {error}")
+            log_json("warning", message=f"TrainJob progress not reported ({self.url}): {error}")
         self.last_error = error
 
 

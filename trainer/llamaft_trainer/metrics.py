@@ -28,9 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from transformers import PretrainedConfig
 
 from llamaft_trainer import termination
-from llamaft_trainer.logline import log_json
-
-__all__ = ["log_json"]  # the trainer's modules log through metrics.log_json (logline.py writes it)
+from llamaft_trainer.logline import log_json as log_json  # the trainer's modules log through metrics.log_json
 
 _WIRE_NAMES = {name: str(field.alias) for name, field in ProgressDocument.model_fields.items()}
 """ProgressDocument's field names -> their camelCase wire names."""

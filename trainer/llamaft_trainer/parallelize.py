@@ -193,16 +193,21 @@ def apply_fsdp2(model: nn.Module, fsdp: FsdpSpec, plan: ShardingPlan, mesh: Devi
         # all-gather (torchtitan does the same).
         fully_shard(unit, reshard_after_forward=reshard and index < len(units) - 1, **common)
     fully_shard(model, reshard_after_forward=reshard, **common)
-    if fsdp2_reduce_scatter(mesh.device_type) is not None:
+    if overlaps_on_cpu(mesh.device_type):
         overlap_on_cpu(model, units)
     return model
 
 
-def fsdp2_reduce_scatter(device_type: str) -> AllToAllReduceScatter | None:
-    """The reduce-scatter `apply_fsdp2` gives every unit on `device_type`: all-to-all on CPU
-    (`overlap_on_cpu`, unless LLAMAFT_FSDP_CPU_OVERLAP=0), FSDP2's default (None) elsewhere.
-    profiling.py wraps the same one in its timer."""
-    return AllToAllReduceScatter() if device_type == "cpu" and os.environ.get(CPU_OVERLAP_ENV, "1") != "0" else None
+def overlaps_on_cpu(device_type: str) -> bool:
+    """Whether `apply_fsdp2` applies `overlap_on_cpu` (CPU, unless LLAMAFT_FSDP_CPU_OVERLAP=0)."""
+    return device_type == "cpu" and os.environ.get(CPU_OVERLAP_ENV, "1") != "0"
+
+
+def fsdp2_collectives(device_type: str) -> tuple[PlainAllGather, PlainReduceScatter]:
+    """The all-gather and reduce-scatter every FSDP2 unit runs on `device_type`, as objects
+    `set_custom_all_gather` / `set_custom_reduce_scatter` take: FSDP2's defaults, with all-to-all
+    for the reduce-scatter where `overlap_on_cpu` installs it. profiling.py times these."""
+    return PlainAllGather(), AllToAllReduceScatter() if overlaps_on_cpu(device_type) else PlainReduceScatter()
 
 
 def overlap_on_cpu(model: nn.Module, units: Sequence[nn.Module]) -> None:
@@ -239,10 +244,34 @@ def overlap_on_cpu(model: nn.Module, units: Sequence[nn.Module]) -> None:
             module.set_custom_reduce_scatter(reduce_scatter)  # type: ignore[arg-type]
 
 
-class AllToAllReduceScatter:
+class PlainAllGather:
+    """FSDP2's default all-gather (one `all_gather_into_tensor` into a fresh buffer) with public
+    torch.distributed calls: `FSDPModule.set_custom_all_gather` (public) takes any object with
+    this `allocate` and `__call__` (the interface its docs name; its base class lives in a private
+    module)."""
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class PlainReduceScatter:
+    """FSDP2's default reduce-scatter (`reduce_scatter_tensor`), public calls only, for
+    `set_custom_reduce_scatter`."""
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
+    ) -> Any:
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+class AllToAllReduceScatter(PlainReduceScatter):
     """A reduce-scatter for FSDP2 that does gloo's reduce-scatter as all-to-all + a local sum.
-    `FSDPModule.set_custom_reduce_scatter` (public) takes any object with this `allocate` and
-    `__call__` (the interface its docs name; its base class lives in a private module).
 
     Gloo implements reduce_scatter_tensor as an all-reduce of the whole input and a copy of this
     rank's chunk (ProcessGroupGloo::reduce_scatter_tensor_coalesced), so it moves about twice the
@@ -251,15 +280,12 @@ class AllToAllReduceScatter:
     float as gloo's, so gradients are bitwise identical; on more ranks only the order of the
     additions differs. Ops other than SUM/AVG, async calls and non-gloo groups use the default."""
 
-    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
     ) -> Any:
         world = dist.get_world_size(group)
         if async_op or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or dist.get_backend(group) != "gloo":
-            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
         received = torch.empty_like(input_tensor)
         dist.all_to_all_single(received, input_tensor, group=group)
         torch.sum(received.view(world, -1), dim=0, out=output_tensor)

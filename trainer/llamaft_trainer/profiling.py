@@ -143,30 +143,6 @@ class _TimedWork(dist.Work):
         return self._inner.get_future()
 
 
-class PlainAllGather:
-    """FSDP2's default all-gather (one `all_gather_into_tensor` into a fresh buffer), written with
-    public torch.distributed calls: `set_custom_all_gather` takes any object with this `allocate`
-    and `__call__` (the interface its docs name)."""
-
-    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
-
-
-class PlainReduceScatter:
-    """FSDP2's default reduce-scatter (`reduce_scatter_tensor`), public calls only."""
-
-    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(
-        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
-    ) -> Any:
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-
-
 class TimedAllGather:
     """`inner`'s all-gather, its time (and async wait) counted as `all_gather` on `timers`."""
 
@@ -205,13 +181,12 @@ def _timed(result: Any, timers: PhaseTimers, name: str) -> Any:
 
 def instrument_fsdp2(model: nn.Module, timers: PhaseTimers) -> int:
     """Time the all-gather and reduce-scatter of every FSDP2 unit of `model` on `timers`: the
-    same collectives parallelize.py chose (`parallelize.fsdp2_reduce_scatter`; FSDP2's
-    default all-gather), wrapped, through the public `set_custom_all_gather` /
-    `set_custom_reduce_scatter`. Returns how many units; FSDP1 and non-FSDP models: 0. Calling it
+    same collectives parallelize.py runs (`parallelize.fsdp2_collectives`), wrapped, through the
+    public `set_custom_all_gather` / `set_custom_reduce_scatter`. Returns how many units; FSDP1 and non-FSDP models: 0. Calling it
     again replaces the wrappers (never wraps a wrapper)."""
     from torch.distributed.fsdp import FSDPModule
 
-    from llamaft_trainer.parallelize import fsdp2_reduce_scatter
+    from llamaft_trainer.parallelize import fsdp2_collectives
 
     first = next(model.parameters(), None)
     if first is None:
@@ -222,9 +197,9 @@ def instrument_fsdp2(model: nn.Module, timers: PhaseTimers) -> int:
         if not isinstance(module, FSDPModule):
             continue
         try:
-            module.set_custom_all_gather(TimedAllGather(PlainAllGather(), timers))  # type: ignore[arg-type]
-            inner = fsdp2_reduce_scatter(device_type) or PlainReduceScatter()
-            module.set_custom_reduce_scatter(TimedReduceScatter(inner, timers))  # type: ignore[arg-type]
+            all_gather, reduce_scatter = fsdp2_collectives(device_type)
+            module.set_custom_all_gather(TimedAllGather(all_gather, timers))  # type: ignore[arg-type]
+            module.set_custom_reduce_scatter(TimedReduceScatter(reduce_scatter, timers))  # type: ignore[arg-type]
         except ValueError:  # several parameter groups (per-parameter meshes): leave the unit as it is
             continue
         units += 1

@@ -105,8 +105,8 @@ class CheckCache:
     """The verdicts of one checker's earlier checks, by template (spec, namespace, name length,
     attempt, backend; for the operator's check its settings too): the latest CHECKED_CACHE_SIZE,
     shared by the threads that check. Its owner decides how long it lives: the operator keeps one
-    in its state (OperatorState.checks), `llamaft validate` and the sweep one per command;
-    without one every call checks in full."""
+    in its state (OperatorState.checks), `llamaft validate` one per command; without one (the
+    sweep, whose sizes are different specs; `llamaft render`) every call checks in full."""
 
     def __init__(self, size: int = CHECKED_CACHE_SIZE) -> None:
         self.size = size
