@@ -6,9 +6,11 @@ lastTransitionTime, observedGeneration). The CRD's status schema is generated fr
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
+from typing import Any
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from llamaft.api.base import ApiModel
 
@@ -220,3 +222,37 @@ class LlamaFineTuneStatus(ApiModel):
     """When the operator last saw the step advance (RFC 3339): the clock of the progress deadline."""
     attempt_start_time: str | None = None
     """When the operator created the current attempt's job (RFC 3339)."""
+
+
+_BOUNDED_LISTS = {"failures": 20, "excludedNodes": 16}
+
+
+def read_status(raw: LlamaFineTuneStatus | Mapping[str, Any] | None) -> LlamaFineTuneStatus:
+    """The operator's typed view of a stored status.
+
+    A status is only ever written by the operator, but what is stored may come from another
+    version of it, or have been edited by hand: read it leniently rather than stop the run's
+    reconciliation. Unknown keys are ignored; bounded lists keep their newest entries (the bound the
+    operator writes them with); a top-level field that still does not validate is read as unset.
+    `as_written` gives any part back exactly as it was stored."""
+    if isinstance(raw, LlamaFineTuneStatus):
+        return raw
+    data = dict(raw or {})
+    for key, bound in _BOUNDED_LISTS.items():
+        if isinstance(data.get(key), list):
+            data[key] = data[key][-bound:]
+    for _ in range(len(data) + 1):
+        try:
+            return LlamaFineTuneStatus.model_validate(data, extra="ignore")
+        except ValidationError as exc:
+            bad = {str(e["loc"][0]) for e in exc.errors() if e["loc"]}
+            if not bad & data.keys():
+                break
+            data = {k: v for k, v in data.items() if k not in bad}
+    return LlamaFineTuneStatus()
+
+
+def as_written(model: ApiModel) -> dict[str, Any]:
+    """A status part (progress, a condition, a failure record) as a merge patch carries it: the
+    camelCase keys it was read or built with, and no defaults it was not given."""
+    return model.model_dump(by_alias=True, exclude_unset=True, mode="python")

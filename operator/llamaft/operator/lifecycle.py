@@ -38,7 +38,15 @@ from typing import Any
 from llamaft.api.contracts import ProgressDocument, SucceededReport, read_progress
 from llamaft.api.resource import MAX_ATTEMPTS
 from llamaft.api.spec import LlamaFineTuneSpec
-from llamaft.api.status import TERMINAL_PHASES, Phase
+from llamaft.api.status import (
+    TERMINAL_PHASES,
+    Condition,
+    FailureRecord,
+    LlamaFineTuneStatus,
+    Phase,
+    as_written,
+    read_status,
+)
 from llamaft.operator import failures, observe
 from llamaft.operator.failures import Failure
 from llamaft.operator.observe import Event
@@ -57,7 +65,8 @@ class Observed:
     """Everything the lifecycle decides on, as read by the handlers."""
 
     spec: LlamaFineTuneSpec
-    status: Mapping[str, Any]
+    status: LlamaFineTuneStatus
+    """The LlamaFineTune's status (a Mapping is read with status.read_status)."""
     now: datetime
     job_name: str
     """The current attempt's job name."""
@@ -84,6 +93,8 @@ class Observed:
     not fit): no attempt is created."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.status, LlamaFineTuneStatus):
+            object.__setattr__(self, "status", read_status(self.status))
         if self.progress is not None and not isinstance(self.progress, ProgressDocument):
             object.__setattr__(self, "progress", read_progress(self.progress))
 
@@ -125,9 +136,13 @@ def backoff(retries_used: int, base_s: float) -> float:
     return float(min(base_s * 2 ** (retries_used - 1), MAX_BACKOFF_SECONDS))
 
 
-def _conditions(status: Mapping[str, Any], updates: Sequence[tuple[str, bool, str, str]], generation: int | None,
+def _written(conditions: Sequence[Condition]) -> list[dict[str, Any]]:
+    return [as_written(c) for c in conditions]
+
+
+def _conditions(status: LlamaFineTuneStatus, updates: Sequence[tuple[str, bool, str, str]], generation: int | None,
                 now: str) -> list[dict[str, Any]]:
-    conditions = list(status.get("conditions", []) or [])
+    conditions = _written(status.conditions)
     for type_, ok, reason, message in updates:
         conditions = observe.set_condition(conditions, type_, "True" if ok else "False", reason, message, generation, now)
     return conditions
@@ -136,8 +151,7 @@ def _conditions(status: Mapping[str, Any], updates: Sequence[tuple[str, bool, st
 def _last_step(obs: Observed) -> int | None:
     if obs.progress is not None and obs.progress.step is not None:
         return obs.progress.step
-    step = (obs.status.get("progress") or {}).get("step")
-    return step if isinstance(step, int) else None
+    return obs.status.progress.step
 
 
 def _final_report(pods: Sequence[Obj]) -> SucceededReport | None:
@@ -183,10 +197,9 @@ def _progress_with_report(previous: Mapping[str, Any], report: SucceededReport |
 
 def decide(obs: Observed) -> Decision:
     st = obs.status
-    phase = st.get("phase")
-    attempt = int(st.get("attempt") or 0)
+    phase, attempt = st.phase, st.attempt
     d = Decision()
-    if phase in {p.value for p in TERMINAL_PHASES} and attempt > 0:
+    if phase in TERMINAL_PHASES and attempt > 0:
         return d  # rule 1
     d.delete_jobs = list(obs.stale_jobs)  # rule 2
     attempt = max(attempt, 1)
@@ -197,39 +210,39 @@ def decide(obs: Observed) -> Decision:
     else:
         _record_attempt(obs, attempt, d)
         d = _with_job(obs, attempt, d)
-    if d.status.get("phase") == Phase.QUEUED.value and phase != Phase.QUEUED.value and int(st.get("attempt") or 0):
-        d.reset_rendezvous = [int(st["attempt"])]  # rule 8
+    if d.status.get("phase") == Phase.QUEUED.value and phase is not Phase.QUEUED and st.attempt:
+        d.reset_rendezvous = [st.attempt]  # rule 8
     return d
 
 
 def _record_attempt(obs: Observed, attempt: int, d: Decision) -> None:
     st = obs.status
-    if int(st.get("attempt") or 0) == 0:
+    if st.attempt == 0:
         # The job exists but the step that created it never wrote its status (the operator died in
         # between, e.g. a leader killed mid-step): record the attempt now, or a later spec change
         # would take the run for never started.
-        d.status.update(attempt=attempt, jobName=obs.job_name, attemptStartTime=st.get("attemptStartTime") or iso(obs.now),
-                        retriesUsed=int(st.get("retriesUsed") or 0))
+        d.status.update(attempt=attempt, jobName=obs.job_name, attemptStartTime=st.attempt_start_time or iso(obs.now),
+                        retriesUsed=st.retries_used)
 
 
 def _no_job(obs: Observed, attempt: int, d: Decision) -> Decision:
     st, now = obs.status, iso(obs.now)
     if obs.job_deleting:
-        d.status.update(phase=st.get("phase") or Phase.CREATING.value,
+        d.status.update(phase=st.phase.value if "phase" in st.model_fields_set else Phase.CREATING.value,
                         message=f"waiting for the earlier {obs.job_kind} {obs.job_name} to be deleted")
         d.requeue_after = 1.0
         return d
-    retry_at = parse_time(st.get("retryAfter"))
+    retry_at = parse_time(st.retry_after)
     if retry_at is not None and retry_at > obs.now:
         d.requeue_after = max(0.5, (retry_at - obs.now).total_seconds())
         return d
     d.start_attempt = attempt
-    first = int(st.get("attempt") or 0) == 0
+    first = st.attempt == 0
     d.status.update(
         attempt=attempt, jobName=obs.job_name, retryAfter=None, attemptStartTime=now, lastProgressTime=None,
-        retriesUsed=int(st.get("retriesUsed") or 0),  # written, so `kubectl get` shows Restarts 0
+        retriesUsed=st.retries_used,  # written, so `kubectl get` shows Restarts 0
     )
-    if first or st.get("phase") in (None, Phase.PENDING.value, Phase.CREATING.value):
+    if first or st.phase in (Phase.PENDING, Phase.CREATING):
         d.status.update(phase=Phase.CREATING.value, message=f"creating {obs.job_kind} {obs.job_name}")
     else:
         d.status.update(phase=Phase.RESTARTING.value,
@@ -240,7 +253,7 @@ def _no_job(obs: Observed, attempt: int, d: Decision) -> Decision:
 def _stalled(obs: Observed, progress_step: int | None, last_progress: datetime | None) -> Failure | None:
     """No step advance within the deadline (with the startup grace before the attempt's first step)."""
     policy = obs.spec.run_policy
-    started = parse_time(obs.status.get("attemptStartTime"))
+    started = parse_time(obs.status.attempt_start_time)
     if last_progress is not None:
         since, allowed = last_progress, policy.progress_deadline_seconds
     elif started is not None:
@@ -249,11 +262,11 @@ def _stalled(obs: Observed, progress_step: int | None, last_progress: datetime |
         return None
     if obs.now - since <= timedelta(seconds=allowed):
         return None
-    leader = obs.status.get("leaderPod") or "the leader pod"
+    leader = obs.status.leader_pod or "the leader pod"
     where = f"last step {progress_step}" if progress_step is not None else "no step yet in this attempt"
     return Failure(failures.STALLED, f"no step advance for {allowed}s ({where}; leader {leader}): "
                    "a hung collective, a stuck data loader or a stopped process", True,
-                   pod=obs.status.get("leaderPod"), step=progress_step)
+                   pod=obs.status.leader_pod, step=progress_step)
 
 
 def _with_job(obs: Observed, attempt: int, d: Decision) -> Decision:
@@ -275,9 +288,9 @@ def _with_job(obs: Observed, attempt: int, d: Decision) -> Decision:
     last_step = _last_step(obs)
     progress_doc = obs.progress
     # Progress clock: the operator's own observation of the step changing.
-    last_progress = parse_time(st.get("lastProgressTime"))
+    last_progress = parse_time(st.last_progress_time)
     live_step = progress_doc.step if progress_doc is not None else None
-    known_step = (st.get("progress") or {}).get("step")
+    known_step = st.progress.step
     if live_step is not None and (last_progress is None or live_step != known_step):
         last_progress = obs.now
         d.status["lastProgressTime"] = now
@@ -290,21 +303,21 @@ def _with_job(obs: Observed, attempt: int, d: Decision) -> Decision:
         return _failed_attempt(obs, attempt, d, failure)  # rule 5
     o = observe.observe(obs.job, obs.pods, [progress_doc] if progress_doc is not None else [], st, generation=generation, now=now)
     d.status.update({k: v for k, v in o.status.items() if k != "observedGeneration"})
-    if o.status["phase"] == Phase.CREATING.value and st.get("phase") == Phase.RESTARTING.value:
+    if o.status["phase"] == Phase.CREATING.value and st.phase is Phase.RESTARTING:
         d.status["phase"] = Phase.RESTARTING.value  # the new attempt's job exists; its pods are not running yet
-        d.status["message"] = st.get("message")
+        d.status["message"] = st.message
     d.events += o.events
     queue = obs.spec.scheduling.queue_name
     if queue:
         d.status["queue"] = queue
-        d.status["conditions"] = _queued_condition(obs, queued, queue, d.status.get("conditions", st.get("conditions", [])), now)
+        d.status["conditions"] = _queued_condition(obs, queued, queue, d.status.get("conditions", _written(st.conditions)), now)
     if queued:
         assert queue is not None
         d.status.update(phase=Phase.QUEUED.value, message=f"waiting for Kueue to admit {obs.job_kind} {obs.job_name} "
                         f"(LocalQueue {queue}); it stays suspended until then",
                         attemptStartTime=now)  # the startup grace counts from admission, not from queueing
         d.events = [e for e in d.events if e.reason != "Suspended"]
-        if st.get("phase") != Phase.QUEUED.value:
+        if st.phase is not Phase.QUEUED:
             d.events.append(Event("Normal", "Queued", f"{obs.job_kind} {obs.job_name} waits in Kueue LocalQueue {queue}"))
     return d
 
@@ -361,33 +374,34 @@ def performance_status(report: SucceededReport | None) -> dict[str, Any] | None:
     return report.performance.to_k8s() or None
 
 
-def _repeated(history: Sequence[Mapping[str, Any]], failure: Failure, attempt: int, limit: int) -> bool:
+def _repeated(history: Sequence[FailureRecord], failure: Failure, attempt: int, limit: int) -> bool:
     """The same failure at the same step in `limit` consecutive attempts, this one included."""
     needed = limit - 1
     recent = list(history)[-needed:] if needed else []
     if len(recent) < needed:
         return False
     for offset, record in enumerate(reversed(recent), start=1):
-        if record.get("attempt") != attempt - offset or (record.get("reason"), record.get("step")) != failure.signature():
+        if record.attempt != attempt - offset or (record.reason, record.step) != failure.signature():
             return False
     return True
 
 
 def _failed_attempt(obs: Observed, attempt: int, d: Decision, failure: Failure) -> Decision:
     st, now, policy = obs.status, iso(obs.now), obs.spec.run_policy
-    used, budget = int(st.get("retriesUsed") or 0), policy.retry_budget
-    history = list(st.get("failures", []) or [])
+    used, budget = st.retries_used, policy.retry_budget
+    history = st.failures
     record: dict[str, Any] = {
         "attempt": attempt, "reason": failure.reason, "retryable": failure.retryable, "message": failure.message,
         "node": failure.node, "pod": failure.pod, "exitCode": failure.exit_code, "step": failure.step, "time": now,
     }
-    d.status["failures"] = (history + [{k: v for k, v in record.items() if v is not None}])[-MAX_FAILURE_HISTORY:]
-    excluded = list(st.get("excludedNodes", []) or [])
+    d.status["failures"] = ([as_written(f) for f in history] + [{k: v for k, v in record.items() if v is not None}])[
+        -MAX_FAILURE_HISTORY:]
+    excluded = list(st.excluded_nodes)
     if failure.node and failure.node not in excluded:
         excluded = (excluded + [failure.node])[-MAX_EXCLUDED_NODES:]
         d.status["excludedNodes"] = excluded
         d.events.append(Event("Warning", "NodeExcluded", f"later attempts avoid node {failure.node}: {failure.reason}"))
-    progress = _progress_with_report(st.get("progress") or {}, None, now)
+    progress = _progress_with_report(as_written(st.progress), None, now)
     if obs.progress is not None:
         progress = observe.progress_status(obs.progress, progress)
     d.status["progress"] = progress
@@ -451,7 +465,7 @@ def refused(obs: Observed, reason: str, message: str) -> Decision:
         phase=Phase.FAILED.value, message=message[:2000], completionTime=now, retryAfter=None,
         conditions=_conditions(obs.status, [("Failed", True, reason, message[:2000])], obs.generation, now),
     )
-    if obs.status.get("phase") != Phase.FAILED.value:
+    if obs.status.phase is not Phase.FAILED:
         d.events.append(Event("Warning", reason, message[:1000]))
     return d
 
@@ -497,7 +511,8 @@ class SpecChanged:
 
     spec: LlamaFineTuneSpec
     """The new spec (validated, transition rules included)."""
-    status: Mapping[str, Any]
+    status: LlamaFineTuneStatus
+    """The LlamaFineTune's status (a Mapping is read with status.read_status)."""
     changed: frozenset[tuple[str, ...]]
     """changed_fields(old, new)."""
     job_name: str
@@ -509,6 +524,10 @@ class SpecChanged:
     """Only read while no attempt is recorded: attempt 1's job exists and is this incarnation's
     (the step that created it never wrote the status)."""
     generation: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.status, LlamaFineTuneStatus):
+            object.__setattr__(self, "status", read_status(self.status))
 
 
 @dataclass
@@ -539,16 +558,16 @@ def decide_spec_change(change: SpecChanged) -> SpecDecision:
     monitoring apply in place; anything else restarts the run from its newest checkpoint as the
     next attempt, the current job deleted."""
     st, d = change.status, SpecDecision()
-    attempt = int(st.get("attempt") or 0)
+    attempt = st.attempt
     if attempt == 0:
         if not change.first_job_exists:
             d.wake = True
             return d
         attempt = 1  # started, but the step that created the job never wrote the status
     observed = {"observedGeneration": change.generation}
-    if st.get("phase") in {p.value for p in TERMINAL_PHASES}:
+    if st.phase in TERMINAL_PHASES:
         d.status = observed
-        d.events.append(Event("Normal", "Finished", f"the run has {str(st['phase']).lower()}: spec changes do not start it "
+        d.events.append(Event("Normal", "Finished", f"the run has {st.phase.value.lower()}: spec changes do not start it "
                               "again; create a new LlamaFineTune (or delete and re-apply this one)"))
         return d
     job_name = d.job_name = change.job_name

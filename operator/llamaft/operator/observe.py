@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llamaft.api.contracts import ProgressDocument, read_progress
-from llamaft.api.status import EvaluationStatus, Phase
+from llamaft.api.status import EvaluationStatus, LlamaFineTuneStatus, Phase, as_written, read_status
 from llamaft.render import backends
 
 Obj = Mapping[str, Any]
@@ -91,10 +91,12 @@ EVENT_FOR_PHASE = {
 
 
 def observe(
-    job: Obj | None, pods: Sequence[Obj], progress_docs: Sequence[ProgressDocument | Mapping[str, Any]], previous: Mapping[str, Any],
-    *, generation: int | None, now: str,
+    job: Obj | None, pods: Sequence[Obj], progress_docs: Sequence[ProgressDocument | Mapping[str, Any]],
+    previous: LlamaFineTuneStatus | Mapping[str, Any], *, generation: int | None, now: str,
 ) -> Observation:
-    """The status the LlamaFineTune should have, and the events that explain its transition."""
+    """The status the LlamaFineTune should have, and the events that explain its transition
+    (`previous`, the status it has, a Mapping read with status.read_status)."""
+    before = read_status(previous)
     phase, reason, message = job_phase(job)
     job_status = (job or {}).get("status", {})
     workers = job_status.get("replicaStatuses", {}).get("Worker", {})
@@ -108,22 +110,23 @@ def observe(
         if job_status.get(key):
             status[key] = job_status[key]
     doc = leader(progress_docs)
-    status["progress"] = progress_status(doc, previous.get("progress", {}))
+    status["progress"] = progress_status(doc, as_written(before.progress))
     if doc is not None and doc.pod:
         status["leaderPod"] = doc.pod
     if doc is not None and doc.export_path:
         status["exportPath"] = doc.export_path
-    tracking = tracking_status(doc, previous.get("tracking"))
+    tracking = tracking_status(doc, as_written(before.tracking) if before.tracking is not None else None)
     if tracking:
         status["tracking"] = tracking
-    evaluation = (doc.evaluation.to_k8s() if doc is not None and doc.evaluation is not None else None) or previous.get("evaluation")
+    evaluation = ((doc.evaluation.to_k8s() if doc is not None and doc.evaluation is not None else None)
+                  or (as_written(before.evaluation) if before.evaluation is not None else None))
     if evaluation:
         status["evaluation"] = {k: evaluation[k] for k in EVALUATION_KEYS if evaluation.get(k) is not None}
-    restarts = int(previous.get("restarts", 0) or 0)
-    if phase is Phase.RESTARTING and previous.get("phase") != Phase.RESTARTING.value:
+    restarts = before.restarts
+    if phase is Phase.RESTARTING and before.phase is not Phase.RESTARTING:
         restarts += 1
     status["restarts"] = restarts
-    conditions = list(previous.get("conditions", []))
+    conditions = [as_written(c) for c in before.conditions]
     for type_, active in (
         ("Running", phase is Phase.RUNNING),
         ("Succeeded", phase is Phase.SUCCEEDED),
@@ -138,9 +141,9 @@ def observe(
     status["conditions"] = conditions
     events = []
     warning = tracking.get("warning")
-    if warning and warning != (previous.get("tracking") or {}).get("warning"):
+    if warning and warning != (before.tracking.warning if before.tracking is not None else None):
         events.append(Event("Normal" if "reachable again" in warning else "Warning", "Tracking", warning))
-    if previous.get("phase") != phase.value and phase in EVENT_FOR_PHASE:
+    if before.phase is not phase and phase in EVENT_FOR_PHASE:
         kind, event_reason = EVENT_FOR_PHASE[phase]
         events.append(Event(kind, event_reason, f"{(job or {}).get('kind', 'PyTorchJob')} {(job or {}).get('metadata', {}).get('name')}: {message or reason}"))
     return Observation(status, events)

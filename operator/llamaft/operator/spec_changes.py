@@ -8,6 +8,7 @@ from typing import Any
 
 import kopf
 
+from llamaft.api.status import read_status
 from llamaft.api.validation import SpecInvalid
 from llamaft.operator import lifecycle, observe, rendezvous
 from llamaft.operator.kube import owned_by
@@ -55,7 +56,7 @@ def spec_changed(body: kopf.Body, old: Any, meta: kopf.Meta, memo: kopf.Memo) ->
             first = k.get_job(namespace, owner.job_name(1), kind)
             first_job_exists = first is not None and owned_by(first, owner.uid)
         decision = lifecycle.decide_spec_change(lifecycle.SpecChanged(
-            spec=parsed, status=status, changed=frozenset(lifecycle.changed_fields(old, parsed)),
+            spec=parsed, status=read_status(status), changed=frozenset(lifecycle.changed_fields(old, parsed)),
             job_name=owner.job_name(max(attempt, 1)), job_kind=kind, scalable=backend.scalable(parsed),
             first_job_exists=first_job_exists, generation=generation))
         job_name = decision.job_name

@@ -14,7 +14,7 @@ from kubernetes.client.exceptions import ApiException
 
 from llamaft.api.contracts import ProgressDocument, read_progress
 from llamaft.api.spec import Backend, LlamaFineTuneSpec, PreflightMode
-from llamaft.api.status import Phase
+from llamaft.api.status import Phase, read_status
 from llamaft.api.validation import SpecInvalid, validate_spec
 from llamaft.operator import failures, gpu_health, lifecycle, observe, rendezvous
 from llamaft.operator.children import ChildReconciler, adopted
@@ -257,7 +257,7 @@ class Step(ChildReconciler):
         progress = self._leader_progress(pods, spec, status) if job_phase in (Phase.RUNNING, Phase.RESTARTING) else None
         gpu = self._gpu(obj, owner, job_name, status, job_phase is Phase.RUNNING, progress)
         return lifecycle.Observed(
-            spec=spec, status=status, now=now(), job_name=job_name, job=job, job_kind=kind, job_deleting=deleting,
+            spec=spec, status=read_status(status), now=now(), job_name=job_name, job=job, job_kind=kind, job_deleting=deleting,
             stale_jobs=stale, pods=pods, progress=progress, gpu=gpu, retry_backoff_s=self.settings.retry_backoff_s,
             generation=generation, capacity_refusal=capacity_refusal,
         )
