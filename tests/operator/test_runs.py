@@ -15,7 +15,7 @@ import json
 import random
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -232,16 +232,17 @@ def stepping(cluster: Cluster, sim: SimCluster, name: str, at_least: int, timeou
     return wait_for(f"{name} at step {at_least}", reached, timeout=timeout, interval=0.1)
 
 
-def leader_pod(cluster: Cluster, sim: SimCluster, name: str) -> str:
-    """The pod running global rank 0: the one whose log has the step lines."""
-    job = cluster.status(name)["jobName"]
+def leader_pod(cluster: Cluster, sim: SimCluster, name: str, job: str | None = None) -> str:
+    """The pod running global rank 0 (of `job`, by default the current attempt's): the one whose
+    log has the step lines."""
+    job = job or cluster.status(name)["jobName"]
     return next(f"{job}-worker-{i}" for i in range(2)
                 if any(line.get("event") == "step" for line in steps_of(sim.logs(f"{job}-worker-{i}"))))
 
 
-def other_pod(cluster: Cluster, sim: SimCluster, name: str) -> str:
-    leader = leader_pod(cluster, sim, name)
-    job = cluster.status(name)["jobName"]
+def other_pod(cluster: Cluster, sim: SimCluster, name: str, job: str | None = None) -> str:
+    job = job or cluster.status(name)["jobName"]
+    leader = leader_pod(cluster, sim, name, job)
     return next(f"{job}-worker-{i}" for i in range(2) if f"{job}-worker-{i}" != leader)
 
 
@@ -364,68 +365,83 @@ def inject(sim: SimCluster, fault: str, pod: str) -> None:
     actions[fault]()
 
 
-FAULTS = ["kill_container", "oom_kill", "kubelet_eviction", "api_eviction", "preemption", "lose_node", "hang"]
+FAULT_RUNS = [["kill_container", "kubelet_eviction", "hang"], ["oom_kill", "api_eviction", "gpu_xid"], ["preemption", "lose_node"]]
+"""Every fault of the sim, and a GPU XID, each ending one attempt of a run that takes several in
+turn: fault k lands in attempt k once it has passed checkpoint k x EVERY (steps 11, 21, 31 of 60),
+so each costs one attempt's start-up rather than a whole run of its own, and the run's loss trace
+spans every recovery."""
 EXPECTED = {"kill_container": "Killed", "oom_kill": "OOMKilled", "kubelet_eviction": "Evicted", "api_eviction": "Evicted",
-            "preemption": "Preempted", "lose_node": "NodeLost", "hang": "Stalled"}
+            "preemption": "Preempted", "lose_node": "NodeLost", "hang": "Stalled", "gpu_xid": "GPUXid"}
+EXCLUDES_THE_NODE = {"kubelet_eviction", "lose_node", "gpu_xid"}
 
 
-@pytest.mark.parametrize("fault", FAULTS)
-def test_fault_recovers_from_the_checkpoint(cluster: Cluster, sim: SimCluster, operator: Operator, tiny_model: Path,
-                                            tmp_path: Path, fault: str) -> None:
-    name = f"fault-{fault.replace('_', '')}"[:30]
-    deadline = {"progressDeadlineSeconds": 10} if fault == "hang" else {}
+@pytest.mark.parametrize("faults", FAULT_RUNS, ids=["+".join(f.replace("_", "") for f in run) for run in FAULT_RUNS])
+def test_faults_recover_from_the_checkpoint(cluster: Cluster, sim: SimCluster, operator: Operator,
+                                            dcgm: tuple[str, dict[str, str]], tiny_model: Path, tmp_path: Path,
+                                            faults: list[str]) -> None:
+    """Each fault is classified from the pod's evidence (within seconds, not a timer; a hang by the
+    progress deadline), the next attempt resumes from the newest checkpoint, off every node the
+    evidence named, and the run ends with the trainer's own report and no orphans."""
+    name = f"faults-{faults[0].replace('_', '')}"[:30]
+    deadline = {"progressDeadlineSeconds": 10} if "hang" in faults else {}
     cluster.create(name, run_spec(tiny_model, tmp_path / "ckpt", runPolicy=deadline))
-    stepping(cluster, sim, name, EVERY + 1)
-    victim = other_pod(cluster, sim, name)
-    node = sim.node_of(victim)
-    started = time.monotonic()
-    inject(sim, fault, victim)
-    status = wait_for("attempt 2", lambda: (s := cluster.status(name)).get("attempt") == 2 and s, timeout=60)
-    noticed = time.monotonic() - started
-    record = status["failures"][0]
-    assert record["reason"] == EXPECTED[fault] and record["attempt"] == 1 and record["retryable"], record
-    if fault in ("kubelet_eviction", "lose_node"):
-        assert status["excludedNodes"] == [node], "evidence that names a node keeps the next attempt off it"
-        job = wait_for("attempt 2's job", lambda: cluster.attempt_job(name, 2))
-        terms = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["affinity"]["nodeAffinity"]
-        assert node in json.dumps(terms)
-        pods = wait_for("attempt 2's pods scheduled", lambda: (p := sim.pods(job["metadata"]["name"])) and all(
-            x["spec"].get("nodeName") for x in p) and p)
-        assert all(p["spec"]["nodeName"] != node for p in pods)
-    if fault == "hang":
-        assert record["step"] is not None and "no step advance" in record["message"]
-    else:
-        assert noticed < 15, f"a failure is noticed from the pod's events, not a timer ({noticed:.1f}s)"
-    status = finish(cluster, sim, name, attempts=2)
-    assert status["retriesUsed"] == 1
-    cluster.wait_reasons(name, record["reason"])
+    excluded: list[str] = []
+    for attempt, fault in enumerate(faults, start=1):
+        fault_ends_attempt(cluster, sim, dcgm[1], name, attempt, fault, excluded)
+    status = finish(cluster, sim, name, attempts=len(faults) + 1)
+    assert status["retriesUsed"] == len(faults)
+    cluster.wait_reasons(name, *{EXPECTED[f] for f in faults}, *(["XidError", "NodeExcluded"] if "gpu_xid" in faults else []))
     delete_and_assert_no_orphans(cluster, sim, name)
 
 
-def test_gpu_xid_restarts_without_the_node(cluster: Cluster, sim: SimCluster, operator: Operator,
-                                          dcgm: tuple[str, dict[str, str]], tiny_model: Path, tmp_path: Path) -> None:
-    """dcgm-exporter reports XID 79 on a GPU of one worker: the attempt ends (GPUXid), the next one
-    avoids that node, and runs to the end."""
-    url, exposition = dcgm
-    cluster.create("xid", run_spec(tiny_model, tmp_path / "ckpt"))
-    stepping(cluster, sim, "xid", EVERY + 1)
-    victim = other_pod(cluster, sim, "xid")
-    node = sim.node_of(victim)
-    labels = f'gpu="0",UUID="GPU-1",Hostname="{node}",container="pytorch",namespace="default",pod="{victim}"'
+def fault_ends_attempt(cluster: Cluster, sim: SimCluster, exposition: dict[str, str], name: str, attempt: int, fault: str,
+                       excluded: list[str]) -> None:
+    """Once `attempt` has passed checkpoint attempt x EVERY, `fault` on its non-leader pod; then the
+    checks on the failure record and the next attempt (`excluded`: the nodes named so far, kept)."""
+    job = cluster.job_name(name, attempt)
+    stepping(cluster, sim, name, attempt * EVERY + 1, job=job)
+    victim = other_pod(cluster, sim, name, job)
+    node = str(sim.node_of(victim))
+
+    def next_attempt() -> dict[str, Any]:
+        return wait_for(f"attempt {attempt + 1}", lambda: (s := cluster.status(name)).get("attempt") == attempt + 1 and s,
+                        timeout=60)
+
+    started = time.monotonic()
+    if fault == "gpu_xid":
+        status = xid_on(exposition, victim, node, next_attempt)
+    else:
+        inject(sim, fault, victim)
+        status = next_attempt()
+    noticed = time.monotonic() - started
+    record = status["failures"][attempt - 1]
+    assert record["reason"] == EXPECTED[fault] and record["attempt"] == attempt and record["retryable"], record
+    if fault in EXCLUDES_THE_NODE:
+        excluded.append(node)
+        nxt = wait_for(f"attempt {attempt + 1}'s job", lambda: cluster.attempt_job(name, attempt + 1))
+        terms = nxt["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["affinity"]["nodeAffinity"]
+        assert node in json.dumps(terms)
+        pods = wait_for(f"attempt {attempt + 1}'s pods scheduled", lambda: (p := sim.pods(nxt["metadata"]["name"])) and all(
+            x["spec"].get("nodeName") for x in p) and p)
+        assert all(p["spec"]["nodeName"] not in excluded for p in pods)
+    assert status.get("excludedNodes", []) == excluded, "only evidence that names a node keeps later attempts off it"
+    if fault == "hang":
+        assert record["step"] is not None and "no step advance" in record["message"]
+    elif fault == "gpu_xid":
+        assert "XID 79" in record["message"]
+    else:
+        assert noticed < 15, f"a failure is noticed from the pod's events, not a timer ({noticed:.1f}s)"
+
+
+def xid_on(exposition: dict[str, str], pod: str, node: str, until: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """dcgm-exporter reports XID 79 on a GPU of `pod` (on `node`) until `until` returns."""
+    labels = f'gpu="0",UUID="GPU-1",Hostname="{node}",container="pytorch",namespace="default",pod="{pod}"'
     exposition["text"] = ("# TYPE DCGM_FI_DEV_XID_ERRORS gauge\n"
                           f'DCGM_FI_DEV_XID_ERRORS{{{labels},err_code="79",err_msg="GPU has fallen off the bus"}} 79\n')
     try:
-        status = wait_for("attempt 2", lambda: (s := cluster.status("xid")).get("attempt") == 2 and s, timeout=60)
+        return until()
     finally:
         exposition["text"] = ""
-    assert status["failures"][0]["reason"] == "GPUXid" and "XID 79" in status["failures"][0]["message"]
-    assert status["excludedNodes"] == [node]
-    job = wait_for("attempt 2's job", lambda: cluster.attempt_job("xid", 2))["metadata"]["name"]
-    pods = wait_for("attempt 2 scheduled", lambda: (p := sim.pods(job)) and all(x["spec"].get("nodeName") for x in p) and p)
-    assert all(p["spec"]["nodeName"] != node for p in pods)
-    finish(cluster, sim, "xid", attempts=2)
-    cluster.wait_reasons("xid", "XidError", "GPUXid", "NodeExcluded")
-    delete_and_assert_no_orphans(cluster, sim, "xid")
 
 
 def test_closed_rendezvous_is_reset_and_retried(cluster: Cluster, sim: SimCluster, operator: Operator, etcd: LocalEtcd,
