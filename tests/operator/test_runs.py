@@ -340,17 +340,6 @@ def test_fresh_run_then_reapply_after_success_runs_its_own_job(cluster: Cluster,
     delete_and_assert_no_orphans(cluster, sim, "again")  # both incarnations' objects carry the run's label
 
 
-def test_ttl_after_finish_keeps_the_final_status(cluster: Cluster, sim: SimCluster, operator: Operator, tiny_model: Path,
-                                                 tmp_path: Path) -> None:
-    cluster.create("ttl", run_spec(tiny_model, tmp_path / "ckpt", runPolicy={"ttlSecondsAfterFinished": 1}))
-    status = finish(cluster, sim, "ttl", attempts=1)
-    wait_for("job removed by its TTL", lambda: cluster.job(status["jobName"]) is None, timeout=60)
-    time.sleep(3)  # several sync intervals and pod/job deletion events later
-    after = cluster.status("ttl")
-    assert after["phase"] == "Succeeded" and after["progress"] == status["progress"] and after["conditions"] == status["conditions"]
-    delete_and_assert_no_orphans(cluster, sim, "ttl")
-
-
 def inject(sim: SimCluster, fault: str, pod: str) -> None:
     """One fault, by name, on one pod (node faults on the pod's node)."""
     actions = {
@@ -381,16 +370,26 @@ def test_faults_recover_from_the_checkpoint(cluster: Cluster, sim: SimCluster, o
                                             faults: list[str]) -> None:
     """Each fault is classified from the pod's evidence (within seconds, not a timer; a hang by the
     progress deadline), the next attempt resumes from the newest checkpoint, off every node the
-    evidence named, and the run ends with the trainer's own report and no orphans."""
+    evidence named, and the run ends with the trainer's own report and no orphans. The last run's
+    job is removed by ttlSecondsAfterFinished after it: its final status stays as it was."""
     name = f"faults-{faults[0].replace('_', '')}"[:30]
-    deadline = {"progressDeadlineSeconds": 10} if "hang" in faults else {}
-    cluster.create(name, run_spec(tiny_model, tmp_path / "ckpt", runPolicy=deadline))
+    policy: dict[str, Any] = {"progressDeadlineSeconds": 10} if "hang" in faults else {}
+    ttl = faults == FAULT_RUNS[-1]  # one of the runs also has its job removed by ttlSecondsAfterFinished
+    if ttl:
+        policy["ttlSecondsAfterFinished"] = 1
+    cluster.create(name, run_spec(tiny_model, tmp_path / "ckpt", runPolicy=policy))
     excluded: list[str] = []
     for attempt, fault in enumerate(faults, start=1):
         fault_ends_attempt(cluster, sim, dcgm[1], name, attempt, fault, excluded)
     status = finish(cluster, sim, name, attempts=len(faults) + 1)
     assert status["retriesUsed"] == len(faults)
     cluster.wait_reasons(name, *{EXPECTED[f] for f in faults}, *(["XidError", "NodeExcluded"] if "gpu_xid" in faults else []))
+    if ttl:
+        wait_for("job removed by its TTL", lambda: cluster.job(status["jobName"]) is None, timeout=60)
+        time.sleep(3)  # several sync intervals and pod/job deletion events later
+        after = cluster.status(name)
+        assert after["phase"] == "Succeeded" and after["progress"] == status["progress"], "the final status outlives the job"
+        assert after["conditions"] == status["conditions"]
     delete_and_assert_no_orphans(cluster, sim, name)
 
 
@@ -414,23 +413,27 @@ def fault_ends_attempt(cluster: Cluster, sim: SimCluster, exposition: dict[str, 
         inject(sim, fault, victim)
         status = next_attempt()
     noticed = time.monotonic() - started
+    # What a failed check shows: the status the next attempt started with, and what the sim did.
+    seen = f"{fault} on {victim} ({node}) in attempt {attempt}, noticed after {noticed:.1f}s; status: " + json.dumps(
+        {k: status.get(k) for k in ("attempt", "phase", "message", "failures", "excludedNodes")})[:4000] \
+        + "\nsim log:\n" + "\n".join((sim.workdir / "sim.log").read_text().splitlines()[-40:])
     record = status["failures"][attempt - 1]
-    assert record["reason"] == EXPECTED[fault] and record["attempt"] == attempt and record["retryable"], record
+    assert record["reason"] == EXPECTED[fault] and record["attempt"] == attempt and record["retryable"], seen
     if fault in EXCLUDES_THE_NODE:
         excluded.append(node)
         nxt = wait_for(f"attempt {attempt + 1}'s job", lambda: cluster.attempt_job(name, attempt + 1))
         terms = nxt["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["affinity"]["nodeAffinity"]
-        assert node in json.dumps(terms)
+        assert node in json.dumps(terms), seen
         pods = wait_for(f"attempt {attempt + 1}'s pods scheduled", lambda: (p := sim.pods(nxt["metadata"]["name"])) and all(
             x["spec"].get("nodeName") for x in p) and p)
-        assert all(p["spec"]["nodeName"] not in excluded for p in pods)
-    assert status.get("excludedNodes", []) == excluded, "only evidence that names a node keeps later attempts off it"
+        assert all(p["spec"]["nodeName"] not in excluded for p in pods), seen
+    assert status.get("excludedNodes", []) == excluded, "only evidence that names a node keeps later attempts off it: " + seen
     if fault == "hang":
-        assert record["step"] is not None and "no step advance" in record["message"]
+        assert record["step"] is not None and "no step advance" in record["message"], seen
     elif fault == "gpu_xid":
-        assert "XID 79" in record["message"]
+        assert "XID 79" in record["message"], seen
     else:
-        assert noticed < 15, f"a failure is noticed from the pod's events, not a timer ({noticed:.1f}s)"
+        assert noticed < 15, "a failure is noticed from the pod's events, not a timer: " + seen
 
 
 def xid_on(exposition: dict[str, str], pod: str, node: str, until: Callable[[], dict[str, Any]]) -> dict[str, Any]:

@@ -115,7 +115,13 @@ def test_direct(case: str, tiny_model: Path, tmp_path: Path) -> None:
     assert re.search(pattern, doc["message"])
 
 
-@pytest.mark.parametrize("case", list(CASES))
+CLI_CASES = ["empty-file", "missing-tokenizer", "missing-model"]
+"""Through `llamaft run --local`, one case per place the error is found: the data step (every
+dataset case raises its ConfigError there, so the launcher's handling is the same for each; their
+messages are test_direct's), the model step, and the CLI's own check before torchrun starts."""
+
+
+@pytest.mark.parametrize("case", CLI_CASES)
 def test_through_llamaft_run_local(case: str, tiny_model: Path, tmp_path: Path) -> None:
     """Two torchrun agents (as two pods) with the default maxRestarts 3: exit 2, the error last,
     no restart, nothing left running."""
