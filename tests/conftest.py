@@ -44,5 +44,7 @@ def need_etcd() -> str:
     return need_binary("etcd", "etcd-server")
 
 
-# The Hugging Face Hub API server on loopback (tests/hub): `hub_server` (session) and `hub_env`.
+# `--cpu-profile DIR`: each test's wall and CPU seconds (tests/cpu_profile.py, bench/suite_cpu.py);
+# the Hugging Face Hub API server on loopback (tests/hub): `hub_server` (session) and `hub_env`.
+from tests.cpu_profile import pytest_addoption, pytest_configure  # noqa: E402, F401
 from tests.hub.fixture import hub_env, hub_server  # noqa: E402, F401
