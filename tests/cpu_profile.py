@@ -10,7 +10,6 @@ Off unless asked for: it changes nothing in what a test does.
 from __future__ import annotations
 
 import json
-import os
 import resource
 import time
 from collections.abc import Generator
@@ -40,8 +39,11 @@ class CpuProfile:
                           "self": own_after - own, "children": children_after - children})
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if not self.rows:
+            return  # xdist's controller runs no test itself
         self.directory.mkdir(parents=True, exist_ok=True)
-        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        # xdist's own worker id: PYTEST_XDIST_WORKER is inherited by any pytest a test starts.
+        worker = getattr(session.config, "workerinput", {}).get("workerid", "main")
         (self.directory / f"{worker}.json").write_text(json.dumps(self.rows))
 
 
