@@ -224,7 +224,17 @@ class LlamaFineTuneStatus(ApiModel):
     """When the operator created the current attempt's job (RFC 3339)."""
 
 
-_BOUNDED_LISTS = {"failures": 20, "excludedNodes": 16}
+def _list_bounds() -> dict[str, int]:
+    """The lists of the status with a max_length (the CRD's maxItems): alias -> bound."""
+    bounds = {}
+    for name, info in LlamaFineTuneStatus.model_fields.items():
+        for constraint in info.metadata:
+            if getattr(constraint, "max_length", None) is not None:
+                bounds[str(info.alias or name)] = int(constraint.max_length)
+    return bounds
+
+
+_BOUNDED_LISTS = _list_bounds()
 
 
 def read_status(raw: LlamaFineTuneStatus | Mapping[str, Any] | None) -> LlamaFineTuneStatus:
