@@ -164,7 +164,7 @@ class Cluster:
         self.apps.patch_namespaced_deployment_status(name, self.ns, {"status": {"readyReplicas": 1, "replicas": 1}})
 
     def create_pod(self, name: str, job: str, *, phase: str = "Running", ip: str = "127.0.0.1",
-                   terminated_message: str | None = None) -> None:
+                   terminated_message: str | None = None, labels: dict[str, str] | None = None) -> None:
         container: dict[str, Any] = {"name": "pytorch", "ready": phase == "Running", "restartCount": 0, "image": "x", "imageID": "x"}
         if terminated_message is not None:
             container["state"] = {"terminated": {"exitCode": 1, "message": terminated_message}}
@@ -173,7 +173,8 @@ class Cluster:
         pod = {
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": self.ns, "labels": {"training.kubeflow.org/job-name": job,
-                                                                        "training.kubeflow.org/replica-index": name.rsplit("-", 1)[-1]}},
+                                                                        "training.kubeflow.org/replica-index": name.rsplit("-", 1)[-1],
+                                                                        **(labels or {})}},
             "spec": {"containers": [{"name": "pytorch", "image": "x"}]},
         }
         self.core.create_namespaced_pod(self.ns, pod)

@@ -46,6 +46,28 @@ def test_create_running_succeeded(cluster: Cluster, operator: Operator) -> None:
     cluster.wait_reasons("happy", "JobCreated", "Running", "Succeeded")
 
 
+def test_an_eviction_is_recorded_after_its_pod_is_gone(cluster: Cluster, operator: Operator) -> None:
+    """The Eviction API's DisruptionTarget, then the pod deleted at once (grace 0), before the
+    operator lists it: the pod watch kept the evidence (operator.evidence), so the attempt ends
+    Evicted with the pod named, not with a lesser cause."""
+    cluster.create("gone", tiny_spec(runPolicy={"retryBudget": 2}))
+    wait_for("job", lambda: cluster.attempt_job("gone", 1))
+    job = cluster.job_name("gone", 1)
+    pod = f"{job}-worker-1"
+    cluster.create_pod(pod, job, labels={"llamaft.io/finetune": "gone", "app.kubernetes.io/component": "trainer"})
+    cluster.set_job_status(job, [("Created", "PyTorchJobCreated", "c"), ("Running", "PyTorchJobRunning", "r")],
+                           replicaStatuses={"Worker": {"active": 2}})
+    wait_for("Running", lambda: cluster.status("gone").get("phase") == "Running")
+    cluster.core.patch_namespaced_pod_status(pod, cluster.ns, {"status": {"conditions": [
+        {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI",
+         "message": "Eviction API: evicting", "lastTransitionTime": "2026-12-03T10:00:00Z"}]}})
+    cluster.core.delete_namespaced_pod(pod, cluster.ns, grace_period_seconds=0)
+    status = wait_for("the failure", lambda: (s := cluster.status("gone")).get("failures") and s)
+    [failure] = status["failures"]
+    assert failure["reason"] == "Evicted" and failure["pod"] == pod, status
+    assert failure["retryable"] is True
+
+
 def test_invalid_spec_names_the_field_in_status_and_events(cluster: Cluster, operator: Operator) -> None:
     spec = tiny_spec(fsdp={"shardingStrategy": "HYBRID_SHARD", "hybridShard": {"shardGroupSize": 3, "replicaGroupSize": 2}})
     cluster.create("broken", spec)

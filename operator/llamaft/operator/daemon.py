@@ -96,7 +96,8 @@ def start_first_step(memo: kopf.Memo, namespace: str, name: str, logger: Any, bo
 def wake_for_child(memo: kopf.Memo, type: str | None, body: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
     """A job or trainer pod changed: its owner's lifecycle looks now, not at the next sync. Not
     for the creation event of a job the lifecycle itself just created (what it wrote is what it
-    knows; the training operator's first status update wakes it)."""
+    knows; the training operator's first status update wakes it). A pod version with evidence
+    its deletion would erase is kept for the steps (evidence.py)."""
     owner, namespace = (meta.get("labels") or {}).get(LABEL_FINETUNE), meta.get("namespace")
     if not owner or not namespace:
         return
@@ -104,6 +105,8 @@ def wake_for_child(memo: kopf.Memo, type: str | None, body: Mapping[str, Any], m
         ours = operator_state(memo).created_jobs.pop((str(namespace), str(meta.get("name"))), None)
         if type == "ADDED" and ours is not None and ours == str(meta.get("resourceVersion")):
             return
+    elif body.get("kind") == "Pod":
+        operator_state(memo).evidence.keep((str(namespace), str(owner)), body)
     wake(memo, str(namespace), str(owner))
 
 
@@ -116,7 +119,9 @@ def finetune_event(memo: kopf.Memo, type: str | None, namespace: str, name: str,
     raw_status = body.get("status") or {}
     record_phase(memo, namespace, name, None if type == "DELETED" else str(raw_status.get("phase") or Phase.PENDING.value))
     own = object_state(memo)
-    if type == "DELETED" and own.first_step is not None:  # gone before its daemon started
-        operator_state(memo).wakers.pop((namespace, name), None)
+    if type == "DELETED":
+        operator_state(memo).evidence.forget((namespace, name))
+        if own.first_step is not None:  # gone before its daemon started
+            operator_state(memo).wakers.pop((namespace, name), None)
     if type == "ADDED" and not raw_status.get("attempt") and own.first_step is None:
         start_first_step(memo, namespace, name, logger, body, children_index)

@@ -1,7 +1,8 @@
 """Evidence -> failure: why an attempt died, and whether running it again can help.
 
-Pure functions over the objects the operator reads (the attempt's PyTorchJob or TrainJob, its pods,
-the GPU health verdict, the trainer's progress). Nodes are not among them: the operator has no
+Pure functions over the objects the operator reads (the attempt's PyTorchJob or TrainJob, its pods
+(with those deleted since the watch showed their evidence: evidence.py), the GPU health verdict,
+the trainer's progress). Nodes are not among them: the operator has no
 RBAC to read Node objects, so a lost node is known from what the control plane writes on its pods
 (reason NodeLost, the taint manager's or pod GC's DisruptionTarget). Each way an attempt can
 die leaves its own evidence; this module reads all of it and names one cause:
@@ -140,6 +141,17 @@ def _name(obj: Obj) -> str:
 def _node(pod: Obj) -> str | None:
     node = pod.get("spec", {}).get("nodeName")
     return str(node) if node else None
+
+
+ERASABLE_REASONS = ("Evicted", "NodeLost")
+
+
+def erasable(pod: Obj) -> bool:
+    """Whether the pod carries evidence that goes when the pod is deleted, and it may be: a
+    DisruptionTarget condition (an eviction, a preemption, the taint manager or PodGC delete the
+    pod they mark) or status.reason Evicted/NodeLost. The watch keeps such a pod (evidence.py)."""
+    reason = (pod.get("status") or {}).get("reason")
+    return _condition(pod, "DisruptionTarget") is not None or reason in ERASABLE_REASONS
 
 
 def pod_failure(pod: Obj, last_step: int | None) -> Failure | None:

@@ -24,6 +24,7 @@ from typing import Any
 import kopf
 
 from llamaft.api.status import TERMINAL_PHASES, Phase
+from llamaft.operator.evidence import PodEvidence
 from llamaft.operator.http import HttpClient
 from llamaft.operator.kube import Kube
 from llamaft.operator.metrics import FINETUNES, RECONCILE_SECONDS, RECONCILES
@@ -127,6 +128,9 @@ class OperatorState:
     checks: CheckCache = field(default_factory=CheckCache)
     """The children's admission check of each template found clean (admission.checked_children):
     LlamaFineTunes made from one template are checked once."""
+    evidence: PodEvidence = field(default_factory=PodEvidence)
+    """Trainer pods whose failure evidence goes with them when they are deleted, as the watch last
+    showed them (evidence.py): a step that lists after the deletion still sees why."""
     created_jobs: dict[Key, str] = field(default_factory=dict)
     """(namespace, job name) -> resourceVersion of a job as llamaft just created it (its ADDED
     event is that write's echo and wakes nobody)."""

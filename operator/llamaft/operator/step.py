@@ -250,11 +250,15 @@ class Step(ChildReconciler):
                  if j["metadata"]["name"] != job_name and owned_by(j, owner.uid) and not j["metadata"].get("deletionTimestamp")]
         job = None if deleting else current
         backend = backend_for(kind)
-        pods = self.kube.list_pods(self.namespace, backend.pod_selector(job_name)) if job else []
+        selector = backend.pod_selector(job_name)
+        listed = self.kube.list_pods(self.namespace, selector) if job else []
+        pods = listed
         if job is not None:
-            job = dict(backend.view(job, pods))
+            if not backend.suspended(job):  # a suspension's deletions are not failures (lifecycle._queued)
+                pods = operator_state(self.memo).evidence.recall((self.namespace, self.name), selector, job, listed)
+            job = dict(backend.view(job, listed))
         job_phase, _, _ = observe.job_phase(job)
-        progress = self._leader_progress(pods, spec, status) if job_phase in (Phase.RUNNING, Phase.RESTARTING) else None
+        progress = self._leader_progress(listed, spec, status) if job_phase in (Phase.RUNNING, Phase.RESTARTING) else None
         gpu = self._gpu(obj, owner, job_name, status, job_phase is Phase.RUNNING, progress)
         return lifecycle.Observed(
             spec=spec, status=read_status(status), now=now(), job_name=job_name, job=job, job_kind=kind, job_deleting=deleting,
