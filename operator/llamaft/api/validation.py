@@ -30,7 +30,7 @@ from celpy import celtypes
 from pydantic import ValidationError
 from pydantic.alias_generators import to_camel
 
-from llamaft.api import resource
+from llamaft.api import cel_parser, resource
 from llamaft.api import spec as api
 from llamaft.api.crd import NAME_RULE, spec_schema
 from llamaft.api.spec import LlamaFineTuneSpec
@@ -207,6 +207,7 @@ def prune_nulls(value: Any, schema: Schema) -> Any:
 # ---------------------------------------------------------------------------- CEL evaluation
 @functools.lru_cache(maxsize=1)
 def _environment() -> celpy.Environment:
+    cel_parser.install()  # the analysed grammar from this machine's cache (cel_parser.py)
     return celpy.Environment()
 
 
