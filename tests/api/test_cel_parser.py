@@ -75,6 +75,27 @@ def test_without_a_writable_folder_the_parser_is_built_in_memory(tmp_path: Path)
     assert parser.parse("self.a > 0") is not None and not parser.options.cache
 
 
+def test_a_folder_it_cannot_lock_is_read_not_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A folder this process cannot write (a read-only image layer; here the lock's name taken
+    by a folder, which even root cannot open for appending): its file is read, or, without
+    one, the parser is built in memory."""
+    empty = tmp_path / "empty"
+    (empty / ".cel-parser.lock").mkdir(parents=True)
+    parser = cel_parser.build(empty)
+    assert parser.parse("self.a > 0") is not None and not parser.options.cache
+    assert list(empty.glob("cel-parser-*")) == []
+    built = tmp_path / "built"
+    cel_parser.build(built)
+    (built / ".cel-parser.lock").unlink()
+    (built / ".cel-parser.lock").mkdir()
+
+    def analysed(*_: Any) -> None:
+        raise AssertionError("the grammar was analysed again")
+
+    monkeypatch.setattr(lark.Lark, "_build_parser", analysed)
+    assert cel_parser.build(built).parse("self.a > 0") is not None
+
+
 @pytest.mark.parametrize(("environ", "expected"), [
     ({"LLAMAFT_CACHE": "/c/llamaft", "XDG_CACHE_HOME": "/x", "HOME": "/h"}, "/c/llamaft"),
     ({"XDG_CACHE_HOME": "/x", "HOME": "/h"}, "/x/llamaft"),

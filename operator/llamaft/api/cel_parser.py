@@ -66,15 +66,17 @@ def build(folder: Path | None = None) -> lark.Lark:
     lark reads and writes the file itself (its hash covers the grammar and options, the path
     among them); an exclusive lock beside it keeps a process from reading it half-written."""
     text = grammar()
+    folder = cache_dir() if folder is None else folder
+    path = cache_file(folder)
     try:
-        folder = cache_dir() if folder is None else folder
         folder.mkdir(parents=True, exist_ok=True)
         lock = open(folder / ".cel-parser.lock", "a")  # noqa: SIM115 (held for the build below)
     except OSError:
-        return lark.Lark(text, **options())
+        # A folder this process cannot write: a file in it is complete (an image built it), else none.
+        return lark.Lark(text, cache=str(path), **options()) if path.is_file() else lark.Lark(text, **options())
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return lark.Lark(text, cache=str(cache_file(folder)), **options())  # lark ignores a file it cannot write
+        return lark.Lark(text, cache=str(path), **options())  # lark ignores a file it cannot write
 
 
 def install() -> None:
