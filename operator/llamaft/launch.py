@@ -23,6 +23,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from llamaft.api import cache_folders
+
 CONTAINER = "pytorch"
 """The container the training operator configures (it requires this name)."""
 Obj = dict[str, Any]
@@ -95,10 +97,9 @@ class Localized:
 def local_cache(environ: Mapping[str, str]) -> dict[str, str]:
     """This machine's download caches: the user's own (HF_HOME, LLAMAFT_CACHE, else their
     defaults under ~/.cache), which every local agent shares, instead of the pod's mount."""
-    root = Path(environ.get("XDG_CACHE_HOME") or Path(environ.get("HOME") or Path.home()) / ".cache")
     return {
-        "LLAMAFT_CACHE": environ.get("LLAMAFT_CACHE") or str(root / "llamaft"),
-        "HF_HOME": environ.get("HF_HOME") or str(root / "huggingface"),
+        "LLAMAFT_CACHE": str(cache_folders.llamaft_cache(environ)),
+        "HF_HOME": environ.get("HF_HOME") or str(cache_folders.user_cache_root(environ) / "huggingface"),
         "LLAMAFT_CACHE_SHARED": "1",
     }
 

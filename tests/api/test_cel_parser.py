@@ -94,12 +94,3 @@ def test_a_folder_it_cannot_lock_is_read_not_written(tmp_path: Path, monkeypatch
 
     monkeypatch.setattr(lark.Lark, "_build_parser", analysed)
     assert cel_parser.build(built).parse("self.a > 0") is not None
-
-
-@pytest.mark.parametrize(("environ", "expected"), [
-    ({"LLAMAFT_CACHE": "/c/llamaft", "XDG_CACHE_HOME": "/x", "HOME": "/h"}, "/c/llamaft"),
-    ({"XDG_CACHE_HOME": "/x", "HOME": "/h"}, "/x/llamaft"),
-    ({"HOME": "/h"}, "/h/.cache/llamaft"),
-])
-def test_the_cache_folder(environ: dict[str, str], expected: str) -> None:
-    assert cel_parser.cache_dir(environ) == Path(expected)

@@ -21,11 +21,14 @@ import hashlib
 import os
 import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import lark
 from celpy import celparser
+
+from llamaft.api import cache_folders
 
 
 def options() -> dict[str, Any]:
@@ -47,13 +50,9 @@ def grammar() -> str:
     return (Path(celparser.__file__).parent / "cel.lark").read_text()
 
 
-def cache_dir(environ: dict[str, str] | None = None) -> Path:
-    """$LLAMAFT_CACHE, else $XDG_CACHE_HOME/llamaft, else ~/.cache/llamaft (the downloads' folder)."""
-    env = os.environ if environ is None else environ
-    if env.get("LLAMAFT_CACHE"):
-        return Path(env["LLAMAFT_CACHE"])
-    root = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path(env.get("HOME") or Path.home()) / ".cache"
-    return root / "llamaft"
+def cache_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """llamaft's cache folder (cache_folders.llamaft_cache), where the downloads go too."""
+    return cache_folders.llamaft_cache(os.environ if environ is None else environ)
 
 
 def cache_file(folder: Path) -> Path:
