@@ -238,7 +238,8 @@ def test_cli_validate_examples(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_cli_validate_reports_every_bad_document(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump_all([with_("spec.fsdp", HYBRID_3), base(), with_("spec.fdsp", {})]))
+    kept = with_("spec.checkpointing", {"directory": "s3://bucket/ok"})  # the operator refuses results kept in the pod
+    bad.write_text(yaml.safe_dump_all([with_("spec.fsdp", HYBRID_3), kept, with_("spec.fdsp", {})]))
     assert main(["validate", str(bad)]) == 1
     out = capsys.readouterr().out
     assert f"{bad}: spec.fsdp.hybridShard.shardGroupSize: 3 must divide workers x gpusPerWorker = 16" in out

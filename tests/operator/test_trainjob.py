@@ -226,7 +226,8 @@ def test_pvc_inputs_suspend_runtime_and_deadline() -> None:
     assert job["spec"]["runtimeRef"] == {"apiGroup": "trainer.kubeflow.org", "kind": "TrainingRuntime", "name": "llama-fsdp"}
     pod = pod_patch(job)["spec"]
     claims = {v["name"]: v["persistentVolumeClaim"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
-    assert claims == {"input-0": {"claimName": "models", "readOnly": True}, "input-1": {"claimName": "data", "readOnly": True}}
+    assert claims == {"checkpoints": {"claimName": "fsx-checkpoints"},  # examples/minimal.yaml's checkpoint claim
+                      "input-0": {"claimName": "models", "readOnly": True}, "input-1": {"claimName": "data", "readOnly": True}}
     mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
     assert mounts["input-0"] == {"name": "input-0", "mountPath": "/mnt/pvc/models", "readOnly": True}
     assert "resourcesPerNode" not in job["spec"]["trainer"] or job["spec"]["trainer"]["resourcesPerNode"]

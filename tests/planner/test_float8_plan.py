@@ -56,11 +56,12 @@ def test_llamaft_validate_refuses_float8_on_a100(tmp_path: Path, capsys: pytest.
         "apiVersion: llamaft.io/v1alpha1\nkind: LlamaFineTune\nmetadata: {name: f8}\nspec:\n"
         "  model: {source: meta-llama/Llama-2-7b-hf}\n  dataset: {format: samsum, source: knkarthick/samsum}\n"
         "  fsdp: {float8: {enabled: true}}\n  cluster: {workers: 1, gpusPerWorker: 8, instanceType: p4de.24xlarge}\n"
+        "  checkpointing: {directory: 's3://bucket/f8'}\n"
     )
-    assert cli_main(["validate", "--schema-only", str(doc)]) == 1
+    assert cli_main(["validate", str(doc)]) == 1  # the operator's refusal (--schema-only is the API server's alone)
     assert "spec.fsdp.float8.enabled: the A100-80GB" in capsys.readouterr().out
     doc.write_text(doc.read_text().replace("p4de.24xlarge", "p5.48xlarge"))
-    assert cli_main(["validate", "--schema-only", str(doc)]) == 0
+    assert cli_main(["validate", str(doc)]) == 0
 
 
 def test_float8_all_gather_halves_the_converted_weights_gathered_bytes() -> None:

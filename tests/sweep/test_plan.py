@@ -20,7 +20,7 @@ def write(tmp: Path, spec: dict[str, Any] | None = None, name: str = "blog-7b", 
             "dataset": {"source": "Samsung/samsum", "format": "samsum"},
             "training": {"epochs": 3, "warmupSteps": 100},
             "cluster": {"workers": 4, "gpusPerWorker": 8, "instanceType": "p4de.24xlarge"},
-            "checkpointing": {"directory": "/checkpoints/blog"},
+            "checkpointing": {"directory": "s3://bucket/blog"},
             **(spec or {}),
         },
         "status": {"phase": "Succeeded"},
@@ -40,7 +40,7 @@ def test_each_size_is_the_file_at_that_size_with_its_own_checkpoints(tmp_path: P
         assert "uid" not in meta and "resourceVersion" not in meta and "status" not in run.body
         assert spec["cluster"]["workers"] == run.workers == run.spec.cluster.workers
         assert spec["training"] == {"maxSteps": 50, "warmupSteps": 50}
-        assert spec["checkpointing"] == {"directory": f"/checkpoints/blog/sweep/{run.name}", "resume": False,
+        assert spec["checkpointing"] == {"directory": f"s3://bucket/blog/sweep/{run.name}", "resume": False,
                                          "exportHuggingFace": False}
         assert run.spec.model.source == "meta-llama/Llama-2-7b-hf" and run.spec.cluster.instance_type == "p4de.24xlarge"
     assert plan.notes == ["spec.training.warmupSteps 100 is lowered to --max-steps 50 (the learning rate's ramp "

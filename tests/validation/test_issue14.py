@@ -12,7 +12,15 @@ from llamaft.api.spec import LlamaFineTuneSpec
 from llamaft.api.validation import SpecInvalid, validate_resource
 from llamaft.render.admission import child_errors
 
-from tests.api.test_validation import base
+from tests.api.test_validation import base as api_base
+
+
+def base() -> dict[str, Any]:
+    """tests.api's object, its results accepted as lost with the pod (checkpointing.discardWithPod):
+    the cases here are of other fields (where the results go: tests/operator/test_storage.py)."""
+    obj = api_base()
+    obj["spec"]["checkpointing"] = {"discardWithPod": True}
+    return obj
 
 
 def check_children(spec: LlamaFineTuneSpec, name: str, namespace: str) -> list[str]:

@@ -40,7 +40,7 @@ def nested(levels: int, leaf: str = "1") -> str:
 def spec_with_overrides(value: str) -> str:
     return ("apiVersion: llamaft.io/v1alpha1\nkind: LlamaFineTune\nmetadata: {name: ok}\n"
             "spec: {model: {source: meta-llama/Llama-2-7b-hf}, dataset: {format: samsum, source: knkarthick/samsum}, "
-            f"cluster: {{workers: 2, podTemplateOverrides: {value}}}}}\n")
+            f"checkpointing: {{discardWithPod: true}}, cluster: {{workers: 2, podTemplateOverrides: {value}}}}}\n")
 
 
 BOMB = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
@@ -50,12 +50,12 @@ BOMB = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".jo
 # (case, file content, extra CLI args, exit code, exact output lines that must appear)
 CASES: list[tuple[str, Any, tuple[str, ...], int, list[str]]] = [
     ("second document of another kind", GOOD + "---\n" + yaml.safe_dump({**base(), "kind": "PyTorchJob"}), (), 1,
-     ["F#1: kind: this document (line 14) is a 'PyTorchJob' 'llamaft.io/v1alpha1', not a LlamaFineTune: llamaft validate "
+     ["F#1: kind: this document (line 16) is a 'PyTorchJob' 'llamaft.io/v1alpha1', not a LlamaFineTune: llamaft validate "
       "checks LlamaFineTune documents only; keep other objects in another file"]),
     ("second document with another apiVersion", GOOD + "---\n" + yaml.safe_dump({**base(), "apiVersion": "llamaft.io/v1"}),
      (), 1, ["F#1: apiVersion: must be 'llamaft.io/v1alpha1', got 'llamaft.io/v1'"]),
     ("second document a scalar", GOOD + "---\njust a string\n", (), 1,
-     ["F#1: document at line 14: must be a LlamaFineTune mapping (apiVersion, kind, metadata, spec), got the string "
+     ["F#1: document at line 16: must be a LlamaFineTune mapping (apiVersion, kind, metadata, spec), got the string "
       "'just a string'"]),
     ("invalid UTF-8", GOOD.replace("knkarthick", "kn\udcffkarthick").encode("utf-8", "surrogateescape"), (), 1,
      ["F: line 10, column 15: byte 0xff is not valid UTF-8: save the file as UTF-8"]),
@@ -72,7 +72,7 @@ CASES: list[tuple[str, Any, tuple[str, ...], int, list[str]]] = [
      ["F: document at line 1: larger than 1536 KiB as JSON once its YAML aliases (*name) are expanded: the API server "
       "stores at most 1.5 MiB per object"]),
     ("billion laughs as a second document", GOOD + "---\n" + BOMB, (), 1,
-     ["F#1: document at line 14: larger than 1536 KiB as JSON once its YAML aliases (*name) are expanded: the API "
+     ["F#1: document at line 16: larger than 1536 KiB as JSON once its YAML aliases (*name) are expanded: the API "
       "server stores at most 1.5 MiB per object"]),
     ("a recursive alias", "a: &a [*a]\n", (), 1, ["F: line 1: alias *a refers to a node that contains it (a recursive alias)"]),
     ("a duplicate key", GOOD.replace("  cluster:\n", "  cluster:\n    workers: 3\n"), (), 1,

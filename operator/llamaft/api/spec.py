@@ -521,6 +521,14 @@ class CheckpointingSpec(ApiModel):
     """Save in the background (DCP async save): training waits only for a staging copy of the
     state, the write happens while the next steps run. One save is in flight at a time; a
     checkpoint counts only once its write has finished and it is marked complete."""
+    discard_with_pod: bool = False
+    """Accept that this run's results live only in the worker containers: checkpoints, the export
+    and local tracker files (TensorBoard, W&B offline) are lost with each pod, no retry can resume
+    and a finished run leaves no model. Without it the operator refuses a spec whose results would
+    live only in the container; keep them instead on `volumeClaim` (mounted at `directory`), an
+    fsspec URI `directory` such as `s3://bucket/run`, or a persistent volume that
+    `cluster.podTemplateOverrides` mounts there. `llamaft run --local` writes to this machine and
+    ignores it."""
 
 
 # ------------------------------------------------------------------------------------- cluster

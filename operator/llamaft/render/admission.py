@@ -19,7 +19,10 @@ checks the same for a spec alone. Both check
 - every derived name and label value against Kubernetes' limits, for the longest attempt name
   (`<name>-<uid token>-<MAX_ATTEMPTS>-worker-<last index>`);
 - what only running would show: the prompt template (a Python format string) and LoRA target
-  modules against the Llama module names.
+  modules against the Llama module names;
+- where the results go (render.storage): checkpoints, export and local tracker files on a volume
+  of the rendered worker pod that outlives it, or an fsspec URI, unless
+  `checkpointing.discardWithPod` accepts losing them.
 Each problem is reported on the spec field that causes it, with the fix. Pure: no API calls.
 """
 
@@ -49,6 +52,7 @@ from llamaft.api.validation import (
 )
 from llamaft.render import trainjob
 from llamaft.render.naming import Owner
+from llamaft.render.storage import lost_with_pod
 
 K8S_SCHEMA_VERSION = "1.30"
 """Oldest Kubernetes the operator supports: its schemas are the ones rendered objects must pass."""
@@ -147,7 +151,7 @@ def _object_errors(spec: LlamaFineTuneSpec, name: str, namespace: str, uid: str,
                                  "template nests that deep: remove it"))
         return _unique(errors)
     render = _render(Owner(name, namespace, uid), spec, attempt, backend)
-    return _unique([*render.errors, *_check(spec, render)])
+    return _unique([*render.errors, *_storage(spec, render), *_check(spec, render)])
 
 
 @dataclasses.dataclass
@@ -191,6 +195,14 @@ def _render(owner: Owner, spec: LlamaFineTuneSpec, attempt: int, backend: Backen
     return _Rendered(children, job, base, merged, errors)
 
 
+def _storage(spec: LlamaFineTuneSpec, render: _Rendered) -> list[FieldError]:
+    """Results the rendered worker pod would keep only in its containers (storage.lost_with_pod),
+    judged on the pod template the job carries: the PyTorchJob's Worker template, the TrainJob's
+    pod as merged before it becomes runtimePatches."""
+    template = render.merged if render.merged is not None else _get(render.job, TEMPLATE) if render.job else None
+    return lost_with_pod(spec, template) if isinstance(template, Mapping) else []
+
+
 def _check(spec: LlamaFineTuneSpec, render: _Rendered) -> list[FieldError]:
     """What the schemas and the admission rules find in the rendered objects."""
     if render.base is None:
@@ -224,7 +236,7 @@ def checked_children(owner: Owner, spec: LlamaFineTuneSpec, *, attempt: int = 1,
     if too_deep:  # refused before rendering, as child_errors does
         return Checked([], _unique([*errors, *_object_errors(spec, name, namespace, uid, attempt, backend)]))
     render = _render(owner, spec, attempt, backend, etcd_image, dashboard_labels)
-    errors += render.errors
+    errors += [*render.errors, *_storage(spec, render)]
     key = ("checked_children", spec.model_dump_json(), namespace, len(name), attempt, backend, etcd_image or "",
            json.dumps(dashboard_labels, sort_keys=True))
     clean = not errors and cache is not None and cache.get(key) == []
