@@ -24,6 +24,9 @@ from tests.operator.emulator import EmulatorThread, write_kubeconfig
 
 T = TypeVar("T")
 GROUP, VERSION, PLURAL = "llamaft.io", "v1alpha1", "llamafinetunes"
+CHECKPOINT_CLAIM = "ckpt"
+"""The PersistentVolumeClaim test specs keep their checkpoints on (on a simulated cluster, a folder of
+the test's: tests/operator/sim_fixtures.py)."""
 
 
 
@@ -246,9 +249,12 @@ def cluster(emulator: EmulatorThread) -> Cluster:
 
 
 def tiny_spec(**overrides: Any) -> dict[str, Any]:
+    """A small spec; its checkpoints are on CHECKPOINT_CLAIM (mounted at /checkpoints/run), as the
+    operator's admission requires of results that must outlive the pods."""
     spec: dict[str, Any] = {
         "model": {"source": "meta-llama/Llama-2-7b-hf"},
         "dataset": {"format": "samsum", "source": "knkarthick/samsum"},
+        "checkpointing": {"volumeClaim": CHECKPOINT_CLAIM, "directory": "/checkpoints/run"},
         "cluster": {"workers": 2, "gpusPerWorker": 8},
         "rendezvous": {"backend": "c10d"},
     }

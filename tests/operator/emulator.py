@@ -42,6 +42,7 @@ import datetime
 import functools
 import itertools
 import json
+import secrets
 import threading
 import time
 import uuid
@@ -60,6 +61,10 @@ from tests.operator.apply import ApplyConflict
 from tests.operator.apply import apply as server_side_apply
 
 Obj = dict[str, Any]
+GENERATE_NAME_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
+"""k8s.io/apimachinery pkg/util/rand's alphanums, which SimpleNameGenerator draws from."""
+GENERATE_NAME_RANDOM, GENERATED_NAME_BASE = 5, 58
+"""randomLength and maxGeneratedNameLength (63 - 5) of k8s.io/apiserver pkg/storage/names/generate.go."""
 # kmock's public API (everything else used here) has no hook for one thing: the path parser that
 # _parse_path corrects (kmock._internal.parsing, the only private name used).
 _kmock_parse_path = kmock_parsing.parse_path
@@ -529,13 +534,28 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         # The kubernetes client only decodes a create's body on 201.
         return aiohttp.web.json_response(stored, status=201)
 
+    def _generated_name(self, resource: Any, namespace: str | None, base: str) -> str:
+        """metadata.generateName as the API server completes it: the base cut to 58 characters plus
+        5 random characters from "bcdfghjklmnpqrstvwxz2456789" (k8s.io/apiserver pkg/storage/names
+        SimpleNameGenerator.GenerateName, utilrand.String: no vowels, no look-alikes), drawn again
+        on a clash (the RetryGenerateName behaviour, on by default since Kubernetes 1.31), so the
+        create answers 409 only when every draw clashed."""
+        if len(base) > GENERATED_NAME_BASE:
+            base = base[:GENERATED_NAME_BASE]
+        name = base + "".join(secrets.choice(GENERATE_NAME_ALPHABET) for _ in range(GENERATE_NAME_RANDOM))
+        for _ in range(7):
+            if self._current((resource, namespace, name)) is None:
+                break
+            name = base + "".join(secrets.choice(GENERATE_NAME_ALPHABET) for _ in range(GENERATE_NAME_RANDOM))
+        return name
+
     def _prepared_create(self, request: Any, obj: Obj) -> tuple[tuple[Any, str | None, str], Obj]:
         """A new object as the API server stores it: server fields, defaults, admission."""
         meta = obj.setdefault("metadata", {})
         if request.namespace and "namespace" not in meta:
             meta["namespace"] = request.namespace
         if "generateName" in meta and "name" not in meta:
-            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+            meta["name"] = self._generated_name(request.resource, request.namespace or meta.get("namespace"), str(meta["generateName"]))
         if not meta.get("name"):
             raise kmock.KubernetesError(status=422, reason="Invalid", message="metadata.name: Required value")
         meta["uid"] = str(uuid.uuid4())

@@ -6,7 +6,7 @@ process tree on this machine. Plus faults on demand (kill, OOM, hang, eviction, 
 
 Everything talks to the emulator through its HTTP API, as the real components do, so the operator
 under test sees exactly the objects and transitions a cluster would show it; the one shortcut is
-that all "nodes" share this machine's network and filesystem:
+that all "nodes" share this machine's network (each container has a filesystem of its own):
 - each pod gets its own loopback address 127.<w>.<k // 250>.<k> (status.podIP; w: the pytest-xdist
   worker's block, 0 without xdist, so simulated clusters in parallel workers never share an
   address and port), the trainer is told to bind its
@@ -16,10 +16,20 @@ that all "nodes" share this machine's network and filesystem:
   Jobs' pods, Trainer's PET_MASTER_ADDR), resolves to that pod's address; any other `*.svc` host
   (the managed etcd, an external `etcd.infra.svc`) is the one real local etcd the test passes in
   (env PET_RDZV_ENDPOINT and PET_MASTER_ADDR/PORT and torchrun's --rdzv-endpoint are resolved);
-- "mounts": configMap volumes are written under the pod's directory, an emptyDir (not in memory)
-  is a folder of the pod's own, a claim the test declared (`claims`) is its shared folder, and
-  every command argument and env value that starts with such a mountPath is rewritten to point
-  there; other claims are ignored (tests use absolute local paths).
+- private container filesystems: every container start runs in a mount namespace of its own with an
+  overlayfs root (lowerdir `/`: this machine plays the image; a fresh writable layer per start,
+  deleted when the container is replaced or its pod is gone) and real bind mounts at each
+  volumeMount's mountPath (tests/operator/container_root.py): a claim the test declared
+  (`claims`) is its shared host folder, an emptyDir a folder of the pod's own (kept across container
+  restarts, gone with the pod; /dev/shm is a private tmpfs), a configMap volume the files the
+  kubelet writes (read-only), and the kubelet's termination-log file sits at terminationMessagePath.
+  So a file written outside every volume dies with the container, as on a real node. A pod naming a
+  claim the test did not declare is unschedulable, as kube-scheduler's VolumeBinding plugin leaves
+  it (`persistentvolumeclaim "<name>" not found`). Needs root: `start` refuses without it;
+- container ports are exactly the rendered template's plus what the controllers add (PyTorchJob:
+  training-operator v1.9's default `pytorchjob-port`; TrainJob: Trainer's torch plugin's 29500);
+  `container_port_address` resolves a named port as a PodMonitor's `port:` does, and refuses a name
+  the pod's containers do not declare.
 
 The training operator is a port of training-operator v1.9's ReconcileJobs / ReconcilePods /
 UpdateJobStatus (pkg/controller.v1/common/{job,pod}.go, pytorch/pytorchjob_controller.go), its
@@ -92,6 +102,9 @@ FALLBACK_LINES, FALLBACK_BYTES = 80, 2048
 MARKER = "SIMCLUSTER_CONTAINER"
 """Env var every container process inherits, so that the sim finds (and kills) all of a container's
 processes even after torchrun's workers, which run in their own sessions, lose their parent."""
+LAUNCHER = Path(__file__).with_name("container_root.py")
+"""Builds a container's private root and execs its command (run with `python -I`)."""
+DEFAULT_TERMINATION_MESSAGE_PATH = "/dev/termination-log"
 EVICTION_MESSAGES = {
     "EvictionByEvictionAPI": "Eviction API: evicting",
     "PreemptionByScheduler": "default-scheduler: preempting to accommodate a higher priority pod",
@@ -332,8 +345,10 @@ class SimCluster:
                  final_delete_delay: float = 1.0, python: str = sys.executable,
                  claims: dict[str, Path] | None = None) -> None:
         """`node_labels`: extra labels per node name (e.g. {"node-1": {"gpu": "a100"}});
-        `claims`: PersistentVolumeClaims backed by a local folder, mounted where a pod mounts them
-        (every pod of every node sees the same folder, like a ReadWriteMany volume);
+        `claims`: PersistentVolumeClaims backed by a local folder, bind-mounted where a pod mounts
+        them (every pod of every node sees the same folder, like a ReadWriteMany volume); a pod
+        naming any other claim stays Pending, unschedulable (tests may add claims later: the dict
+        is read at each scheduling and container start);
         `gpus_per_node`: allocatable nvidia.com/gpu (pods asking for more stay Pending);
         `restart_backoff`: seconds before a kubelet restarts a container in place (OnFailure/Always);
         `final_delete_delay`: seconds a deleted pod stays terminal before the kubelet removes it."""
@@ -369,7 +384,10 @@ class SimCluster:
 
     # ------------------------------------------------------------------------------ lifecycle
     def start(self) -> SimCluster:
+        """Create the nodes and start the control loop; raises RuntimeError when this machine cannot
+        give containers private filesystems (see `_require_private_filesystems`)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self._require_private_filesystems()
         self._log_file = (self.workdir / "sim.log").open("a", buffering=1)
         for name in self.node_names:
             self._create_node(name)
@@ -403,10 +421,34 @@ class SimCluster:
                 time.sleep(0.1)
             else:
                 self._log(f"processes survived stop(): {self._pids_with_marker(f'{self.id}/')}")
+            for run in self._runs.values():  # the nodes are gone: so are their containers' layers and emptyDirs
+                self._remove_pod_files(run)
         _LIVE.discard(self)
         if self._log_file is not None:
             with contextlib.suppress(Exception):
                 self._log_file.close()
+
+    def _require_private_filesystems(self) -> None:
+        """Run a probe container through the launcher: it must write into its own layer and nothing
+        on this machine. No fallback to the shared filesystem: a test that passed there could lean
+        on files a real cluster loses with the container."""
+        probe = self.workdir / f"probe-{self.id}"
+        inside = f"/tmp/simcluster-probe-{self.id}"
+        shell = shutil.which("sh") or "/bin/sh"
+        try:
+            result = subprocess.run([self.python, "-I", str(LAUNCHER), "--root", str(probe), "--", shell, "-c", f"echo ok > {inside}"],
+                                    capture_output=True, timeout=60, check=False)
+            in_layer = (probe / "upper" / inside.lstrip("/")).is_file()
+            leaked = Path(inside).exists()
+        finally:
+            shutil.rmtree(probe, ignore_errors=True)
+        if result.returncode != 0 or not in_layer or leaked:
+            raise RuntimeError(
+                "SimCluster runs every container in a private filesystem (tests/operator/container_root.py: a mount "
+                "namespace, an overlayfs root over /, bind-mounted volumes, chroot), which needs root (CAP_SYS_ADMIN) "
+                f"and overlayfs; it does not work here (exit {result.returncode}, written in the layer: {in_layer}, "
+                f"leaked to the host: {leaked}): {result.stderr.decode(errors='replace').strip()[-1000:]}. "
+                "Run the simulated-cluster tests as root in the dev container.")
 
     def __enter__(self) -> SimCluster:
         return self.start()
@@ -511,6 +553,32 @@ class SimCluster:
         if run is None or run.container is None:
             return []
         return self._pids_with_marker(run.container.marker)
+
+    def container_port_address(self, pod: str, port: str | int, namespace: str = "default") -> str:
+        """`ip:port` where a scrape of `pod`'s container port reaches it, resolved as Prometheus
+        resolves a PodMonitor endpoint: a port *name* (PodMonitor `port:`) must be declared by one
+        of the pod's containers (`spec.containers[].ports[].name`), else there is no target and this
+        raises LookupError, as a scrape of an undeclared name finds nothing on a real cluster; a
+        port *number* (`targetPort:`) needs no declaration (declarations are informational to the
+        network: the pod's address answers on any port its processes listen on). The address is
+        the pod's own (status.podIP, a loopback address of its own here); raises LookupError when
+        the pod does not exist or has no address yet."""
+        obj = self.pod(pod, namespace)
+        if obj is None:
+            raise LookupError(f"pod {namespace}/{pod} does not exist")
+        ip = (obj.get("status") or {}).get("podIP")
+        if not ip:
+            raise LookupError(f"pod {namespace}/{pod} has no address yet (not started)")
+        if isinstance(port, bool) or not isinstance(port, (int, str)):
+            raise TypeError(f"port must be a container port name or number, not {port!r}")
+        if isinstance(port, int):
+            return f"{ip}:{port}"
+        declared = {p["name"]: int(p["containerPort"]) for c in obj.get("spec", {}).get("containers") or []
+                    for p in c.get("ports") or [] if p.get("name")}
+        if port not in declared:
+            raise LookupError(f"pod {namespace}/{pod} declares no container port named {port!r} (declared: "
+                              f"{sorted(declared) or 'none'}): a PodMonitor with `port: {port}` finds no target in it")
+        return f"{ip}:{declared[port]}"
 
     def node_of(self, pod: str, namespace: str = "default") -> str | None:
         obj = self.pod(pod, namespace)
@@ -743,6 +811,13 @@ class SimCluster:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
 
+    @staticmethod
+    def _remove_pod_files(run: PodRun) -> None:
+        """Delete what dies with a pod on a real node: its containers' writable layers and its
+        emptyDirs (the logs stay: `logs` reads them after the pod is gone)."""
+        for part in ("containers", "volumes"):
+            shutil.rmtree(run.dir / part, ignore_errors=True)
+
     def _ip_for(self, uid: str) -> str:
         if uid not in self._ips:
             k = self._next_ip
@@ -969,10 +1044,17 @@ class SimCluster:
         if master:
             labels[JOB_ROLE] = "master"
         pod_spec = template.get("spec") or {}
-        for container in pod_spec.get("containers") or []:
+        containers = pod_spec.get("containers") or []
+        for container in containers:
             container["env"] = list(container.get("env") or []) + self._injected_env(job, rspec)
-            if container.get("name") == CONTAINER and not any(p.get("name") == DEFAULT_PORT_NAME for p in container.get("ports") or []):
-                container["ports"] = list(container.get("ports") or []) + [{"name": DEFAULT_PORT_NAME, "containerPort": DEFAULT_PORT}]
+        # The controller's scheme defaulting (Reconcile: r.Scheme.Default(pytorchjob)) adds the one
+        # port it knows, `pytorchjob-port` 23456, to the container named pytorch (else the first)
+        # unless a port of that name is declared; no other port is ever added (training-operator
+        # v1.9.0 pkg/apis/kubeflow.org/v1/pytorch_defaults.go setPyTorchDefaultPort,
+        # defaulting_utils.go getDefaultContainerIndex/hasDefaultPort/setDefaultPort).
+        default = next((c for c in containers if c.get("name") == CONTAINER), containers[0] if containers else None)
+        if default is not None and not any(p.get("name") == DEFAULT_PORT_NAME for p in default.get("ports") or []):
+            default["ports"] = list(default.get("ports") or []) + [{"name": DEFAULT_PORT_NAME, "containerPort": DEFAULT_PORT}]
         policy = rspec.get("restartPolicy", "OnFailure")
         pod_spec["restartPolicy"] = "Never" if policy == "ExitCode" else policy
         pod = {
@@ -1111,21 +1193,17 @@ class SimCluster:
                 continue
             if spec.get("schedulingGates"):
                 continue  # kube-scheduler leaves a gated pod Pending (SchedulingGated) until its gates are gone
+            ns, name = _pod_key(pod)
+            missing = self._undeclared_claim(pod)
+            if missing is not None:
+                self._unschedulable(pod, f'0/{len(live_nodes)} nodes are available: persistentvolumeclaim "{missing}" not found.')
+                continue
             wanted = self._gpus(pod)
             feasible = [n for n in live_nodes if self._fits(pod, n)
                         and gpus_used[n["metadata"]["name"]] + wanted <= self._allocatable_gpus(n)]
-            ns, name = _pod_key(pod)
             if not feasible:
-                if meta["uid"] not in self._unschedulable_written:
-                    self._unschedulable_written.add(meta["uid"])
-                    message = f"0/{len(live_nodes)} nodes are available: {len(live_nodes)} node(s) didn't match Pod's node affinity/selector" \
-                        + (" or had insufficient nvidia.com/gpu." if wanted else ".")
-                    status = copy.deepcopy(pod.get("status") or {})
-                    status["conditions"] = [c for c in status.get("conditions") or [] if c.get("type") != "PodScheduled"] + [{
-                        "type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message,
-                        "lastTransitionTime": now_rfc3339()}]
-                    self._log(f"scheduler: {name} unschedulable")
-                    self._write_status(pod, status)
+                self._unschedulable(pod, f"0/{len(live_nodes)} nodes are available: {len(live_nodes)} node(s) didn't match Pod's "
+                                         "node affinity/selector" + (" or had insufficient nvidia.com/gpu." if wanted else "."))
                 continue
             node = min(feasible, key=lambda n: (load[n["metadata"]["name"]], n["metadata"]["name"]))["metadata"]["name"]
             try:
@@ -1138,6 +1216,32 @@ class SimCluster:
             self._log(f"scheduler: {name} -> {node}")
             load[node] += 1
             gpus_used[node] += wanted
+
+    def _undeclared_claim(self, pod: Obj) -> str | None:
+        """The first persistentVolumeClaim the pod's volumes name that this cluster does not have
+        (`claims`). kube-scheduler's VolumeBinding plugin rejects such a pod in PreFilter as
+        UnschedulableAndUnresolvable with the lister's NotFound error, `persistentvolumeclaim
+        "<name>" not found` (kubernetes pkg/scheduler/framework/plugins/volumebinding/
+        volume_binding.go: PreFilter -> podHasPVCs, v1.30), which FitError.Error prefixes with
+        "0/<n> nodes are available: " (pkg/scheduler/framework/types.go): the pod stays Pending."""
+        for volume in pod.get("spec", {}).get("volumes") or []:
+            claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
+            if claim is not None and claim not in self.claims:
+                return str(claim)
+        return None
+
+    def _unschedulable(self, pod: Obj, message: str) -> None:
+        """PodScheduled False, reason Unschedulable, once per pod."""
+        meta = pod["metadata"]
+        if meta["uid"] in self._unschedulable_written:
+            return
+        self._unschedulable_written.add(meta["uid"])
+        status = copy.deepcopy(pod.get("status") or {})
+        status["conditions"] = [c for c in status.get("conditions") or [] if c.get("type") != "PodScheduled"] + [{
+            "type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message,
+            "lastTransitionTime": now_rfc3339()}]
+        self._log(f"scheduler: {meta['name']} unschedulable: {message}")
+        self._write_status(pod, status)
 
     @staticmethod
     def _gpus(pod: Obj) -> int:
@@ -1217,6 +1321,7 @@ class SimCluster:
                 self._signal_container(run.container, signal.SIGKILL)
             if run.container is None or run.container.proc is None or run.container.proc.poll() is not None:
                 del self._runs[uid]
+                self._remove_pod_files(run)
 
     def _kubelet(self, pod: Obj) -> None:
         meta, spec = pod["metadata"], pod.get("spec", {})
@@ -1393,11 +1498,20 @@ class SimCluster:
             self._write_status(pod, status)
             run.next_start = time.monotonic() + 0.5
             return
-        argv, env = prepared
+        argv, env, binds = prepared
         log_path = run.dir / f"{run.restarts}-{meta['uid'][:8]}.log"
-        (run.dir / "termination-log").write_bytes(b"")
+        termination_log = run.dir / "termination-log"
+        termination_log.write_bytes(b"")
+        # The kubelet bind-mounts its own file at terminationMessagePath and reads it after the exit.
+        binds.append((termination_log, container.get("terminationMessagePath") or DEFAULT_TERMINATION_MESSAGE_PATH, False))
         marker = f"{self.id}/{run.uid}/{run.restarts}"
         env[MARKER] = marker
+        for old in (run.dir / "containers").glob("*"):  # the replaced container's writable layer goes with it
+            shutil.rmtree(old, ignore_errors=True)
+        launch = [self.python, "-I", str(LAUNCHER), "--root", str(run.dir / "containers" / str(run.restarts)),
+                  "--cwd", container.get("workingDir") or "/"]
+        for source, target, read_only in binds:
+            launch += ["--bind-ro" if read_only else "--bind", str(source), target]
         self._logs.setdefault((run.namespace, run.name), []).append(log_path)
         started = now_rfc3339()
         proc: subprocess.Popen[bytes] | None
@@ -1408,7 +1522,7 @@ class SimCluster:
             else:
                 try:
                     proc = subprocess.Popen(
-                        _die_with_parent(argv), env=env, cwd=run.dir, stdout=log, stderr=subprocess.STDOUT,
+                        _die_with_parent([*launch, "--", *argv]), env=env, cwd=run.dir, stdout=log, stderr=subprocess.STDOUT,
                         stdin=subprocess.DEVNULL, start_new_session=True)
                     start_error = None
                 except OSError as exc:
@@ -1424,49 +1538,66 @@ class SimCluster:
         status["containerStatuses"] = [self._container_status(pod, run, {"running": {"startedAt": started}}, ready=True)]
         self._write_status(pod, status)
 
-    def _prepare(self, pod: Obj, run: PodRun, container: Obj) -> tuple[list[str], dict[str, str]] | Waiting:
-        """(argv, env) to run, or (waiting reason, message) if the container cannot start yet."""
+    def _volume_binds(self, pod: Obj, run: PodRun, container: Obj) -> list[tuple[Path, str, bool]] | Waiting:
+        """(host source, mountPath, read-only) for each of the container's volumeMounts, as the
+        kubelet's volume manager sets them up, or why the container waits (MountVolume.SetUp):
+        - persistentVolumeClaim: the folder the test declared for the claim (`claims`), shared by
+          every pod on every node (ReadWriteMany); an undeclared claim never gets here (the
+          scheduler leaves the pod Pending) unless the pod was bound by hand;
+        - emptyDir: a folder of the pod's own, kept across container restarts and deleted with the
+          pod; with medium Memory at /dev/shm nothing (the launcher gives every container a
+          private tmpfs there);
+        - configMap: its keys (or items) written into a folder of the pod's, mounted read-only (the
+          kubelet's atomic writer makes them so on a real node);
+        - any other source (secret, hostPath, ...): the sim has none, the container waits."""
         meta, spec = pod["metadata"], pod.get("spec", {})
-        mounts: dict[str, Path] = {}
+        binds: list[tuple[Path, str, bool]] = []
         volumes = {v.get("name"): v for v in spec.get("volumes") or []}
         for mount in container.get("volumeMounts") or []:
-            volume = volumes.get(mount.get("name")) or {}
-            claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
-            if claim in self.claims:
+            name, mount_path = str(mount.get("name")), str(mount.get("mountPath"))
+            read_only = bool(mount.get("readOnly"))
+            volume = volumes.get(name) or {}
+            if "persistentVolumeClaim" in volume:
+                pvc = volume["persistentVolumeClaim"]
+                claim = pvc.get("claimName")
+                if claim not in self.claims:
+                    return Waiting("ContainerCreating", f'MountVolume.SetUp failed for volume "{name}": '
+                                                        f'persistentvolumeclaim "{claim}" not found')
                 self.claims[claim].mkdir(parents=True, exist_ok=True)
-                mounts[str(mount.get("mountPath")).rstrip("/")] = self.claims[claim]
-                continue
-            if "emptyDir" in volume and volume["emptyDir"].get("medium") != "Memory":
-                # The pod's own folder (a new pod, on any node, starts empty), e.g. the download cache.
-                target = run.dir / "volumes" / str(mount.get("name"))
-                target.mkdir(parents=True, exist_ok=True)
-                mounts[str(mount.get("mountPath")).rstrip("/")] = target
-                continue
-            source = volume.get("configMap")
-            if source is None:
-                continue  # /dev/shm, other claims, ...: tests use absolute local paths
-            cm = self.api.get(f"/api/v1/namespaces/{meta['namespace']}/configmaps/{source.get('name')}")
-            if cm is None:
-                if source.get("optional"):
+                binds.append((self.claims[claim], mount_path, read_only or bool(pvc.get("readOnly"))))
+            elif "emptyDir" in volume:
+                if (volume["emptyDir"] or {}).get("medium") == "Memory" and mount_path.rstrip("/") == "/dev/shm":
                     continue
-                return Waiting("ContainerCreating", f'MountVolume.SetUp failed for volume "{mount.get("name")}": configmap "{source.get("name")}" not found')
-            target = run.dir / "volumes" / str(mount.get("name"))
-            target.mkdir(parents=True, exist_ok=True)
-            data = cm.get("data") or {}
-            items = source.get("items") or [{"key": k, "path": k} for k in data]
-            for item in items:
-                if item["key"] in data:
-                    path = target / item["path"]
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    path.write_text(data[item["key"]])
-            mounts[str(mount.get("mountPath")).rstrip("/")] = target
+                target = run.dir / "volumes" / name
+                target.mkdir(parents=True, exist_ok=True)
+                binds.append((target, mount_path, read_only))
+            elif "configMap" in volume:
+                source = volume["configMap"] or {}
+                cm = self.api.get(f"/api/v1/namespaces/{meta['namespace']}/configmaps/{source.get('name')}")
+                if cm is None and not source.get("optional"):
+                    return Waiting("ContainerCreating", f'MountVolume.SetUp failed for volume "{name}": configmap "{source.get("name")}" not found')
+                target = run.dir / "volumes" / name
+                target.mkdir(parents=True, exist_ok=True)
+                data = (cm or {}).get("data") or {}
+                items = source.get("items") or [{"key": k, "path": k} for k in data]
+                for item in items:
+                    if item["key"] in data:
+                        path = target / item["path"]
+                        path.parent.mkdir(parents=True, exist_ok=True)
+                        path.write_text(data[item["key"]])
+                binds.append((target, mount_path, True))
+            else:
+                kind = next((k for k in volume if k != "name"), "unknown")
+                return Waiting("ContainerCreating", f'MountVolume.SetUp failed for volume "{name}": the sim has no {kind} volumes')
+        return binds
 
-        def rewrite(value: str) -> str:
-            for mount_path, local in mounts.items():
-                if value == mount_path or value.startswith(mount_path + "/"):
-                    return str(local) + value[len(mount_path):]
-            return value
-
+    def _prepare(self, pod: Obj, run: PodRun, container: Obj) -> tuple[list[str], dict[str, str], list[tuple[Path, str, bool]]] | Waiting:
+        """(argv, env, volume binds) to run, or (waiting reason, message) if the container cannot
+        start yet. Paths in argv and env are the container's: its volumes are real mounts."""
+        meta, spec = pod["metadata"], pod.get("spec", {})
+        binds = self._volume_binds(pod, run, container)
+        if isinstance(binds, Waiting):
+            return binds
         env: dict[str, str] = {
             "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
             "HOME": os.environ.get("HOME", "/root"),
@@ -1499,12 +1630,10 @@ class SimCluster:
                 ref = source["secretKeyRef"]
                 if not ref.get("optional"):
                     return Waiting("CreateContainerConfigError", f'secret "{ref.get("name")}" not found')
-        env.update({"HOSTNAME": spec.get("hostname") or meta["name"], "LLAMAFT_TERMINATION_LOG": str(run.dir / "termination-log"),
-                    "LLAMAFT_METRICS_HOST": run.ip,
+        env.update({"HOSTNAME": spec.get("hostname") or meta["name"], "LLAMAFT_METRICS_HOST": run.ip,
                     # Every simulated node shares this machine's few cores: one thread per
                     # trainer, whatever CPU share the pod's spec gives it.
                     "OMP_NUM_THREADS": "1"})
-        env = {k: rewrite(v) for k, v in env.items()}
         if "PET_RDZV_ENDPOINT" in env:
             resolved = self._resolve(meta["namespace"], env["PET_RDZV_ENDPOINT"])
             if resolved is None:
@@ -1518,7 +1647,7 @@ class SimCluster:
         command = [_expand(str(a), env) for a in (container.get("command") or []) + (container.get("args") or [])]
         if not command:
             return Waiting("CreateContainerError", "the sim cannot run an image's entrypoint: set command")
-        argv = [rewrite(a) for a in command]
+        argv = list(command)
         for i, arg in enumerate(argv):  # torchrun's explicit --rdzv-endpoint (the TrainJob's command carries it)
             flag, eq, value = arg.partition("=")
             if flag not in ("--rdzv-endpoint", "--rdzv_endpoint") or (not eq and i + 1 >= len(argv)):
@@ -1537,7 +1666,7 @@ class SimCluster:
         elif not os.path.isabs(argv[0]):
             found = shutil.which(argv[0], path=env["PATH"])
             argv[0] = found or argv[0]
-        return argv, env
+        return argv, env, binds
 
     def _resolve(self, namespace: str, endpoint: str) -> str | None:
         """Cluster DNS for an endpoint `host:port`, or None while it has no record yet:

@@ -5,6 +5,12 @@ a small LlamaFineTune for the real trainer.
 Import the fixture functions into a test module (`from tests.operator.sim_fixtures import
 sim_fixture, ...`: each `*_fixture` is the fixture named without the suffix); they live outside
 conftest.py so that only the modules that want a simulated cluster pay for one.
+
+Results on a claim: the sim gives every container a private filesystem, so what a run writes
+outside its volumes is gone with the container, as on a real cluster. A test that reads a run's
+checkpoints, export or TensorBoard files afterwards keeps them on the claim CHECKPOINT_CLAIM
+(`checkpointing(name)`: mounted at /checkpoints/<name>), which `make_sim` backs with the test's
+folder `checkpoint_folder(tmp_path)`; `on_claim` maps a path the trainer reports to that folder.
 """
 
 from __future__ import annotations
@@ -18,12 +24,14 @@ import yaml
 from llamaft_trainer.local_etcd import LocalEtcd
 
 from tests.conftest import REPO, need_etcd
+from tests.operator.conftest import CHECKPOINT_CLAIM as CHECKPOINT_CLAIM  # re-exported
 from tests.operator.emulator import EmulatorThread
 from tests.operator.sim import SimCluster
 
 DATASET = REPO / "examples" / "data" / "samsum-tiny.jsonl"
 TORCH_DISTRIBUTED = REPO / "tests" / "fixtures" / "upstream" / "kubeflow-trainer-v2.3" / "torch_distributed_runtime.yaml"
 """Kubeflow Trainer v2.3's `torch-distributed` ClusterTrainingRuntime (manifests/base/runtimes), vendored."""
+CHECKPOINT_MOUNT = "/checkpoints"
 SIM_GC_DELAY = 0.3
 """The emulator's garbage-collector latency in sim tests: long enough that a test sees dependents
 outlive their owner, short against everything else a deletion takes."""
@@ -36,17 +44,44 @@ def trainer_binds_metrics_host() -> bool:
     return any("LLAMAFT_METRICS_HOST" in p.read_text() for p in (REPO / "trainer" / "llamaft_trainer").glob("*.py"))
 
 
-def tiny_finetune(name: str, model: Path, workdir: Path, **overrides: Any) -> dict[str, Any]:
+def checkpoint_folder(tmp_path: Path) -> Path:
+    """The host folder backing CHECKPOINT_CLAIM in a test's simulated cluster (`make_sim`)."""
+    return tmp_path / "ckpt"
+
+
+def checkpoint_directory(name: str) -> str:
+    """Where run `name`'s worker pods mount CHECKPOINT_CLAIM: its spec.checkpointing.directory."""
+    return f"{CHECKPOINT_MOUNT}/{name}"
+
+
+def checkpointing(name: str, **fields: Any) -> dict[str, Any]:
+    """spec.checkpointing keeping run `name`'s checkpoints (and its export and TensorBoard files,
+    which go under the directory) on CHECKPOINT_CLAIM; `fields` add to it (e.g. everyNSteps=2)."""
+    return {"volumeClaim": CHECKPOINT_CLAIM, "directory": checkpoint_directory(name), **fields}
+
+
+def on_claim(folder: Path, name: str, path: str = "") -> Path:
+    """The host file behind `path` (a path in run `name`'s containers under its checkpoint
+    directory, e.g. the exportPath its report names; "" for the directory itself) on the claim
+    folder `folder` (`checkpoint_folder`): the claim is mounted at the directory itself."""
+    directory = checkpoint_directory(name)
+    path = path or directory
+    if path != directory and not path.startswith(directory + "/"):
+        raise ValueError(f"{path} is not under run {name}'s checkpoint directory {directory}")
+    return folder / path[len(directory):].lstrip("/")
+
+
+def tiny_finetune(name: str, model: Path, **overrides: Any) -> dict[str, Any]:
     """A LlamaFineTune for the tiny test model: 2 workers x 1 CPU process, a few steps, no export,
-    rendezvous etcd-v2 through the managed etcd's name (which the sim maps to the local etcd).
-    `overrides` merge into spec sections (e.g. training={"maxSteps": 6})."""
+    checkpoints on CHECKPOINT_CLAIM (`checkpointing(name)`), rendezvous etcd-v2 through the managed
+    etcd's name (which the sim maps to the local etcd). `overrides` merge into spec sections (e.g.
+    training={"maxSteps": 6})."""
     spec: dict[str, Any] = {
         "model": {"source": str(model), "dtype": "float32"},
         "dataset": {"format": "samsum", "source": str(DATASET), "maxSeqLength": 64, "packing": True, "validationSplit": 0.1},
         "training": {"maxSteps": 3, "perDeviceBatchSize": 2, "learningRate": 2e-3, "evalInterval": 0, "seed": 7},
         "fsdp": {"mixedPrecision": "fp32", "activationCheckpointing": {"mode": "none"}},
-        "checkpointing": {"directory": str(workdir / name / "checkpoints"), "everyNSteps": 1000, "exportHuggingFace": False,
-                          "resume": False},
+        "checkpointing": checkpointing(name, everyNSteps=1000, exportHuggingFace=False, resume=False),
         "cluster": {"workers": 2, "gpusPerWorker": 0},
         "rendezvous": {"backend": "etcd-v2"},
     }
@@ -74,11 +109,13 @@ def sim_emulator_fixture() -> Iterator[EmulatorThread]:
 
 @pytest.fixture(name="make_sim")
 def make_sim_fixture(sim_emulator: EmulatorThread, sim_etcd: LocalEtcd, tmp_path: Path) -> Iterator[Callable[..., SimCluster]]:
-    """make_sim(nodes=2, **SimCluster options) -> a started SimCluster on this test's emulator.
+    """make_sim(nodes=2, **SimCluster options) -> a started SimCluster on this test's emulator, with
+    CHECKPOINT_CLAIM backed by `checkpoint_folder(tmp_path)` besides the `claims` given.
     Teardown stops every one, even when the test failed, and fails the test if a process survived."""
     started: list[SimCluster] = []
 
     def make(nodes: int = 2, **options: Any) -> SimCluster:
+        options["claims"] = {CHECKPOINT_CLAIM: checkpoint_folder(tmp_path), **(options.get("claims") or {})}
         sim = SimCluster(sim_emulator.url, sim_etcd.endpoint, nodes=nodes, workdir=tmp_path / f"sim{len(started)}", **options)
         started.append(sim)
         return sim.start()

@@ -81,7 +81,7 @@ from typing import TYPE_CHECKING, Any
 
 import jsonschema
 
-from tests.operator.emulator import merge_diff, now_rfc3339, upstream_crd_schemas
+from tests.operator.emulator import GENERATED_NAME_BASE, merge_diff, now_rfc3339, upstream_crd_schemas
 from tests.operator.sim import ApiError, _parse_time, pod_path, service_path
 
 if TYPE_CHECKING:
@@ -298,6 +298,9 @@ def jobset_spec(trainjob: Obj, runtime: Obj) -> Obj:
                 if ml_policy.get("torch") is not None:
                     for var in _torch_env(name, trainer, container, count):
                         _upsert(env, var)
+                    # The only port Trainer adds, unnamed, keyed by number (torch.go EnforceMLPolicy:
+                    # apply.UpsertPort(..., ContainerPort().WithContainerPort(constants.ContainerTrainerPort)),
+                    # tests/fixtures/upstream/kubeflow-trainer-v2.3/torch_plugin.go.txt:203).
                     _upsert(container.setdefault("ports", []), {"containerPort": MASTER_PORT}, key="containerPort")
         job_spec["parallelism"] = job_spec["completions"] = count  # SyncParallelCount
         job_spec.setdefault("completionMode", "Indexed")  # JobSet webhook defaults
@@ -678,7 +681,7 @@ class TrainerController:
                                 "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX}']"}}})
             spec["hostname"] = f"{job.name}-{index}"
             pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {
-                **pod_meta, "generateName": f"{job.name}-{index}-", "namespace": meta["namespace"],
+                **pod_meta, "generateName": pod_generate_name(job.name, index), "namespace": meta["namespace"],
                 "ownerReferences": [_owner_ref(trainjob)]}, "spec": spec}
             created = self.api.create(pod_path(meta["namespace"]), pod)
             self._log(f"Job {job.name}: create pod {(created or {}).get('metadata', {}).get('name')} (index {index})")
@@ -720,6 +723,16 @@ class TrainerController:
 
 
 # -------------------------------------------------------------------------------- helpers
+def pod_generate_name(job: str, index: int) -> str:
+    """An Indexed Job's pod generateName, `<job>-<index>-` with the job name cut so that the whole
+    fits the API server's 58-character base (kubernetes pkg/controller/job/indexed_job_utils.go
+    podGenerateNameWithIndex, v1.30); the API server appends 5 random characters, so a JobSet's pod
+    is `<jobset>-<replicatedJob>-<jobIndex>-<completionIndex>-<random 5>`."""
+    append = f"-{index}-"
+    prefix = job + append
+    return prefix if len(prefix) <= GENERATED_NAME_BASE else prefix[:GENERATED_NAME_BASE - len(append)] + append
+
+
 def _owner_ref(trainjob: Obj) -> Obj:
     return {"apiVersion": API_VERSION, "kind": "TrainJob", "name": trainjob["metadata"]["name"],
             "uid": trainjob["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}

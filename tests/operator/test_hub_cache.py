@@ -10,7 +10,9 @@ attempt dies with the nodes it ran on and the second runs on two other nodes.
 
 The checkpoints go to a `file://` URI, as a run that checkpoints to an object store would: the
 token store then lives in the download cache too (data.store_root), so without a claim each node
-tokenizes, and fetches the dataset, again.
+tokenizes, and fetches the dataset, again. The URI is local to each container (the simulated
+cluster gives every container a private filesystem), so the spec says `discardWithPod`: no
+checkpoint outlives a pod here, and the test reads none.
 """
 
 from __future__ import annotations
@@ -62,10 +64,9 @@ def hub_operator(sim_emulator: EmulatorThread, sim_etcd: LocalEtcd, tmp_path: Pa
 
 def hub_spec(hub: HubServer, model: str, dataset: str, workdir: Path, name: str, **overrides: Any) -> dict[str, Any]:
     spec: dict[str, Any] = tiny_finetune(
-        name, Path(), workdir,
+        name, Path(),
         dataset={"source": dataset},
         training={"maxSteps": STEPS},
-        checkpointing={"directory": f"file://{workdir / name / 'checkpoints'}"},
         cluster={"env": [{"name": "HF_ENDPOINT", "value": hub.endpoint}, {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}],
                  "terminationGracePeriodSeconds": 5},
         rendezvous={"maxRestarts": 0},
@@ -74,6 +75,8 @@ def hub_spec(hub: HubServer, model: str, dataset: str, workdir: Path, name: str,
         **overrides,
     )["spec"]
     spec["model"]["source"] = model
+    spec["checkpointing"] = {"directory": f"file://{workdir / name / 'checkpoints'}", "everyNSteps": 1000,
+                             "exportHuggingFace": False, "resume": False, "discardWithPod": True}
     return spec
 
 

@@ -28,6 +28,7 @@ from tests.conftest import REPO, need_binary
 from tests.operator.conftest import Cluster, Operator, close_rendezvous, free_port, wait_for
 from tests.operator.emulator import EmulatorThread, write_kubeconfig
 from tests.operator.sim import SimCluster
+from tests.operator.sim_fixtures import CHECKPOINT_CLAIM, checkpoint_folder, checkpointing, on_claim
 
 pytestmark = pytest.mark.slow
 DATASET = REPO / "examples" / "data" / "samsum-tiny.jsonl"
@@ -35,6 +36,8 @@ STEPS, EVERY = 60, 10
 """A tiny-model step takes 50-100 ms here: 60 steps leave a window of seconds to inject a fault after
 the first checkpoint (step 10) and before the end; the faults land within a poll (0.1 s) of it."""
 LABEL = "llamaft.io/finetune"
+RUN = "run"
+"""The runs' checkpoint directory is /checkpoints/run, where their pods mount CHECKPOINT_CLAIM."""
 
 
 # ------------------------------------------------------------------------------------ world
@@ -100,18 +103,22 @@ def cluster(world: tuple[EmulatorThread, Cluster, SimCluster, Path]) -> Cluster:
 
 
 @pytest.fixture
-def sim(world: tuple[EmulatorThread, Cluster, SimCluster, Path]) -> SimCluster:
+def sim(world: tuple[EmulatorThread, Cluster, SimCluster, Path], tmp_path: Path) -> SimCluster:
+    """The module's cluster, its claim CHECKPOINT_CLAIM bound to this test's folder (a fresh
+    volume per test): the runs keep their checkpoints and export there, not in their containers."""
+    world[2].claims[CHECKPOINT_CLAIM] = checkpoint_folder(tmp_path)
     return world[2]
 
 
-def run_spec(model: Path, checkpoints: Path, *, backend: str = "etcd-v2", **overrides: Any) -> dict[str, Any]:
+def run_spec(model: Path, *, backend: str = "etcd-v2", **overrides: Any) -> dict[str, Any]:
+    """A run whose checkpoints and export are on CHECKPOINT_CLAIM, at /checkpoints/run."""
     spec: dict[str, Any] = {
         "model": {"source": str(model), "dtype": "float32"},
         "dataset": {"format": "samsum", "source": str(DATASET), "maxSeqLength": 64, "packing": True, "validationSplit": 0.1},
         "training": {"maxSteps": STEPS, "perDeviceBatchSize": 2, "learningRate": 2e-3, "evalInterval": 0, "seed": 7,
                      "collectiveTimeoutSeconds": 30},
         "fsdp": {"mixedPrecision": "fp32", "activationCheckpointing": {"mode": "none"}},
-        "checkpointing": {"directory": str(checkpoints), "everyNSteps": EVERY, "keepLast": 2, "exportHuggingFace": True},
+        "checkpointing": checkpointing(RUN, everyNSteps=EVERY, keepLast=2, exportHuggingFace=True),
         "cluster": {"workers": 2, "gpusPerWorker": 0, "image": "llamaft/trainer:test", "terminationGracePeriodSeconds": 5},
         "rendezvous": {"backend": backend, "maxRestarts": 0},
         "monitoring": {"metricsPort": free_port()},
@@ -166,14 +173,15 @@ def assert_continuous(per_attempt: list[list[dict[str, Any]]], total: int = STEP
     assert sorted(losses) == list(range(1, total + 1)), f"steps trained: {sorted(losses)}"
 
 
-def assert_final_report(status: dict[str, Any], per_attempt: list[list[dict[str, Any]]]) -> None:
+def assert_final_report(status: dict[str, Any], per_attempt: list[list[dict[str, Any]]], sim: SimCluster) -> None:
     done = [line for line in per_attempt[-1] if line.get("event") == "done"]
     assert done, "the last attempt's leader printed its done line"
     report = done[-1]
     progress = status["progress"]
     assert progress["step"] == report["step"] == STEPS and progress["stepOfTotal"] == f"{STEPS}/{STEPS}"
     assert progress["loss"] == pytest.approx(report["loss"], abs=1e-9)
-    assert status["exportPath"] == report["exportPath"] and Path(report["exportPath"], "config.json").exists()
+    assert status["exportPath"] == report["exportPath"]
+    assert (on_claim(sim.claims[CHECKPOINT_CLAIM], RUN, report["exportPath"]) / "config.json").exists(), "exported onto the claim"
     expected = {k: v for k, v in report["performance"].items() if v is not None}
     assert status["performance"] == expected and expected["worldSize"] == 2
 
@@ -251,7 +259,7 @@ def finish(cluster: Cluster, sim: SimCluster, name: str, attempts: int) -> dict[
     assert status["phase"] == "Succeeded", json.dumps(status, indent=1)[:4000]
     assert status["attempt"] == attempts, status.get("failures")
     per_attempt = attempt_logs(cluster, sim, name, attempts)
-    assert_final_report(status, per_attempt)
+    assert_final_report(status, per_attempt, sim)
     assert_continuous(per_attempt)
     assert_one_live_job(cluster, name)
     return status
@@ -269,7 +277,7 @@ def test_sweep_runs_each_size_on_the_cluster(cluster: Cluster, sim: SimCluster, 
 
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump({"apiVersion": "llamaft.io/v1alpha1", "kind": "LlamaFineTune", "metadata": {"name": "sw"},
-                                    "spec": run_spec(tiny_model, tmp_path / "ckpt")}))
+                                    "spec": run_spec(tiny_model)}))
     args = ["sweep", str(path), "--workers", "1,2", "--max-steps", "6", "--kubeconfig", str(world[3]),
             "--poll-seconds", "0.5", "--timeout", "240", "--output", str(tmp_path / "out")]
     assert cli(args) == 0, capsys.readouterr().out[-3000:]
@@ -300,7 +308,7 @@ def test_delete_and_reapply_at_once(cluster: Cluster, sim: SimCluster, operator:
     """`kubectl delete -f ft.yaml && kubectl apply -f ft.yaml` mid-run: the new incarnation runs to
     the end (resuming the same checkpoints), never meeting its predecessor's job or rendezvous."""
     name = f"rerun-{backend.replace('-', '')}"
-    spec = run_spec(tiny_model, tmp_path / "ckpt", backend=backend)
+    spec = run_spec(tiny_model, backend=backend)
     cluster.create(name, spec)
     stepping(cluster, sim, name, EVERY + 1)
     old_job = cluster.status(name)["jobName"]
@@ -313,7 +321,7 @@ def test_delete_and_reapply_at_once(cluster: Cluster, sim: SimCluster, operator:
     assert status["attempt"] == 1 and not status.get("failures")
     logs = attempt_logs(cluster, sim, name, 1)
     assert any(line.get("event") == "resume" for line in logs[0]), "the rerun resumed from the checkpoints"
-    assert_final_report(status, logs)
+    assert_final_report(status, logs, sim)
     assert_one_live_job(cluster, name)
     delete_and_assert_no_orphans(cluster, sim, name)
 
@@ -323,7 +331,7 @@ def test_fresh_run_then_reapply_after_success_runs_its_own_job(cluster: Cluster,
     """A fresh run goes to the end in one attempt; deleted and applied again, the new incarnation
     never takes its predecessor's finished job as its result. (One test: the second run needs a
     first that succeeded, and a whole run is the expensive part.)"""
-    spec = run_spec(tiny_model, tmp_path / "ckpt")
+    spec = run_spec(tiny_model)
     cluster.create("again", spec)
     first = finish(cluster, sim, "again", attempts=1)
     assert first.get("retriesUsed", 0) == 0 and not first.get("failures")
@@ -377,7 +385,7 @@ def test_faults_recover_from_the_checkpoint(cluster: Cluster, sim: SimCluster, o
     ttl = faults == FAULT_RUNS[-1]  # one of the runs also has its job removed by ttlSecondsAfterFinished
     if ttl:
         policy["ttlSecondsAfterFinished"] = 1
-    cluster.create(name, run_spec(tiny_model, tmp_path / "ckpt", runPolicy=policy))
+    cluster.create(name, run_spec(tiny_model, runPolicy=policy))
     excluded: list[str] = []
     for attempt, fault in enumerate(faults, start=1):
         fault_ends_attempt(cluster, sim, dcgm[1], name, attempt, fault, excluded)
@@ -452,7 +460,7 @@ def test_closed_rendezvous_is_reset_and_retried(cluster: Cluster, sim: SimCluste
     """Pods that come up after their run id was closed die of RendezvousClosedError; the operator
     resets the rendezvous and the next attempt runs. (Pods are held Pending by a node selector no
     node matches until the run id has been closed.)"""
-    cluster.create("closed", run_spec(tiny_model, tmp_path / "ckpt", cluster={"nodeSelector": {"pool": "late"}}))
+    cluster.create("closed", run_spec(tiny_model, cluster={"nodeSelector": {"pool": "late"}}))
     status = wait_for("job", lambda: (s := cluster.status("closed")).get("rendezvousId") and s)
     close_rendezvous(etcd.endpoint, status["rendezvousId"])
     nodes = sorted(n["metadata"]["name"] for n in sim.api.list("/api/v1/nodes"))[:2]  # a lost node is gone for good
@@ -472,7 +480,7 @@ def test_closed_rendezvous_is_reset_and_retried(cluster: Cluster, sim: SimCluste
 
 def test_budget_used_up_fails_with_the_history(cluster: Cluster, sim: SimCluster, operator: Operator, tiny_model: Path,
                                                tmp_path: Path) -> None:
-    cluster.create("broke", run_spec(tiny_model, tmp_path / "ckpt", runPolicy={"retryBudget": 1}))
+    cluster.create("broke", run_spec(tiny_model, runPolicy={"retryBudget": 1}))
     stepping(cluster, sim, "broke", EVERY + 1)
     sim.kill_container(other_pod(cluster, sim, "broke"))
     wait_for("attempt 2", lambda: cluster.status("broke").get("attempt") == 2, timeout=60)
@@ -491,7 +499,7 @@ def test_budget_used_up_fails_with_the_history(cluster: Cluster, sim: SimCluster
 
 def test_config_error_fails_at_once_without_retry(cluster: Cluster, sim: SimCluster, operator: Operator, tiny_model: Path,
                                                   tmp_path: Path) -> None:
-    cluster.create("typo", run_spec(tiny_model, tmp_path / "ckpt", dataset={"source": str(tmp_path / "missing.jsonl")}))
+    cluster.create("typo", run_spec(tiny_model, dataset={"source": str(tmp_path / "missing.jsonl")}))
     status = phase(cluster, "typo", "Failed", "Succeeded")
     assert status["phase"] == "Failed" and status.get("retriesUsed", 0) == 0 and status["attempt"] == 1
     record = status["failures"][0]
@@ -519,7 +527,7 @@ def test_operator_killed_at_random_points(cluster: Cluster, sim: SimCluster, ope
 
     try:
         op = start()
-        cluster.create("chaos", run_spec(tiny_model, tmp_path / "ckpt"))
+        cluster.create("chaos", run_spec(tiny_model))
         time.sleep(rng.uniform(0.5, 3.0))
         op.kill()  # before, during or right after the first job's creation
         op = start()
@@ -561,7 +569,7 @@ def test_trainjob_run_recovers_a_killed_container_as_a_whole_gang(cluster: Clust
     api = Api(sim.api_url)
     if api.get("/apis/trainer.kubeflow.org/v1alpha1/clustertrainingruntimes/torch-distributed") is None:
         api.create("/apis/trainer.kubeflow.org/v1alpha1/clustertrainingruntimes", torch_distributed_runtime())
-    spec = run_spec(tiny_model, tmp_path / "ckpt", backend="etcd-v2")
+    spec = run_spec(tiny_model, backend="etcd-v2")
     spec["backend"] = "TrainJob"
     cluster.create("tjrun", spec)
 
@@ -581,6 +589,6 @@ def test_trainjob_run_recovers_a_killed_container_as_a_whole_gang(cluster: Clust
     # operator replaced the gang, then attempt 2.
     per_attempt = [logs(first, previous=True, pods=first_pods), logs(first, pods=first_pods),
                    logs(cluster.job_name("tjrun", 2))]
-    assert_final_report(status, per_attempt)
+    assert_final_report(status, per_attempt, sim)
     assert_continuous(per_attempt)
     delete_and_assert_no_orphans(cluster, sim, "tjrun")

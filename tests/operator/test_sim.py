@@ -26,6 +26,7 @@ from llamaft_trainer.local_etcd import free_port
 from tests.operator.emulator import EmulatorThread
 from tests.operator.sim import SimCluster, condition_true, job_path, pod_path
 from tests.operator.sim_fixtures import (  # noqa: F401 (the *_fixture imports register pytest fixtures)
+    CHECKPOINT_CLAIM,
     make_sim_fixture,
     sim_emulator_fixture,
     sim_etcd_fixture,
@@ -39,7 +40,7 @@ NS = "default"
 
 
 # ----------------------------------------------------------------------------------- helpers
-def submit(sim: SimCluster, model: Path, workdir: Path, name: str, *, restart_policy: str | None = None,
+def submit(sim: SimCluster, model: Path, name: str, *, restart_policy: str | None = None,
            ttl: int | None = None, affinity: Obj | None = None, node_selector: dict[str, str] | None = None,
            grace: int | None = None, **spec: Any) -> Obj:
     """Apply the ConfigMap and PyTorchJob the operator would render for a tiny fine-tune (attempt 1),
@@ -47,7 +48,7 @@ def submit(sim: SimCluster, model: Path, workdir: Path, name: str, *, restart_po
     owner = Owner(name, NS, str(uuid.uuid4()))
     # A free port: every pod binds it on its own address, but nothing else on this machine may hold it.
     spec.setdefault("monitoring", {"metricsPort": free_port()})
-    parsed = validate_resource(tiny_finetune(name, model, workdir, **spec))
+    parsed = validate_resource(tiny_finetune(name, model, **spec))
     job = desired.pytorch_job(owner, parsed, 1)
     worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
     pod_spec = worker["template"]["spec"]
@@ -114,7 +115,7 @@ def kube(emulator: EmulatorThread) -> tuple[client.CoreV1Api, client.CustomObjec
 # ------------------------------------------------------------------------ the real trainer
 @pytest.mark.slow
 def test_job_runs_to_success_and_ttl_removes_it(sim: SimCluster, tiny_model: Path, tmp_path: Path) -> None:
-    job = submit(sim, tiny_model, tmp_path, "happy", ttl=2)
+    job = submit(sim, tiny_model, "happy", ttl=2)
     name = job["metadata"]["name"]
     pod = sim.wait_pod_running(worker(job, 0), timeout=60)
     env = env_of(pod)
@@ -160,7 +161,7 @@ def test_job_runs_to_success_and_ttl_removes_it(sim: SimCluster, tiny_model: Pat
 
 @pytest.mark.slow
 def test_foreground_delete_stops_pods_gracefully_then_removes_the_job(sim: SimCluster, tiny_model: Path, tmp_path: Path) -> None:
-    job = submit(sim, tiny_model, tmp_path, "fg", training={"maxSteps": 10_000})
+    job = submit(sim, tiny_model, "fg", training={"maxSteps": 10_000})
     name = job["metadata"]["name"]
     running_trainers(sim, job)
     sim.api.delete(job_path(NS, name), propagation="Foreground")
@@ -182,7 +183,7 @@ def test_foreground_delete_stops_pods_gracefully_then_removes_the_job(sim: SimCl
 @pytest.mark.slow
 def test_background_delete_removes_the_job_at_once_and_gc_collects_its_pods(sim: SimCluster, tiny_model: Path,
                                                                             tmp_path: Path) -> None:
-    job = submit(sim, tiny_model, tmp_path, "bg", training={"maxSteps": 10_000})
+    job = submit(sim, tiny_model, "bg", training={"maxSteps": 10_000})
     name = job["metadata"]["name"]
     running_trainers(sim, job)
     sim.api.delete(job_path(NS, name))  # no policy: Background, the API server's default
@@ -195,7 +196,7 @@ def test_background_delete_removes_the_job_at_once_and_gc_collects_its_pods(sim:
 
 @pytest.mark.slow
 def test_kill_container_fails_a_never_job_with_the_exit_code(sim: SimCluster, tiny_model: Path, tmp_path: Path) -> None:
-    job = submit(sim, tiny_model, tmp_path, "killed", restart_policy="Never", training={"maxSteps": 10_000})
+    job = submit(sim, tiny_model, "killed", restart_policy="Never", training={"maxSteps": 10_000})
     name = job["metadata"]["name"]
     running_trainers(sim, job)
     sim.kill_container(worker(job, 1))
@@ -210,7 +211,7 @@ def test_kill_container_fails_a_never_job_with_the_exit_code(sim: SimCluster, ti
 
 @pytest.mark.slow
 def test_oom_kill_under_exit_code_restarts_the_pod(sim: SimCluster, tiny_model: Path, tmp_path: Path) -> None:
-    job = submit(sim, tiny_model, tmp_path, "oom", restart_policy="ExitCode", training={"maxSteps": 10_000})
+    job = submit(sim, tiny_model, "oom", restart_policy="ExitCode", training={"maxSteps": 10_000})
     name = job["metadata"]["name"]
     running_trainers(sim, job)
     first = sim.pod(worker(job, 1))
@@ -229,7 +230,7 @@ def test_oom_kill_under_exit_code_restarts_the_pod(sim: SimCluster, tiny_model: 
 
 @pytest.mark.slow
 def test_hang_stops_every_process_and_resume_lets_the_run_finish(sim: SimCluster, tiny_model: Path, tmp_path: Path) -> None:
-    job = submit(sim, tiny_model, tmp_path, "hang")
+    job = submit(sim, tiny_model, "hang")
     name = job["metadata"]["name"]
     running_trainers(sim, job)
     pids = sim.container_pids(worker(job, 0))
@@ -256,7 +257,7 @@ def proc_state(pid: int) -> str:
 @pytest.mark.slow
 def test_kill_trainer_makes_torchrun_restart_its_workers_in_the_same_pod(sim: SimCluster, tiny_model: Path,
                                                                          tmp_path: Path) -> None:
-    job = submit(sim, tiny_model, tmp_path, "trainer", training={"maxSteps": 10_000})
+    job = submit(sim, tiny_model, "trainer", training={"maxSteps": 10_000})
     running_trainers(sim, job)
     before = sim.pod(worker(job, 0))
     killed = sim.kill_trainer(worker(job, 0), local_rank=0)
@@ -271,7 +272,7 @@ def test_kill_trainer_makes_torchrun_restart_its_workers_in_the_same_pod(sim: Si
 
 @pytest.mark.slow
 def test_lose_node_fails_its_pods_and_the_job_gets_replacements(sim: SimCluster, tiny_model: Path, tmp_path: Path) -> None:
-    job = submit(sim, tiny_model, tmp_path, "lost", restart_policy="ExitCode", training={"maxSteps": 10_000})
+    job = submit(sim, tiny_model, "lost", restart_policy="ExitCode", training={"maxSteps": 10_000})
     name = job["metadata"]["name"]
     running_trainers(sim, job)
     first = sim.pod(worker(job, 1))
@@ -294,7 +295,7 @@ def test_lose_node_fails_its_pods_and_the_job_gets_replacements(sim: SimCluster,
 @pytest.mark.slow
 def test_evictions_leave_kubernetes_evidence(sim: SimCluster, tiny_model: Path, tmp_path: Path) -> None:
     # OnFailure: the training operator replaces every failed or vanished pod, so one job sees all three.
-    job = submit(sim, tiny_model, tmp_path, "evict", restart_policy="OnFailure", training={"maxSteps": 10_000})
+    job = submit(sim, tiny_model, "evict", restart_policy="OnFailure", training={"maxSteps": 10_000})
     running_trainers(sim, job)
     w0, w1 = worker(job, 0), worker(job, 1)
     uid = sim.pod(w0)["metadata"]["uid"]  # type: ignore[index]
@@ -323,8 +324,8 @@ def test_evictions_leave_kubernetes_evidence(sim: SimCluster, tiny_model: Path, 
 def test_node_affinity_and_selectors_place_pods(sim: SimCluster, tiny_model: Path, tmp_path: Path) -> None:
     not_node0 = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
         {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["node-0"]}]}]}}}
-    job = submit(sim, tiny_model, tmp_path, "placed", affinity=not_node0, restart_policy="Never")
-    nowhere = submit(sim, tiny_model, tmp_path, "nowhere", node_selector={"kubernetes.io/hostname": "node-9"})
+    job = submit(sim, tiny_model, "placed", affinity=not_node0, restart_policy="Never")
+    nowhere = submit(sim, tiny_model, "nowhere", node_selector={"kubernetes.io/hostname": "node-9"})
     for index in (0, 1):
         pod = sim.wait_pod_running(worker(job, index), timeout=60)
         assert pod["spec"]["nodeName"] in ("node-1", "node-2")
@@ -383,10 +384,13 @@ def test_exit_codes_under_the_exit_code_policy(make_sim: Any) -> None:
     assert terminated["exitCode"] == 2 and terminated["message"] == "bad config", "FallbackToLogsOnError: the log's tail"
     time.sleep(1.5)
     assert sim.job("permanent") is not None, "no completionTime: ttlSecondsAfterFinished never fires"
-    # 128-255: retryable; the pod is deleted and created again, the job is Restarting.
-    once = "import os, sys\nmarker = '/tmp/' + os.environ['HOSTNAME'] + os.environ['RUN']\n" \
+    # 128-255: retryable; the pod is deleted and created again, the job is Restarting. The marker
+    # that tells the second pod it is the second lives on a claim: a container's own files die with it.
+    once = "import os, sys\nmarker = '/state/' + os.environ['HOSTNAME'] + os.environ['RUN']\n" \
            "if not os.path.exists(marker):\n    open(marker, 'w').close()\n    sys.exit(143)\nimport time\ntime.sleep(600)"
-    job = python_job("retry", once, replicas=1, restart_policy="ExitCode")
+    job = python_job("retry", once, replicas=1, restart_policy="ExitCode",
+                     volumes=[{"name": "state", "persistentVolumeClaim": {"claimName": CHECKPOINT_CLAIM}}],
+                     mounts=[{"name": "state", "mountPath": "/state"}])
     job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["env"].append({"name": "RUN", "value": uuid.uuid4().hex})
     sim.api.create(job_path(NS), job)
     sim.wait_job_condition("retry", "Restarting", timeout=20)

@@ -28,7 +28,9 @@ from llamaft_trainer.local_etcd import LocalEtcd, free_port
 from tests.operator.emulator import EmulatorThread
 from tests.operator.sim import ApiError, SimCluster, service_path
 from tests.operator.sim_fixtures import (  # noqa: F401 (the *_fixture imports register pytest fixtures)
+    CHECKPOINT_CLAIM,
     SIM_GC_DELAY,
+    checkpoint_folder,
     make_sim_fixture,
     sim_emulator_fixture,
     sim_etcd_fixture,
@@ -51,11 +53,11 @@ NS = "default"
 
 
 # ----------------------------------------------------------------------------------- helpers
-def render(model: Path, workdir: Path, name: str, **spec: Any) -> tuple[Owner, Any, Obj]:
+def render(model: Path, name: str, **spec: Any) -> tuple[Owner, Any, Obj]:
     """(owner, parsed spec, TrainJob) for a tiny fine-tune's attempt 1, as the operator renders it."""
     owner = Owner(name, NS, str(uuid.uuid4()))
     spec.setdefault("monitoring", {"metricsPort": free_port()})
-    parsed = validate_resource(tiny_finetune(name, model, workdir, **spec))
+    parsed = validate_resource(tiny_finetune(name, model, **spec))
     job = trainjob.train_job(owner, parsed, 1)
     if not trainer_binds_metrics_host():  # two pods on one machine would collide on the port; see sim_fixtures
         for var in job["spec"]["trainer"]["env"]:
@@ -64,9 +66,9 @@ def render(model: Path, workdir: Path, name: str, **spec: Any) -> tuple[Owner, A
     return owner, parsed, job
 
 
-def submit(sim: SimCluster, model: Path, workdir: Path, name: str, **spec: Any) -> Obj:
+def submit(sim: SimCluster, model: Path, name: str, **spec: Any) -> Obj:
     """Create the ConfigMap and the TrainJob the operator would; returns the stored TrainJob."""
-    owner, parsed, job = render(model, workdir, name, **spec)
+    owner, parsed, job = render(model, name, **spec)
     assert sim.api.create(f"/api/v1/namespaces/{NS}/configmaps", desired.config_map(owner, parsed)) is not None
     created = sim.api.create(trainjob_path(NS), job)
     assert created is not None
@@ -104,7 +106,8 @@ def trainer_only_sim_fixture(sim_etcd: LocalEtcd, tmp_path: Path) -> Iterator[Si
     """A 2-node cluster that serves TrainJobs but no PyTorchJobs (a Trainer v2 install), with the
     stock `torch-distributed` runtime; every process it started is checked gone afterwards."""
     emulator = EmulatorThread(without=("kubeflow.org/v1/pytorchjobs",), gc_delay=SIM_GC_DELAY).start()
-    sim = SimCluster(emulator.url, sim_etcd.endpoint, nodes=2, workdir=tmp_path / "sim")
+    sim = SimCluster(emulator.url, sim_etcd.endpoint, nodes=2, workdir=tmp_path / "sim",
+                     claims={CHECKPOINT_CLAIM: checkpoint_folder(tmp_path)})
     try:
         sim.api.create(runtime_path("ClusterTrainingRuntime", NS), torch_distributed_runtime())
         yield sim.start()
@@ -121,7 +124,7 @@ def test_the_emulator_admits_a_rendered_trainjob_with_the_crd_defaults_and_rejec
     from tests.operator.sim import Api
 
     api = Api(sim_emulator.url)
-    _, _, job = render(tmp_path / "model", tmp_path, "admit")
+    _, _, job = render(tmp_path / "model", "admit")
     del job["spec"]["runtimeRef"]["kind"]
     stored = api.create(trainjob_path(NS), job)
     assert stored is not None and "status" not in stored
@@ -144,7 +147,7 @@ def test_the_emulator_admits_a_rendered_trainjob_with_the_crd_defaults_and_rejec
 
 
 def test_the_jobset_spec_is_the_runtime_patched_with_the_trainer_and_the_torch_env(tmp_path: Path) -> None:
-    _, _, job = render(tmp_path / "model", tmp_path, "spec", cluster={"workers": 3})
+    _, _, job = render(tmp_path / "model", "spec", cluster={"workers": 3})
     job["metadata"]["uid"] = "u"
     name = job["metadata"]["name"]
     spec = jobset_spec(job, torch_distributed_runtime(backoffLimit=0))
@@ -195,7 +198,7 @@ def test_strategic_merge_merges_lists_by_their_keys() -> None:
 @pytest.mark.parametrize("backend", ["etcd-v2", "c10d"])
 def test_trainjob_runs_the_trainer_to_completion(sim: SimCluster, torch_runtime: Obj, tiny_model: Path, tmp_path: Path,
                                                  backend: str) -> None:
-    job = submit(sim, tiny_model, tmp_path, f"tj-{backend[:4]}", rendezvous={"backend": backend})
+    job = submit(sim, tiny_model, f"tj-{backend[:4]}", rendezvous={"backend": backend})
     name, uid = job["metadata"]["name"], job["metadata"]["uid"]
     pods = two_pods(sim, name)
 
@@ -261,7 +264,7 @@ def test_trainjob_runs_the_trainer_to_completion(sim: SimCluster, torch_runtime:
 def test_suspend_deletes_the_pods_resume_recreates_them_and_deleting_the_trainjob_collects_them(
         trainer_only_sim: SimCluster, tiny_model: Path, tmp_path: Path) -> None:
     sim = trainer_only_sim
-    job = submit(sim, tiny_model, tmp_path, "tj-susp", training={"maxSteps": 10_000})
+    job = submit(sim, tiny_model, "tj-susp", training={"maxSteps": 10_000})
     name = job["metadata"]["name"]
     first = two_pods(sim, name)
     for pod in first:
@@ -304,7 +307,7 @@ def test_suspend_deletes_the_pods_resume_recreates_them_and_deleting_the_trainjo
 @pytest.mark.slow
 def test_a_killed_container_restarts_in_place_until_the_jobs_backoff_limit_fails_the_trainjob(
         sim: SimCluster, torch_runtime: Obj, tiny_model: Path, tmp_path: Path) -> None:
-    job = submit(sim, tiny_model, tmp_path, "tj-kill", training={"maxSteps": 10_000})
+    job = submit(sim, tiny_model, "tj-kill", training={"maxSteps": 10_000})
     name = job["metadata"]["name"]
     pods = two_pods(sim, name)
     victim, uid = pods[1]["metadata"]["name"], pods[1]["metadata"]["uid"]
@@ -360,7 +363,7 @@ def test_a_runtime_with_backoff_limit_0_fails_the_trainjob_on_the_first_containe
     runtime = {**torch_distributed_runtime("llamaft-no-retry", backoffLimit=0), "kind": "TrainingRuntime"}
     runtime["metadata"]["namespace"] = NS
     assert sim.api.create(runtime_path("TrainingRuntime", NS), runtime) is not None
-    job = submit(sim, tiny_model, tmp_path, "tj-once", training={"maxSteps": 10_000},
+    job = submit(sim, tiny_model, "tj-once", training={"maxSteps": 10_000},
                  trainJob={"runtimeRef": {"kind": "TrainingRuntime", "name": "llamaft-no-retry"}})
     name = job["metadata"]["name"]
     pods = two_pods(sim, name)

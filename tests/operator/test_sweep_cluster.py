@@ -13,7 +13,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from tests.operator.conftest import Cluster, wait_for
+from tests.operator.conftest import CHECKPOINT_CLAIM, Cluster, wait_for
 from tests.operator.emulator import EmulatorThread, write_kubeconfig
 
 
@@ -34,6 +34,8 @@ def finetune_file(tmp: Path) -> Path:
                                     "spec": {"model": {"source": "meta-llama/Llama-2-7b-hf"},
                                              "dataset": {"source": "Samsung/samsum", "format": "samsum"},
                                              "training": {"epochs": 1},
+                                             # each size's checkpoints on the claim (the sweep gives each its own directory)
+                                             "checkpointing": {"volumeClaim": CHECKPOINT_CLAIM, "directory": "/checkpoints"},
                                              "cluster": {"workers": 2, "gpusPerWorker": 8}}}))
     return path
 

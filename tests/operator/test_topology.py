@@ -195,7 +195,7 @@ def test_kueue_admits_with_a_topology_assignment_and_the_run_proceeds(
                         LLAMAFT_RENDEZVOUS_ADDRESS_OVERRIDE=sim_etcd.endpoint, LLAMAFT_SYNC_INTERVAL="1").start()
     api = Api(sim_emulator.url)
     try:
-        spec = tiny_finetune("tas", tiny_model, tmp_path, monitoring={"metricsPort": free_port()},
+        spec = tiny_finetune("tas", tiny_model, monitoring={"metricsPort": free_port()},
                              scheduling={"queueName": "team-a-cpus", "topology": {"mode": "required", "level": EFA_BLOCK}})["spec"]
         cluster.create("tas", spec)
         job = wait_for("the queued job", lambda: cluster.attempt_job("tas", 1), timeout=60)
