@@ -123,10 +123,12 @@ def test_precedence_and_priority_are_one_order() -> None:
     """termination.PRECEDENCE ranks the trainer's reasons as failures.PRIORITY does (TrainerError
     standing for any other exception), with the values they always had."""
     assert failures.PRIORITY == [
-        "ConfigError", "NodeLost", "Evicted", "RendezvousLost", "Preempted", "OOMKilled", "GPUXid", "RendezvousClosed",
-        "TrainerError", "Killed", "CollectiveTimeout", "PeerLost", "Stalled", "DeadlineExceeded", "JobFailed",
+        "ConfigError", "NodeLost", "Evicted", "RendezvousLost", "Interrupted", "Preempted", "OOMKilled", "GPUXid",
+        "RendezvousClosed", "TrainerError", "Killed", "CollectiveTimeout", "PeerLost", "Stalled", "DeadlineExceeded",
+        "JobFailed",
     ] == list(FailureReason)
-    assert termination.PRECEDENCE == {"ConfigError": 5, "RendezvousLost": 4, "Preempted": 3, "CollectiveTimeout": 1, "PeerLost": 0}
+    assert termination.PRECEDENCE == {"ConfigError": 6, "RendezvousLost": 5, "Interrupted": 4, "Preempted": 3,
+                                      "CollectiveTimeout": 1, "PeerLost": 0}
     assert termination.OTHER_ERROR_PRECEDENCE == 2
     ranks = {**termination.PRECEDENCE, FailureReason.TRAINER_ERROR: termination.OTHER_ERROR_PRECEDENCE}
     assert sorted(ranks, key=lambda r: -ranks[r]) == sorted(ranks, key=failures.PRIORITY.index)

@@ -11,12 +11,16 @@ import os
 from pathlib import Path
 
 import pytest
+import yaml
+from llamaft import local
 from llamaft.api.documents import load_finetune
 from llamaft.api.spec import LlamaFineTuneSpec
+from llamaft.cli import main as cli
 from llamaft.launch import localize, torchrun_launch
-from llamaft.local import agent, local_threads, plan
+from llamaft.local import agent, device_for, local_threads, plan
 from llamaft.render import desired
 from llamaft.render.naming import CONFIG_FILE, Owner
+from llamaft_trainer.errors import ConfigError
 
 from tests.operator.sim import SimCluster
 
@@ -76,9 +80,13 @@ def test_run_local_runs_the_cluster_launch(name: str, tmp_path: Path) -> None:
         (tmp_path / "model").mkdir()
         text = text.replace("source: ./.local-assets/tiny-llama", f"source: {tmp_path / 'model'}")
         assert str(tmp_path / "model") in text
+    else:  # its pvc:// data is the cluster's: here, a local file (run --local checks its inputs first)
+        (tmp_path / "train.jsonl").write_text("{}\n")
+        text = text.replace("source: pvc://datasets/support-tickets/train.jsonl", f"source: {tmp_path / 'train.jsonl'}")
+        assert str(tmp_path / "train.jsonl") in text
     path = tmp_path / f"{name}.yaml"
     path.write_text(text)
-    p, spec = plan(path, nproc_per_worker=None, run_dir=tmp_path / "run")
+    p, spec = plan(path, nproc_per_worker=None, run_dir=tmp_path / "run", cpu=True)  # the 8-GPU example, on any machine
     owner = Owner(p.name, "local", "unused")
     cluster = torchrun_launch(desired.pytorch_job(owner, spec, 1))
     for index in range(p.workers):
@@ -89,7 +97,75 @@ def test_run_local_runs_the_cluster_launch(name: str, tmp_path: Path) -> None:
         assert local.launch.argv[3:-1] == cluster.argv[1:-1]
     assert p.config_path.read_text() == desired.config_map(owner, spec)["data"][CONFIG_FILE], \
         "the trainer reads the ConfigMap's own JSON"
-    assert p.rdzv_id != plan(path, nproc_per_worker=None, run_dir=tmp_path / "run")[0].rdzv_id, "a rerun gets a new id"
+    assert p.rdzv_id != plan(path, nproc_per_worker=None, run_dir=tmp_path / "run", cpu=True)[0].rdzv_id, \
+        "a rerun gets a new id"
+
+
+# ------------------------------------------------------------------ what run --local refuses before launching
+def _no_launch(*args: object, **kwargs: object) -> None:
+    raise AssertionError("torchrun was started")
+
+
+def test_a_gpu_spec_on_a_machine_without_gpus_is_refused_unless_cpu(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """examples/llama2-7b.yaml asks for 8 GPUs per worker: without GPUs, run --local says so (the
+    field, the flag) instead of training it on the CPU unannounced; --cpu runs it there, saying so."""
+    monkeypatch.setattr(local, "visible_gpus", lambda: 0)
+    monkeypatch.setattr(local, "_spawn", _no_launch)
+    source = REPO / "examples" / "llama2-7b.yaml"
+    assert cli(["run", "--local", str(source), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "spec.cluster.gpusPerWorker: the file asks for 8 GPU(s) per worker" in err and "--cpu" in err, err
+    assert "has 0 visible" in err
+
+    p, _ = plan(source, nproc_per_worker=None, run_dir=tmp_path / "run", cpu=True)
+    assert (p.device, p.nproc_per_worker) == ("cpu", 1)
+    assert "--cpu: running on the CPU" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("gpus", "device", "nproc"), [(32, "cuda", 8), (8, "cuda", 2), (3, None, None)])
+def test_fewer_gpus_than_asked_run_on_those_with_a_note(gpus: int, device: str | None, nproc: int | None) -> None:
+    spec = _spec({"workers": 4, "gpusPerWorker": 8})
+    if device is None:  # fewer than one per worker
+        with pytest.raises(ConfigError, match="spec.cluster.gpusPerWorker"):
+            device_for(spec, gpus, cpu=False)
+        return
+    found, per_worker, note = device_for(spec, gpus, cpu=False)
+    assert (found, per_worker) == (device, nproc)
+    assert (note is None) == (gpus == 32)
+
+
+@pytest.mark.parametrize("case", ["dataset missing", "dataset is a directory", "tokenizer missing", "dataset on a pvc",
+                                  "model is a file"])
+def test_missing_local_inputs_are_refused_before_torchrun_starts(
+    case: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every local path the trainer reads (api.sources' LOCAL and PVC sources) is checked by the CLI:
+    the error names the field and the path at once, not ~17 s later from a worker."""
+    monkeypatch.setattr(local, "_spawn", _no_launch)
+    model, data = tmp_path / "model", tmp_path / "train.jsonl"
+    model.mkdir()
+    data.write_text('{"dialogue": "a", "summary": "b"}\n')
+    fields: dict[str, dict[str, str]] = {"model": {"source": str(model)}, "dataset": {"format": "samsum", "source": str(data)}}
+    expected = {
+        "dataset missing": ("spec.dataset.source", str(tmp_path / "nowhere.jsonl"), "does not exist"),
+        "dataset is a directory": ("spec.dataset.source", str(tmp_path), "is a directory"),
+        "tokenizer missing": ("spec.model.tokenizer", str(tmp_path / "tok"), "does not exist"),
+        "dataset on a pvc": ("spec.dataset.source", "pvc://claim/train.jsonl", "for llamaft run --local use a local path"),
+        "model is a file": ("spec.model.source", str(data), "must name a model directory"),
+    }[case]
+    field, value, says = expected
+    section, key = field.split(".")[1:]
+    fields[section][key] = value
+    path = tmp_path / "ft.yaml"
+    path.write_text(yaml.safe_dump({"apiVersion": "llamaft.io/v1alpha1", "kind": "LlamaFineTune",
+                                    "metadata": {"name": "inputs"},
+                                    "spec": {**fields, "cluster": {"workers": 1, "gpusPerWorker": 0}}}))
+    assert cli(["run", "--local", str(path), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    line = next((x for x in err.splitlines() if field in x), "")
+    assert line.startswith(f"llamaft: configuration error: {field}: {value}") and says in line, err
 
 
 # ------------------------------------------------------------------ threads per trainer process

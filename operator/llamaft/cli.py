@@ -6,10 +6,12 @@ Subcommands import what they need lazily, so `llamaft validate` works without to
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from llamaft.api.spec import BUILTIN_CHAT_TEMPLATES, LlamaFineTuneSpec
 from llamaft.api.validation import FieldError, SpecInvalid
@@ -96,56 +98,67 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _validate_document(doc: Document, checks: CheckCache | None, notes: set[str]) -> bool:
-    """Check one document; `checks`: the children's check with this cache (None: --schema-only,
-    the LlamaFineTune's own schema and rules only)."""
+    """Check one document; `checks`: the operator's checks with this cache (None: --schema-only,
+    the LlamaFineTune's own schema and rules only, what the API server checks). True when it would
+    be accepted: by the API server, and (without --schema-only) by the operator too."""
     spec, errors = _admission(doc)
     if spec is None:
         _print_errors(doc.label, errors)
         return False
     name = doc.body["metadata"]["name"]
+    summary = (f"{name}: {spec.cluster.workers} worker(s) x {spec.cluster.gpus_per_worker} GPU(s), "
+               f"{spec.fsdp.sharding_strategy.value}, {spec.fsdp.mixed_precision.value}")
+    if checks is None:
+        print(f"{doc.label}: ok ({summary})")
+        print("  schema only: the API server would accept it; the operator's checks were not run")
+        return True
+    from llamaft.render.admission import schemas_available
+
+    if not schemas_available() and "schemas" not in notes:
+        print("note: kubernetes-validate is not installed (pip install 'llamaft[operator]'): the objects the "
+              "operator would create are checked without the Kubernetes and CRD schemas")
+        notes.add("schemas")
+    namespace = doc.body["metadata"].get("namespace") or "default"
+    problems = _operator_problems(spec, name, namespace, cache=checks)
+    if problems:
+        _print_errors(doc.label, problems)
+        return False
+    try:
+        line, refused = _capacity(spec)
+    except Exception as exc:  # the estimate cannot be made: the operator then does not refuse on it
+        line, refused = _bounded(f"not checked ({type(exc).__name__}: {exc})"), False
+    print(f"{doc.label}: {'refused by the operator' if refused else 'ok'} ({summary})")
+    print(f"  capacity: {line}")
+    return not refused
+
+
+def _operator_problems(spec: LlamaFineTuneSpec, name: str, namespace: str, **render: Any) -> list[object]:
+    """What the operator refuses an admitted spec for before it creates anything, but capacity:
+    a GPU the trainer refuses (float8), and every problem of the objects it would create
+    (render.admission.child_errors: schemas, admission rules, names, and where the results go).
+    `render`: child_errors' uid, attempt, backend and cache."""
     from llamaft.planner.plan import float8_problem
+    from llamaft.render.admission import child_errors
 
     problem = float8_problem(spec)  # a GPU the trainer refuses: not advisory like the memory estimate
-    if problem is not None:
-        _print_errors(doc.label, [problem])
-        return False
-    if checks is not None:
-        from llamaft.render.admission import child_errors, schemas_available
-
-        if not schemas_available() and "schemas" not in notes:
-            print("note: kubernetes-validate is not installed (pip install 'llamaft[operator]'): the objects the "
-                  "operator would create are checked without the Kubernetes and CRD schemas")
-            notes.add("schemas")
-        namespace = doc.body["metadata"].get("namespace") or "default"
-        problems = child_errors(spec, name, namespace, cache=checks)
-        if problems:
-            _print_errors(doc.label, problems)
-            return False
-    print(
-        f"{doc.label}: ok ({name}: {spec.cluster.workers} worker(s) x {spec.cluster.gpus_per_worker} GPU(s), "
-        f"{spec.fsdp.sharding_strategy.value}, {spec.fsdp.mixed_precision.value})"
-    )
-    try:
-        print(f"  capacity: {_capacity_line(spec)}")
-    except Exception as exc:  # advisory only: never fails validation
-        print(_bounded(f"  capacity: not checked ({type(exc).__name__}: {exc})"))
-    return True
+    return [problem] if problem is not None else list(child_errors(spec, name, namespace, **render))
 
 
-def _capacity_line(spec: LlamaFineTuneSpec) -> str:
-    """The admission verdict the operator will reach (advisory here: the API server accepts the
-    object either way; with spec.preflight Enforce the operator refuses a run that will not fit)."""
+def _capacity(spec: LlamaFineTuneSpec) -> tuple[str, bool]:
+    """The capacity verdict the operator will reach (its CapacityFits condition), as one line, and
+    whether the operator refuses the run for it (spec.preflight Enforce and a run that will not fit:
+    phase Failed, reason WillNotFit; Warn only warns)."""
     from llamaft.api.spec import PreflightMode
     from llamaft.planner import admission, read_model_config
 
     if spec.preflight is PreflightMode.OFF:
-        return "not checked (spec.preflight: Off)"
+        return "not checked (spec.preflight: Off)", False
     found = read_model_config(spec.model.source)
     verdict = admission(spec, found[0] if found else None)
     action = ""
     if verdict.fits is False:
         action = " [the operator will refuse it]" if verdict.refuse else " [spec.preflight Warn: the operator only warns]"
-    return f"{verdict.reason}{action}: {verdict.message} (details: llamaft plan)"
+    return f"{verdict.reason}{action}: {verdict.message} (details: llamaft plan)", verdict.refuse
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -189,7 +202,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         from llamaft.planner.shapes import KNOWN_CONFIGS
 
         cfg = config if config is not None else KNOWN_CONFIGS.get(spec.model.source.strip().rstrip("/").lower())
-        counted = meta_parameter_count(dict(cfg)) if cfg is not None else None
+        with _without_torchao():  # a meta-device count does no float8 work
+            counted = meta_parameter_count(dict(cfg)) if cfg is not None else None
         if counted is None:
             exact_notes.append("--exact: torch/transformers are not installed (or no config dict): analytic count used")
         elif counted == shape.parameters:
@@ -222,7 +236,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"llamaft run --local needs the trainer extra (pip install 'llamaft[trainer]'): {exc}", file=sys.stderr)
         return 2
-    return run_local(args.file, nproc_per_worker=args.nproc_per_worker, run_dir=args.run_dir)
+    return run_local(args.file, nproc_per_worker=args.nproc_per_worker, run_dir=args.run_dir, cpu=args.cpu)
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
@@ -239,7 +253,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         return 2
     try:
         sizes = parse_sizes(args.workers)
-        plan = plan_sweep(args.file, sizes, args.max_steps, name=args.name)
+        # --local creates no Kubernetes objects and writes to this machine (as run --local): the
+        # operator's checks of the objects, and where the results go, are a cluster's.
+        plan = plan_sweep(args.file, sizes, args.max_steps, name=args.name, check_children=not args.local)
         for note in plan.notes:
             print(f"llamaft sweep: note: {note}", flush=True)
         if args.local:
@@ -276,25 +292,42 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     return 0 if any(p.measured for p in points) and all(p.measured or p.phase == "Skipped" for p in points) else 1
 
 
-def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from llamaft_trainer.tiny import build_tiny_llama
+def _without_torchao() -> contextlib.AbstractContextManager[None]:
+    """transformers imports torchao whenever it is installed, and torchao's import prints notices
+    that concern float8 only (llamaft_trainer.quiet says which): kept out of commands that load
+    transformers for other work."""
+    try:
+        from llamaft_trainer.quiet import torchao_kept_out
+    except ImportError:
+        return contextlib.nullcontext()
+    return torchao_kept_out()
 
-    out = build_tiny_llama(Path(args.output), Path(args.dataset), chat_template=args.chat_template)
+
+def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    with _without_torchao():
+        from llamaft_trainer.tiny import build_tiny_llama
+
+        out = build_tiny_llama(Path(args.output), Path(args.dataset), chat_template=args.chat_template)
     chat = f" (chat template {args.chat_template})" if args.chat_template else ""
     print(f"wrote a tiny random-init Llama and its tokenizer{chat} to {out}")
     return 0
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
-    """Every object the operator would create for the file's LlamaFineTune, as YAML; nothing when
-    the API server would refuse it or a child would be refused (the errors name the spec field)."""
+    """Every object the operator would create for the file's LlamaFineTune, as YAML. When the
+    operator would refuse it (the API server's schema and rules, the children's admission checks,
+    where the results go, capacity), the reasons on stderr and exit status 1, and nothing printed;
+    with --force the objects all the same (exit 0), the reasons on stderr as warnings. A spec the
+    schema refuses has no objects to print: --force cannot help there."""
+    import uuid
+
     import yaml
 
     from llamaft.api.documents import read_documents
     from llamaft.api.resource import MAX_ATTEMPTS
     from llamaft.api.spec import Backend
     from llamaft.render import trainjob
-    from llamaft.render.admission import PLACEHOLDER_UID, child_errors
+    from llamaft.render.admission import PLACEHOLDER_UID
     from llamaft.render.backends import backend_for
     from llamaft.render.desired import desired_objects
     from llamaft.render.naming import Owner
@@ -302,6 +335,14 @@ def _cmd_render(args: argparse.Namespace) -> int:
     if not 1 <= args.attempt <= MAX_ATTEMPTS:
         print(f"error: --attempt must be 1..{MAX_ATTEMPTS}", file=sys.stderr)
         return 2
+    if args.uid is not None:
+        try:
+            uid = str(uuid.UUID(args.uid))
+        except ValueError:
+            print(f"error: --uid {_bounded(args.uid)!r} is not a uid: give the LlamaFineTune's metadata.uid, a UUID such as "
+                  "3f2a9c4e-1b7d-4e6a-9c1f-0a2b3c4d5e6f (kubectl get llamafinetune NAME -o jsonpath='{.metadata.uid}')",
+                  file=sys.stderr)
+            return 2
     docs = read_documents(args.file)
     if len(docs) != 1:
         print(f"error: {args.file}: expected exactly one LlamaFineTune document, found {len(docs)}", file=sys.stderr)
@@ -309,20 +350,40 @@ def _cmd_render(args: argparse.Namespace) -> int:
     spec, errors = _admission(docs[0])
     if spec is None:
         _print_errors("error", errors, sys.stderr)
+        if args.force:
+            print("error: the API server would refuse this LlamaFineTune, so there are no objects to render, even with "
+                  "--force", file=sys.stderr)
         return 1
     body = docs[0].body
+    name = body["metadata"]["name"]
     namespace = args.namespace or body["metadata"].get("namespace") or "default"
-    uid = str(body["metadata"].get("uid") or "")
+    if args.uid is None:
+        uid = str(body["metadata"].get("uid") or "")
     # --backend, else the spec's; `auto` prints what it picks when the cluster serves both.
     backend = Backend(args.backend) if args.backend else trainjob.preferred_backend(spec)
-    problems = child_errors(spec, body["metadata"]["name"], namespace, uid=uid or PLACEHOLDER_UID, attempt=args.attempt,
-                            backend=backend)
+    problems = _operator_problems(spec, name, namespace, uid=uid or PLACEHOLDER_UID, attempt=args.attempt,
+                                  backend=backend)
+    try:
+        capacity, refused = _capacity(spec)
+    except Exception:  # the estimate cannot be made: the operator then does not refuse on it
+        capacity, refused = "", False
+    if refused:
+        problems.append(f"capacity: {capacity}")
     if problems:
-        _print_errors("error", problems, sys.stderr)
+        label = "warning" if args.force else "error"
+        _print_errors(label, problems, sys.stderr)
+        print(f"{label}: the operator would refuse this LlamaFineTune"
+              + (" (printed anyway: --force)" if args.force else "; --force prints its objects all the same"),
+              file=sys.stderr)
+        if not args.force:
+            return 1
+    owner = Owner(name, namespace, uid)
+    try:
+        job = backend_for(backend).render(owner, spec, args.attempt)
+        objects = [job if o["kind"] == "PyTorchJob" else o for o in desired_objects(owner, spec, args.attempt)]
+    except Exception as exc:  # --force of a spec the renderer cannot handle (child_errors said so)
+        print(_bounded(f"error: cannot be rendered ({type(exc).__name__}: {exc})"), file=sys.stderr)
         return 1
-    owner = Owner(body["metadata"]["name"], namespace, uid)
-    job = backend_for(backend).render(owner, spec, args.attempt)
-    objects = [job if o["kind"] == "PyTorchJob" else o for o in desired_objects(owner, spec, args.attempt)]
     sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False, width=120))
     return 0
 
@@ -331,7 +392,14 @@ def _cmd_operator(args: argparse.Namespace) -> int:
     """Run the operator in this process (what the chart's Deployment runs).
 
     --standalone: the only replica, no peering. --peering NAME: one of several replicas; kopf keeps
-    only the highest-priority live one active (llamaft/operator/peering.py explains the priorities)."""
+    only the highest-priority live one active (llamaft/operator/peering.py explains the priorities).
+    Without any Kubernetes credentials it exits 1 with one line before kopf starts (credentials.py)."""
+    from llamaft.credentials import missing_credentials
+
+    problem = missing_credentials(os.environ)
+    if problem is not None:
+        print(f"llamaft operator: error: {problem}", file=sys.stderr)
+        return 1
     import kopf
 
     import llamaft.operator.handlers  # noqa: F401  (registers the handlers)
@@ -363,17 +431,25 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llamaft", description="Llama fine-tuning with PyTorch FSDP on Kubernetes.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     crd = sub.add_parser("crd", help="print the LlamaFineTune CustomResourceDefinition (generated from the API)")
     crd.add_argument("-o", "--output", help="write to this file instead of stdout")
     crd.set_defaults(func=_cmd_crd)
 
-    validate = sub.add_parser("validate", help="check LlamaFineTune YAML files exactly as the cluster would")
+    validate = sub.add_parser(
+        "validate", help="check LlamaFineTune YAML files exactly as the cluster would",
+        description="Check each LlamaFineTune as the API server (the CRD's schema and CEL rules) and the operator "
+                    "would: the objects it would create against the Kubernetes, Kubeflow and Prometheus Operator "
+                    "schemas and rules, where the results go (a volume that outlives the pod or an fsspec URI, unless "
+                    "checkpointing.discardWithPod), and the capacity verdict. Exit status 0 when every document would "
+                    "be accepted and run, 1 when one would be refused (by the API server or by the operator).")
     validate.add_argument("files", nargs="+", help="YAML files (several documents per file allowed; - reads stdin)")
     validate.add_argument("--schema-only", action="store_true",
-                          help="only what the API server checks (schema and CEL rules), without rendering the objects "
-                               "the operator would create and checking them")
+                          help="only the API server's verdict (the CRD's schema and CEL rules): the operator's checks "
+                               "(the objects it would create, where the results go, float8 GPUs, capacity) are not "
+                               "run, so exit status 0 means kubectl apply succeeds, not that the run starts")
     validate.set_defaults(func=_cmd_validate)
 
     plan = sub.add_parser("plan", help="capacity plan: per-GPU memory by component, verdict and fixes, host RAM, "
@@ -395,6 +471,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--local", action="store_true", help="run here with torchrun (CPU or GPUs)")
     run.add_argument("--nproc-per-worker", type=int, help="processes per worker (default: its GPUs, or 1 on CPU)")
     run.add_argument("--run-dir", help="where logs and the trainer config go (default: runs/<name>)")
+    run.add_argument("--cpu", action="store_true",
+                     help="run on the CPU (one process per worker) even when the file asks for GPUs "
+                          "(cluster.gpusPerWorker); without it such a file is refused on a machine without them")
     run.set_defaults(func=_cmd_run)
 
     sweep = sub.add_parser(
@@ -425,6 +504,13 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("file", help="YAML file with one LlamaFineTune")
     render.add_argument("--namespace", help="namespace to render into (default: the file's, else default)")
     render.add_argument("--attempt", type=int, default=1, help="run attempt to render (names and rendezvous id)")
+    render.add_argument("--uid", help="the LlamaFineTune's metadata.uid: render exactly what the operator creates for "
+                                      "that object (job <name>-<uid token>-<attempt>, LLAMAFT_RUN_UID, the rendezvous "
+                                      "id); default the file's metadata.uid, else none (job <name>-<attempt>, an empty "
+                                      "LLAMAFT_RUN_UID, rendezvous id <namespace>-<name>-local-<attempt>)")
+    render.add_argument("--force", action="store_true",
+                        help="print the objects even when the operator would refuse the LlamaFineTune (the reasons "
+                             "still go to stderr as warnings); without it such a file prints nothing and exits 1")
     render.add_argument("--backend", choices=["PyTorchJob", "TrainJob"],
                         help="the Kubeflow job to print: PyTorchJob (training operator v1) or TrainJob (Kubeflow "
                              "Trainer v2); default: the spec's backend (auto: what it picks on a cluster that serves "
@@ -462,15 +548,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    """The installed distribution's version (its metadata), else the source tree's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("llamaft")
+    except PackageNotFoundError:
+        from llamaft import __version__
+
+        return __version__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        from llamaft_trainer.quiet import silence_known_warnings
+    except ImportError:
+        pass
+    else:
+        silence_known_warnings()
+    try:
+        code = int(args.func(args))
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit (a second traceback)
+        return code
     except SpecInvalid as exc:
         _print_errors("error", exc.errors, sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return _closed_pipe()
+
+
+def _closed_pipe() -> int:
+    """The reader of stdout went away (`llamaft plan FILE | head -1`): end quietly with status 1.
+    Python's documented recipe (https://docs.python.org/3/library/signal.html#note-on-sigpipe):
+    point stdout at devnull, so that the interpreter's final flush of the unwritable buffer raises
+    nothing, and exit 1."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 1
 
 
 if __name__ == "__main__":

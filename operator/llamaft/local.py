@@ -8,8 +8,10 @@ config JSON is the ConfigMap's own text.
 
 One torchrun agent per `spec.cluster.workers` (each a "node" with its processes), rendezvousing
 exactly as on the cluster: through a local etcd for the etcd backends (started here unless
-`spec.rendezvous.endpoint` is set), or c10d on loopback. GPUs are used when the machine has as
-many as the spec asks for; otherwise each worker runs one CPU process (gloo). Rank 0's JSON log
+`spec.rendezvous.endpoint` is set), or c10d on loopback. A spec that asks for GPUs runs on this
+machine's GPUs (fewer per worker when it has fewer) and is refused when it has less than one per
+worker, unless --cpu runs it on the CPU anyway; a CPU spec (gpusPerWorker 0) runs one CPU process
+per worker (gloo). Local input files are checked before anything starts (missing_inputs). Rank 0's JSON log
 lines are shown as live progress; every agent's full output goes to `<run dir>/worker-<i>.log` (rank 0 may be on any of them).
 
 How it ends:
@@ -17,11 +19,13 @@ How it ends:
   from the termination messages the workers wrote (`<run dir>/termination-<i>.json`, one per
   agent as one per pod), not torchrun's (always 1 on failure). The first line of the error is
   printed last.
-- Ctrl-C or SIGTERM: every agent gets SIGTERM, as the kubelet sends it (agents and trainers run in
-  their own sessions, so the terminal's SIGINT reaches none of them); the trainers stop after their
-  step and save when torchrun's shutdown timeout allows; after that timeout (plus a margin)
-  whatever is left of the tree is SIGKILLed. A second signal SIGKILLs at once. Then it prints
-  where a rerun resumes (the newest complete checkpoint).
+- Ctrl-C or SIGTERM: every agent gets the same signal (agents and trainers run in their own
+  sessions, so the terminal's SIGINT reaches none of them by itself): SIGTERM as the kubelet sends
+  it, SIGINT for a Ctrl-C, which the trainers report as Interrupted instead of Preempted. The
+  trainers stop after their step and save when torchrun's shutdown timeout allows; after that
+  timeout (plus a margin) whatever is left of the tree is SIGKILLed. A second signal SIGKILLs at
+  once (the line printed at the first says so). Then it prints where a rerun resumes (the newest
+  complete checkpoint).
 - If this process is killed outright, each agent gets SIGTERM from the kernel (PR_SET_PDEATHSIG)
   and stops its workers; a worker whose agent died exits by itself (elastic.watch_agent).
 """
@@ -55,6 +59,7 @@ from llamaft.launch import Launch, Localized, local_cache, localize, torchrun_la
 from llamaft.manifests import load_finetune
 from llamaft.render import desired
 from llamaft.render.naming import CONFIG_FILE, SPEC_FILE, Owner
+from llamaft.startup_progress import StartupProgress
 
 STOP_MARGIN_S = 15.0
 """Beyond torchrun's shutdown timeout, how long an interrupted run may take to end before it is SIGKILLed."""
@@ -94,25 +99,78 @@ def visible_gpus() -> int:
     return int(torch.cuda.device_count())
 
 
-def plan(path: str | Path, *, nproc_per_worker: int | None, run_dir: str | Path | None) -> tuple[LocalPlan, LlamaFineTuneSpec]:
+def missing_inputs(spec: LlamaFineTuneSpec) -> list[str]:
+    """What this machine lacks of the files and directories the trainer will read, one message per
+    field naming the path and the fix. Checked before torchrun starts (seconds of worker start-up
+    otherwise); which sources are paths is api.sources' decision, the trainer's too (downloads,
+    records). A pvc:// source is read where the pod mounts its claim (PVC_MOUNT_ROOT)."""
+    problems: list[str] = []
+    fields = (("spec.model.source", spec.model.source, "directory"), ("spec.model.tokenizer", spec.model.tokenizer, None),
+              ("spec.dataset.source", spec.dataset.source, "file"))
+    for field, text, kind in fields:
+        if text is None:
+            continue
+        source = parse_source(text)
+        if source.kind not in (SourceKind.LOCAL, SourceKind.PVC):
+            continue  # hub ids and URIs are fetched by the trainer
+        path = Path(source.location).expanduser()
+        resolved = f"(resolved to {path.resolve() if source.kind is SourceKind.LOCAL else path})"
+        if not path.exists():
+            fix = ("pvc:// sources are read where the pod mounts the claim: for llamaft run --local use a local path"
+                   if source.kind is SourceKind.PVC else "check the path (relative paths are from this directory)")
+            if field == "spec.model.source" and source.kind is SourceKind.LOCAL:
+                fix += f"; for the tiny example, build it first: llamaft make-tiny-model {text}"
+            problems.append(f"{field}: {text} does not exist {resolved}; {fix}")
+        elif kind == "file" and path.is_dir():
+            problems.append(f"{field}: {text} is a directory {resolved}; it must name a JSON Lines file")
+        elif kind == "directory" and not path.is_dir():
+            problems.append(f"{field}: {text} is a file {resolved}; it must name a model directory (config.json and "
+                            f"weights)")
+    return problems
+
+
+def device_for(spec: LlamaFineTuneSpec, gpus: int, *, cpu: bool) -> tuple[str, int, str | None]:
+    """(device, processes per worker, a note) for the spec on a machine with `gpus` visible GPUs.
+
+    A spec that asks for GPUs runs on them; with fewer than it asks for but at least one per
+    worker, on those (the note says so); with fewer than one per worker it is refused (a ConfigError
+    naming cluster.gpusPerWorker and --cpu) unless `cpu` (--cpu) runs it on the CPU anyway. A
+    silent CPU fallback trained a GPU spec in bf16 at a hundred tokens per second."""
+    wanted, workers = spec.cluster.gpus_per_worker, spec.cluster.workers
+    if not wanted:
+        return "cpu", 1, None
+    if cpu:
+        return "cpu", 1, (f"--cpu: running on the CPU, one process per worker, although spec.cluster.gpusPerWorker is "
+                          f"{wanted}")
+    if gpus >= wanted * workers:
+        return "cuda", wanted, None
+    if gpus >= workers:
+        return "cuda", gpus // workers, (f"spec.cluster.gpusPerWorker asks for {wanted} GPU(s) per worker, this machine "
+                                         f"has {gpus}: running {gpus // workers} per worker")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    raise ConfigError(
+        f"spec.cluster.gpusPerWorker: the file asks for {wanted} GPU(s) per worker x {workers} worker(s), and this "
+        f"machine has {gpus} visible{f' (CUDA_VISIBLE_DEVICES={visible!r})' if visible is not None else ''}. "
+        f"To run it here on the CPU anyway (slow), pass --cpu: llamaft run --local --cpu FILE; or set "
+        f"cluster.gpusPerWorker: 0"
+    )
+
+
+def plan(path: str | Path, *, nproc_per_worker: int | None, run_dir: str | Path | None,
+         cpu: bool = False) -> tuple[LocalPlan, LlamaFineTuneSpec]:
     """The cluster's launch for this file, rendered exactly as the operator renders it (a fresh uid
-    per run, so the rendezvous id is new and a rerun never meets a closed rendezvous)."""
+    per run, so the rendezvous id is new and a rerun never meets a closed rendezvous). Refuses
+    (ConfigError) a file whose local inputs are missing, or whose GPUs are, unless `cpu`."""
     body, spec = load_finetune(path)
     name = str(body["metadata"]["name"])
-    model = parse_source(spec.model.source)
-    if model.kind is SourceKind.LOCAL and not Path(model.location).expanduser().exists():
-        raise ConfigError(
-            f"spec.model.source: {spec.model.source} does not exist. For the tiny example, build it "
-            f"first: llamaft make-tiny-model {spec.model.source}"
-        )
-    wanted = spec.cluster.gpus_per_worker
-    gpus = visible_gpus() if wanted else 0  # a CPU spec never imports torch here (seconds, ~240 MB held)
-    if wanted and gpus >= wanted * spec.cluster.workers:
-        device, nproc = "cuda", wanted
-    elif wanted and gpus >= spec.cluster.workers:
-        device, nproc = "cuda", gpus // spec.cluster.workers
-    else:
-        device, nproc = "cpu", 1
+    problems = missing_inputs(spec)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    # A CPU spec (or --cpu) never imports torch here (seconds, ~240 MB held).
+    gpus = visible_gpus() if spec.cluster.gpus_per_worker and not cpu else 0
+    device, nproc, note = device_for(spec, gpus, cpu=cpu)
+    if note is not None:
+        print(f"llamaft: note: {note}", flush=True)
     if nproc_per_worker is not None:
         nproc = nproc_per_worker
     spec = with_local_tracking(spec)
@@ -209,13 +267,17 @@ def format_event(event: dict[str, Any]) -> str | None:
     if kind == "error":
         return f"error: {event['message']}"
     if kind == "preempted":
-        return f"SIGTERM: stopping after step {event['step']} ({'saving' if event['save'] else 'no time to save'}: {event['detail']})"
+        return (f"{event.get('signal', 'SIGTERM')}: stopping after step {event['step']} "
+                f"({'saving' if event['save'] else 'no time to save'}: {event['detail']})")
+    if kind == "done" and event.get("phase") == "Failed" and event.get("reason") == termination.INTERRUPTED:
+        return f"interrupted at step {event.get('step')}: {event.get('message')}"
     if kind == "done" and event.get("phase") == "Failed" and event.get("reason") != "ConfigError":
         return f"failed ({event['reason']}) at step {event.get('step')}: {event.get('message')}"
     return None
 
 
-def _pump(stream: IO[str], log: IO[str], show: bool, seen: list[dict[str, Any]]) -> None:
+def _pump(stream: IO[str], log: IO[str], show: bool, seen: list[dict[str, Any]],
+          progress: StartupProgress | None = None) -> None:
     for line in stream:
         log.write(line)
         log.flush()
@@ -227,7 +289,11 @@ def _pump(stream: IO[str], log: IO[str], show: bool, seen: list[dict[str, Any]])
             continue
         seen.append(event)
         text = format_event(event) if show else None
-        if text:
+        if progress is not None:
+            progress.event(event)
+            if text:
+                progress.write(text)
+        elif text:
             print(text, flush=True)
 
 
@@ -284,14 +350,20 @@ def _kill(processes: list[Any]) -> int:
     return killed
 
 
+def stop_signal(interrupt: Interrupt) -> signal.Signals:
+    """What the agents get: SIGINT for a user's Ctrl-C (the trainers report it as Interrupted),
+    SIGTERM otherwise (this process's own SIGTERM, or an error here: as the kubelet stops a pod)."""
+    return signal.SIGINT if interrupt.first == signal.SIGINT else signal.SIGTERM
+
+
 def stop_tree(procs: list[subprocess.Popen[str]], interrupt: Interrupt, grace_s: float) -> None:
-    """SIGTERM every agent (torchrun passes it to its workers, which stop after their step and save
-    when there is time), wait up to `grace_s`, then SIGKILL what is left of the tree: agents and
-    trainers. A further signal skips the wait."""
+    """`stop_signal` to every agent (torchrun passes the signal it got to its workers, which stop
+    after their step and save when there is time), wait up to `grace_s`, then SIGKILL what is left
+    of the tree: agents and trainers. A further signal skips the wait."""
     seen = {p.pid: p for p in _tree(procs)}
     for proc in procs:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(proc.pid, stop_signal(interrupt))
     deadline = time.monotonic() + grace_s
     signals = len(interrupt.signals)
     while time.monotonic() < deadline and len(interrupt.signals) <= signals:
@@ -307,6 +379,16 @@ def stop_tree(procs: list[subprocess.Popen[str]], interrupt: Interrupt, grace_s:
         proc.wait()
     # Trainers are not in the agents' process groups; with the agents gone they are orphans.
     _kill(list(seen.values()))
+
+
+def stopping_line(signum: int, grace_s: float) -> str:
+    """What happens now, and what a second signal does (the user is about to press Ctrl-C again)."""
+    if signum == signal.SIGINT:
+        return (f"Ctrl-C: interrupting: the trainers stop after their current step and save a checkpoint if there is "
+                f"time (everything is killed after {grace_s:.0f} s); press Ctrl-C again to kill them at once (the "
+                f"step in progress and an unfinished save are lost)")
+    return (f"{signal.Signals(signum).name}: stopping the agents and trainers (SIGTERM, then SIGKILL after "
+            f"{grace_s:.0f} s; a second signal kills them at once)")
 
 
 def _checkpoint_note(p: LocalPlan) -> str:
@@ -326,7 +408,11 @@ def _checkpoint_note(p: LocalPlan) -> str:
 
 def outcome(p: LocalPlan, agent_codes: list[int]) -> tuple[int, str | None]:
     """(exit code, first error line): the trainer's, from the workers' termination messages (the
-    most telling one, in the operator's order); torchrun's code when no trainer wrote one."""
+    most telling one, in the operator's order); torchrun's code when no trainer wrote one. Every
+    agent exiting 0 is a success: torchrun exits 0 only when its last worker group finished, and a
+    message a failed attempt left (a non-leader rank writes none when a restart succeeds) is history."""
+    if agent_codes and all(code == 0 for code in agent_codes):
+        return 0, None
     docs = [termination.read(str(p.run_dir / f"termination-{i}.json")) for i in range(p.workers)]
     failures = [d for d in docs if d and d.get("phase") == "Failed"]
     if failures:
@@ -356,12 +442,15 @@ def _spawn(command: list[str], env: dict[str, str], preexec: Callable[[], None] 
     )
 
 
-def run_local(path: str | Path, *, nproc_per_worker: int | None = None, run_dir: str | Path | None = None) -> int:
+def run_local(path: str | Path, *, nproc_per_worker: int | None = None, run_dir: str | Path | None = None,
+              cpu: bool = False) -> int:
+    """`cpu`: run on the CPU even when the spec asks for GPUs (--cpu)."""
     with Interrupt() as interrupt:
         try:
-            p, spec = plan(path, nproc_per_worker=nproc_per_worker, run_dir=run_dir)
+            p, spec = plan(path, nproc_per_worker=nproc_per_worker, run_dir=run_dir, cpu=cpu)
         except ConfigError as exc:
-            print(f"llamaft: configuration error: {exc}", file=sys.stderr, flush=True)
+            for line in str(exc).splitlines():
+                print(f"llamaft: configuration error: {line}", file=sys.stderr, flush=True)
             return EXIT_CONFIG_ERROR
         return _run(p, spec, interrupt)
 
@@ -384,6 +473,8 @@ def _run(p: LocalPlan, spec: LlamaFineTuneSpec, interrupt: Interrupt) -> int:
     for index in range(p.workers):  # an earlier run's messages are not this run's
         (p.run_dir / f"termination-{index}.json").unlink(missing_ok=True)
     events: list[dict[str, Any]] = []
+    # The phase and the seconds since launch until the first step (rank 0's log lines).
+    progress = StartupProgress(sys.stdout, live=sys.stdout.isatty())
     procs: list[subprocess.Popen[str]] = []
     threads: list[threading.Thread] = []
     codes: list[int] = []
@@ -400,15 +491,15 @@ def _run(p: LocalPlan, spec: LlamaFineTuneSpec, interrupt: Interrupt) -> int:
                 log = (p.run_dir / f"worker-{index}.log").open("w")
                 assert proc.stdout is not None
                 # Only global rank 0 prints JSON events, and the rendezvous decides which agent hosts it.
-                thread = threading.Thread(target=_pump, args=(proc.stdout, log, True, events), daemon=True)
+                thread = threading.Thread(target=_pump, args=(proc.stdout, log, True, events, progress), daemon=True)
                 thread.start()
                 threads.append(thread)
             while interrupt.first is None and any(proc.poll() is None for proc in procs):
+                progress.tick()
                 time.sleep(0.1)
+            progress.close()
             if interrupt.first is not None:
-                name = signal.Signals(interrupt.first).name
-                print(f"llamaft: {name}: stopping the agents and trainers (SIGTERM, then SIGKILL after {grace_s:.0f} s)",
-                      file=sys.stderr, flush=True)
+                print(f"llamaft: {stopping_line(interrupt.first, grace_s)}", file=sys.stderr, flush=True)
             else:
                 codes = [proc.wait() for proc in procs]
         finally:

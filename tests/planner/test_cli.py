@@ -96,9 +96,11 @@ def test_validate_prints_the_capacity_verdict(tmp_path: Path, capsys: pytest.Cap
     assert out[1].startswith("  capacity: Fits: fits: needs about") and out[1].endswith("(details: llamaft plan)")
     assert out[3].startswith("  capacity: UnknownGpu: cannot tell whether it fits")
     big = {"cluster.instanceType": "g5.48xlarge", "cluster.workers": 1, "fsdp.activationCheckpointing": {"mode": "none"}}
-    # the schema accepts it (exit 0, as the API server would); the verdict says the operator refuses it
-    assert main(["validate", str(_write(tmp_path, "enforce.yaml", **big))]) == 0
+    # the schema accepts it, the operator refuses it: exit 1 (--schema-only: 0, as the API server would)
+    assert main(["validate", str(_write(tmp_path, "enforce.yaml", **big))]) == 1
     assert "capacity: WillNotFit [the operator will refuse it]: will not fit" in capsys.readouterr().out
+    assert main(["validate", "--schema-only", str(_write(tmp_path, "enforce.yaml", **big))]) == 0
+    capsys.readouterr()
     assert main(["validate", str(_write(tmp_path, "warn.yaml", preflight="Warn", **big))]) == 0
     assert "WillNotFit [spec.preflight Warn: the operator only warns]" in capsys.readouterr().out
     assert main(["validate", str(_write(tmp_path, "off.yaml", preflight="Off", **big))]) == 0

@@ -10,6 +10,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -166,3 +167,46 @@ def test_an_interrupt_at_a_random_point_leaves_no_process(tiny_model: Path, tmp_
         assert "no complete checkpoint" in note and "starts from step 0" in note, context
     else:
         assert f"resumes from step {latest} ({tmp_path / 'ck'}/step-{latest:08d})" in note, context
+
+
+def test_ctrl_c_is_reported_as_interrupted_and_says_what_a_second_one_does(tiny_model: Path, tmp_path: Path) -> None:
+    """A user's Ctrl-C reaches the trainers as SIGINT (not the kubelet's SIGTERM): they stop after
+    their step and save, and the run is reported Interrupted (exit 130), not Preempted; the line
+    printed at the Ctrl-C says what a second one does. Before the first step the phase of the
+    start-up is shown with its seconds."""
+    path = finetune(tiny_model, tmp_path, "ctrl-c", training={"maxSteps": 100_000, "perDeviceBatchSize": 2,
+                    "learningRate": 2e-3, "evalInterval": 0, "logInterval": 1}, rendezvous={"backend": "c10d"},
+                    checkpointing={"directory": str(tmp_path / "ck"), "exportHuggingFace": False},
+                    cluster={"workers": 1, "gpusPerWorker": 0})
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).with_name("llamaft")), "run", "--local", str(path), "--run-dir", str(run_dir)],
+        env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
+    )
+    lines: list[str] = []
+    assert proc.stdout is not None
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    try:
+        deadline = time.monotonic() + 180
+        while not any(line.startswith("step ") for line in lines) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert any(line.startswith("step ") for line in lines), "".join(lines)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=90)
+        reader.join(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(lines)
+    assert proc.returncode == 130, err
+    assert "press Ctrl-C again to kill them at once" in err, err
+    assert "SIGINT: stopping after step" in out and "interrupted at step" in out, out
+    assert "Preempted" not in out + err, out + err
+    report = json.loads((run_dir / "termination-0.json").read_text())
+    assert (report["reason"], report["exitCode"], report["retryable"]) == ("Interrupted", 130, True)
+    assert report["message"].startswith("SIGINT: stopped after step")
+    shown = [line for line in out.splitlines() if line.startswith("llamaft: ") and line.endswith(" s")]
+    assert [line.rsplit(" ", 2)[0] for line in shown] == [
+        "llamaft: starting workers", "llamaft: loading the tokenizer and preparing the data", "llamaft: loading the model",
+        "llamaft: training: the first steps"], out

@@ -15,3 +15,5 @@ EXIT_FAILURE = 1
 """Any other failure (torchrun exits 1 for any failed worker anyway: the termination message says why)."""
 EXIT_PREEMPTED = 143
 """128 + SIGTERM: stopped on SIGTERM (after a checkpoint when the grace period allowed one); retryable."""
+EXIT_INTERRUPTED = 130
+"""128 + SIGINT: a person stopped the run (Ctrl-C of `llamaft run --local`); saved like a SIGTERM stop."""

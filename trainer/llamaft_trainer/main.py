@@ -8,8 +8,8 @@ pydantic model the operator validated), or a whole LlamaFineTune.
 
 How it ends (docs/progress-contract.md): exit 0 and a Succeeded message; 2 for a configuration
 error (permanent: under torchrun it also closes the rendezvous, so no restart follows: elastic.py);
-143 (128 + SIGTERM) when SIGTERM stopped it, after a checkpoint if the grace period allowed one; 1
-for any other failure. Every failing rank writes its termination message with the reason
+143 (128 + SIGTERM) when SIGTERM stopped it, after a checkpoint if the grace period allowed one
+(130 and Interrupted for SIGINT: a person's Ctrl-C of llamaft run --local); 1 for any other failure. Every failing rank writes its termination message with the reason
 (ConfigError, Preempted, CollectiveTimeout, PeerLost or the exception's type). The process always
 leaves through shutdown.exit_process, never through interpreter finalization.
 """
@@ -38,7 +38,7 @@ from llamaft_trainer import data as data_step
 from llamaft_trainer import elastic, float8, kubeflow_progress, loading, termination, tracking
 from llamaft_trainer import model as model_step
 from llamaft_trainer.checkpoint import Checkpointer, RunState, TrainState
-from llamaft_trainer.errors import EXIT_CONFIG_ERROR, EXIT_FAILURE, EXIT_PREEMPTED, ConfigError
+from llamaft_trainer.errors import EXIT_CONFIG_ERROR, EXIT_FAILURE, ConfigError
 from llamaft_trainer.evaluation import build_evaluator
 from llamaft_trainer.export import export_hugging_face
 from llamaft_trainer.metrics import Progress, flops_per_token, log_json, peak_flops
@@ -110,10 +110,18 @@ def build_model(cfg: TrainingJobConfig, rt: Runtime, model_config: Any,
     return replicate(model, plan, rt.device), n_params
 
 
+def _phase(rt: Runtime, phase: str) -> None:
+    """Global rank 0's `phase` log line: what start-up is doing now (llamaft run --local shows it
+    with the seconds since launch, so the minute before the first step is not silent)."""
+    if rt.is_leader:
+        log_json("phase", phase=phase)
+
+
 def setup(cfg: TrainingJobConfig, rt: Runtime) -> Session:
     torch.manual_seed(cfg.training.seed)
     tracking.check(cfg)  # on every rank, before any collective: rank 0 alone must not fail later
     float8.check_device(cfg.fsdp, rt.device)  # likewise: each rank its own GPU
+    _phase(rt, "loading the tokenizer and preparing the data")
     tokenizer = model_step.load_tokenizer(cfg.model, rt)
     model_config = model_step.load_config(cfg.model, rt)
     data_step.check_sequence_length(cfg.dataset, getattr(model_config, "max_position_embeddings", None))
@@ -121,6 +129,7 @@ def setup(cfg: TrainingJobConfig, rt: Runtime) -> Session:
         cfg.dataset, tokenizer, cfg.training.per_device_batch_size, cfg.training.seed, rt, cfg.checkpointing.directory,
     )
     plan = sharding_plan(cfg.fsdp, rt)
+    _phase(rt, "loading the model")
     model, n_params = build_model(cfg, rt, model_config, plan)
     optimizer = build_optimizer(model, cfg)
     per_epoch = data.batches_per_epoch
@@ -152,6 +161,7 @@ def run(
     if progress is not None:
         progress.total_steps.set(s.steps)
         progress.update(phase="Training", totalSteps=s.steps)
+    _phase(rt, "training: the first steps")
     state, scaler = TrainState(), build_scaler(cfg, rt)
     checkpointer = Checkpointer(
         cfg.checkpointing.directory, cfg.checkpointing.keep_last, rt.rank,
@@ -245,14 +255,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         _, result = run(cfg, rt, progress=progress, stop=stop, record=record)
         healthy = True  # every rank got here together (a stop is agreed on collectively)
         if result.stopped is not None:
-            message = result.stopped.message(record.checkpoint_step)
-            lost = elastic.rendezvous_lost()
-            reason: str = termination.PREEMPTED if lost is None else termination.RENDEZVOUS_LOST
+            message = result.stopped.message(record.checkpoint_step, stop.name)
+            # A person's Ctrl-C (SIGINT, from llamaft run --local) is no preemption; a SIGTERM is
+            # one unless the agent sent it because it lost the rendezvous.
+            lost = None if stop.interrupted else elastic.rendezvous_lost()
+            reason: str = (termination.INTERRUPTED if stop.interrupted
+                           else termination.PREEMPTED if lost is None else termination.RENDEZVOUS_LOST)
             _report(termination.failed(reason, message if lost is None else f"{lost}: {message}", record,
                                        retryable=True), rt)
             if progress is not None:
                 progress.update(phase="Preempted")
-            return EXIT_PREEMPTED
+            return termination.exit_code(reason)
         if progress is not None:
             progress.update(phase="Succeeded")
         if rt.is_leader:

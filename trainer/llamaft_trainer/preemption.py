@@ -57,8 +57,9 @@ class StopReport:
     detail: str
     """Why it saved or not, in numbers."""
 
-    def message(self, checkpoint_step: int | None) -> str:
-        who = "SIGTERM" if self.signalled else "a peer got SIGTERM"
+    def message(self, checkpoint_step: int | None, signal_name: str = "SIGTERM") -> str:
+        """`signal_name`: the signal this rank got (a rank that got none cannot know its peer's)."""
+        who = signal_name if self.signalled else "a peer got SIGTERM"
         action = "saved a checkpoint of it" if self.saved else f"no new checkpoint (newest complete: step {checkpoint_step})"
         return f"{who}: stopped after step {self.step}, {action}; {self.detail}"
 
@@ -79,22 +80,43 @@ def grace_budget_seconds() -> float:
 
 
 class StopSignal:
-    """Records when SIGTERM arrived; never interrupts anything by itself."""
+    """Records when SIGTERM (or SIGINT) arrived and which came first; never interrupts anything by
+    itself.
+
+    SIGINT is handled the same way (stop after an agreed step, save when there is time) instead of
+    Python's KeyboardInterrupt mid-step: `llamaft run --local` passes a user's Ctrl-C on as SIGINT
+    (torchrun's agent forwards the signal it got to its workers: torch 2.13,
+    `agent/server/api.py` `run` -> `_shutdown(e.sigval)`), so the trainer can report the stop as
+    Interrupted rather than Preempted. The kubelet only sends SIGTERM."""
 
     def __init__(self, budget_s: float | None = None) -> None:
         self.budget_s = grace_budget_seconds() if budget_s is None else budget_s
         self.received_at: float | None = None
+        self.signum: int | None = None
+        """The first stop signal this process got."""
 
     def install(self) -> None:
-        signal.signal(signal.SIGTERM, self._handle)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received_at is None:
             self.received_at = time.monotonic()
+            self.signum = signum
 
     @property
     def requested(self) -> bool:
         return self.received_at is not None
+
+    @property
+    def interrupted(self) -> bool:
+        """A person asked for the stop (SIGINT), not the cluster (SIGTERM)."""
+        return self.signum == signal.SIGINT
+
+    @property
+    def name(self) -> str:
+        """The signal's name for messages (SIGTERM when none came: a peer's stop)."""
+        return signal.Signals(self.signum).name if self.signum is not None else "SIGTERM"
 
     def seconds_left(self) -> float:
         """Time until SIGKILL for a signalled rank; NOT_SIGNALLED_S otherwise."""

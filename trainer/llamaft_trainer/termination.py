@@ -24,13 +24,22 @@ from llamaft.api import contracts
 from llamaft.api.contracts import FailedReport, FailureReason, SucceededReport
 from llamaft.api.status import PerformanceStatus
 
-from llamaft_trainer.errors import EXIT_CONFIG_ERROR, EXIT_FAILURE, EXIT_PREEMPTED, ConfigError
+from llamaft_trainer.errors import (
+    EXIT_CONFIG_ERROR,
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_PREEMPTED,
+    ConfigError,
+)
 
 LIMIT_BYTES = 4096
 """Kubernetes truncates a container's termination message to 4096 bytes."""
 
 CONFIG_ERROR = FailureReason.CONFIG_ERROR
 PREEMPTED = FailureReason.PREEMPTED
+INTERRUPTED = FailureReason.INTERRUPTED
+"""SIGINT: a person stopped the run (Ctrl-C of `llamaft run --local`, which passes it on as SIGINT);
+the kubelet only ever sends SIGTERM, so on a cluster a stop is Preempted."""
 COLLECTIVE_TIMEOUT = FailureReason.COLLECTIVE_TIMEOUT
 PEER_LOST = FailureReason.PEER_LOST
 RENDEZVOUS_LOST = FailureReason.RENDEZVOUS_LOST
@@ -139,6 +148,8 @@ def exit_code(reason: str) -> int:
         return EXIT_CONFIG_ERROR
     if reason in (PREEMPTED, RENDEZVOUS_LOST):  # both stopped on a SIGTERM
         return EXIT_PREEMPTED
+    if reason == INTERRUPTED:
+        return EXIT_INTERRUPTED
     return EXIT_FAILURE
 
 

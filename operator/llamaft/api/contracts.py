@@ -44,6 +44,9 @@ class FailureReason(ApiEnum):
     NODE_LOST = "NodeLost"
     EVICTED = "Evicted"
     RENDEZVOUS_LOST = "RendezvousLost"
+    INTERRUPTED = "Interrupted"
+    """The user stopped the run (Ctrl-C of `llamaft run --local`: SIGINT, which the kubelet never
+    sends): placed before Preempted, as a deliberate stop says more than a SIGTERM would."""
     PREEMPTED = "Preempted"
     OOM_KILLED = "OOMKilled"
     GPU_XID = "GPUXid"
@@ -62,7 +65,7 @@ PRIORITY: tuple[FailureReason, ...] = tuple(FailureReason)
 """Every cause, most specific first (failures.PRIORITY)."""
 
 TRAINER_REASONS: frozenset[FailureReason] = frozenset({
-    FailureReason.CONFIG_ERROR, FailureReason.RENDEZVOUS_LOST, FailureReason.PREEMPTED,
+    FailureReason.CONFIG_ERROR, FailureReason.RENDEZVOUS_LOST, FailureReason.INTERRUPTED, FailureReason.PREEMPTED,
     FailureReason.COLLECTIVE_TIMEOUT, FailureReason.PEER_LOST,
 })
 """The reasons the trainer reports by name; for any other exception it reports the exception's

@@ -32,13 +32,14 @@ def run_size(run: SizedRun, directory: Path) -> Point:
     """One size, run to the end here; its figures from the leader's termination message."""
     from llamaft_trainer import termination
 
-    from llamaft.local import run_local
+    from llamaft.local import run_local, visible_gpus
 
     directory.mkdir(parents=True, exist_ok=True)
     manifest = directory / f"{run.name}.yaml"
     manifest.write_text(yaml.safe_dump(run.body, sort_keys=False), encoding="utf-8")
     run_dir = directory / run.name
-    code = run_local(manifest, run_dir=run_dir)
+    wanted = run.spec.cluster.gpus_per_worker  # without them, capacity() sized the sweep for the CPU
+    code = run_local(manifest, run_dir=run_dir, cpu=bool(wanted) and visible_gpus() < wanted)
     reports = [termination.read(str(run_dir / f"termination-{i}.json")) for i in range(run.workers)]
     done = next((r for r in reports if r and r.get("phase") == "Succeeded"), None)
     if code != 0 or done is None:
