@@ -238,10 +238,14 @@ def test_older_replicas_rank_higher() -> None:
     assert abs(age_priority()) < 2**53 and age_priority() < 0 < 100, "below kopf freeze's default 100"
 
 
-def test_the_cli_passes_kopf_its_peering(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_cli_passes_kopf_its_peering(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import kopf
     from llamaft import cli
 
+    kubeconfig = tmp_path / "kubeconfig"  # the operator exits 1 naming KUBECONFIG without credentials
+    kubeconfig.write_text("apiVersion: v1\nkind: Config\n")
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     runs: list[dict[str, Any]] = []
     monkeypatch.setattr(kopf, "run", lambda **kwargs: runs.append(kwargs))
     monkeypatch.setattr(kopf, "configure", lambda **kwargs: None)

@@ -161,7 +161,8 @@ def test_the_jobset_spec_is_the_runtime_patched_with_the_trainer_and_the_torch_e
     [container] = pod["spec"]["containers"]
     assert container["name"] == "node" and container["image"] == job["spec"]["trainer"]["image"]
     assert container["command"] == job["spec"]["trainer"]["command"] and container["ports"] == [{"containerPort": 29500}]
-    assert [m["name"] for m in container["volumeMounts"]] == ["dshm", "config", "llamaft-cache"], "the runtimePatch's mounts"
+    assert [m["name"] for m in container["volumeMounts"]] == ["dshm", "config", "llamaft-cache", "checkpoints"], \
+        "the runtimePatch's mounts, the checkpoint claim's included"
     names = [e["name"] for e in container["env"]]
     trainer_env = [e["name"] for e in job["spec"]["trainer"]["env"]]
     assert names == [*trainer_env, "PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT"]

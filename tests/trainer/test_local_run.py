@@ -183,22 +183,28 @@ def test_ctrl_c_is_reported_as_interrupted_and_says_what_a_second_one_does(tiny_
         [str(Path(sys.executable).with_name("llamaft")), "run", "--local", str(path), "--run-dir", str(run_dir)],
         env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
     )
+    # One reader per pipe, and nothing else reads them (communicate() would take lines from under
+    # the stdout reader and the checks below would miss them).
     lines: list[str] = []
-    assert proc.stdout is not None
-    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
-    reader.start()
+    errors: list[str] = []
+    assert proc.stdout is not None and proc.stderr is not None
+    readers = [threading.Thread(target=lambda pipe=pipe, into=into: into.extend(iter(pipe.readline, "")), daemon=True)
+               for pipe, into in ((proc.stdout, lines), (proc.stderr, errors))]
+    for reader in readers:
+        reader.start()
     try:
         deadline = time.monotonic() + 180
         while not any(line.startswith("step ") for line in lines) and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.2)
         assert any(line.startswith("step ") for line in lines), "".join(lines)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=90)
-        reader.join(10)
+        proc.wait(timeout=90)
+        for reader in readers:
+            reader.join(10)
     finally:
         if proc.poll() is None:
             proc.kill()
-    out = "".join(lines)
+    out, err = "".join(lines), "".join(errors)
     assert proc.returncode == 130, err
     assert "press Ctrl-C again to kill them at once" in err, err
     assert "SIGINT: stopping after step" in out and "interrupted at step" in out, out

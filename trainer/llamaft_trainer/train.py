@@ -418,12 +418,12 @@ class Trainer:
         if not _on_every_rank(finished, rt.device):
             why = f"the background save of step {in_flight} {problem or 'did not finish on another rank'}; no new save"
             if rt.is_leader:
-                log_json("preempted", step=state.step, save=False, detail=why)
+                log_json("preempted", step=state.step, save=False, detail=why, signal=stop.name)
             return StopReport(state.step, stop.requested, False, why)
         estimate = estimate_save_seconds(checkpointer.save_seconds, local_checkpoint_bytes(self.model, self.optimizer))
         save, why = agree_to_save(stop, estimate, rt.device)
         if rt.is_leader:
-            log_json("preempted", step=state.step, save=save, detail=why)
+            log_json("preempted", step=state.step, save=save, detail=why, signal=stop.name)
         if save:
             self._save(blocking=True)
         return StopReport(state.step, stop.requested, save, why)
