@@ -222,7 +222,7 @@ RENDERED: list[tuple[str, dict[str, Any], list[str]]] = [
         "spec.cluster.podTemplateOverrides", {"spec": {"containers": [{"name": "pytorch", "env": [
             {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}, "configMap": {}}}]}]}})),
      [f"spec.cluster.podTemplateOverrides.spec.containers[0].env[0].valueFrom.configMap: unknown field ({TEMPLATE}.spec."
-      f"containers[0].env[16].valueFrom.configMap): {OVERRIDE_FIX}"]),
+      f"containers[0].env[17].valueFrom.configMap): {OVERRIDE_FIX}"]),
     ("podTemplateOverrides with a toleration the API server refuses", with_(("spec.cluster.podTemplateOverrides", {
         "spec": {"tolerations": [{"key": "gpu", "operator": "Exists", "value": "x"}]}})),
      [f"spec.cluster.podTemplateOverrides.spec.tolerations[0].value: must be empty when operator is Exists ({TEMPLATE}."

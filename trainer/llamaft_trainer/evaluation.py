@@ -8,11 +8,15 @@ every token before the first one that carries loss, its reference the first run 
 (the response, or the first assistant turn of a conversation) without the end-of-sequence token.
 Under FSDP each forward is a collective, so every rank generates the same prompts in the same
 order (transformers' `generate(synced_gpus=True)` keeps the ranks stepping together until all
-are done); rank 0 scores and reports.
+are done); rank 0 scores and reports. `generate` runs transformers' generate on the causal LM (or
+peft model) inside whatever wrapper the trainer applied, with the wrapper's root parameters
+gathered for the whole generation (`root_gathered`, which says why).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +26,6 @@ from torch import nn
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from llamaft_trainer import store as store_mod
-from llamaft_trainer.parallelize import unwrapped
 from llamaft_trainer.runtime import Runtime
 
 
@@ -60,18 +63,69 @@ def _text(tokenizer: PreTrainedTokenizerBase, ids: list[int], skip_special: bool
     return str(tokenizer.decode(ids, skip_special_tokens=skip_special)).strip()
 
 
+def generating_module(model: nn.Module) -> nn.Module:
+    """The module whose `generate` the eval calls: the causal LM or peft model inside DDP or FSDP1
+    (both keep it as `.module`); FSDP2 (`fully_shard`) and an unwrapped model are that module
+    themselves."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, (DistributedDataParallel, FullyShardedDataParallel)):
+        return model.module
+    return model
+
+
+@contextlib.contextmanager
+def root_gathered(model: nn.Module) -> Iterator[None]:
+    """The FSDP root's own parameters (those outside every decoder-layer unit: the embedding, the
+    final norm, the LM head) gathered on every rank while the body runs; the decoder layers'
+    units gather themselves, as in training, when their forwards run.
+
+    Why: FSDP gathers a unit's parameters in hooks on that unit's *forward*, and generation never
+    calls the root. transformers' `generate` calls the causal LM (`self(...)`); with LoRA or DoRA
+    the FSDP root is the peft model around it, whose `generate` calls its base model's `generate`,
+    so the root's forward (FSDP2: its pre-forward hook; FSDP1: its `forward`) never runs and the
+    embedding is still a shard (FSDP2: a DTensor, hence "aten.embedding.default got mixed
+    torch.Tensor and DTensor"; FSDP1: a flat-parameter shard). Without peft FSDP2 happened to work
+    (the causal LM is the root), FSDP1 never did (its root wraps the causal LM). Gathering the
+    root explicitly covers every wrapper with public calls: FSDP2 `FSDPModule.unshard()` and
+    `reshard()` (not recursive: only the root's group, the memory of one forward of the root),
+    FSDP1 `FullyShardedDataParallel.summon_full_params(recurse=False)` (likewise the root's own
+    flat parameter; no writeback: nothing is changed). Calling the root's forward instead would
+    mean a decoding loop of our own next to transformers', with its cache and stopping rules.
+    FSDP2's root state is set up by the first forward through the root, which the eval loss (run
+    before every generation eval) and every training step are; the root's parameters are resharded
+    at the end, so training continues exactly as before. DDP and an unwrapped model hold their
+    parameters whole: nothing to do."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    if isinstance(model, FullyShardedDataParallel):
+        with FullyShardedDataParallel.summon_full_params(model, recurse=False, writeback=False):
+            yield
+    elif isinstance(model, FSDPModule):
+        model.unshard()
+        try:
+            yield
+        finally:
+            model.reshard()
+    else:
+        yield
+
+
 def generate(model: nn.Module, samples: list[Sample], tokenizer: PreTrainedTokenizerBase, rt: Runtime,
              max_new_tokens: int) -> list[str]:
-    """Greedy completions of the samples' prompts (collective: every rank calls this)."""
+    """Greedy completions of the samples' prompts (collective: every rank calls this). `model` is
+    the trained model as the trainer wrapped it (FSDP1, FSDP2, DDP or none; LoRA/DoRA inside)."""
     outputs: list[str] = []
     was_training = model.training
     model.eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    generator = generating_module(model)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), root_gathered(model):
             for sample in samples:
                 ids = torch.tensor([sample.prompt_ids], device=rt.device)
-                out = unwrapped(model).generate(  # type: ignore[operator]
+                out = generator.generate(  # type: ignore[operator]
                     input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                     do_sample=False, synced_gpus=rt.world_size > 1, pad_token_id=pad,
                     eos_token_id=tokenizer.eos_token_id,

@@ -372,10 +372,3 @@ def replicate(model: nn.Module, plan: ShardingPlan, device: torch.device) -> nn.
         model, device_ids=[device.index] if device.type == "cuda" else None,
         broadcast_buffers=False, gradient_as_bucket_view=True,
     )
-
-
-def unwrapped(model: nn.Module) -> nn.Module:
-    """The model inside DDP (generation calls the causal LM's own methods); others as they are."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    return model.module if isinstance(model, DistributedDataParallel) else model

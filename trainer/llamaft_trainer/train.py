@@ -38,7 +38,7 @@ from llamaft.api.spec import FsdpImplementation, MixedPrecision, SchedulerType, 
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from llamaft_trainer import float8, profiling
+from llamaft_trainer import faults, float8, profiling
 from llamaft_trainer.checkpoint import Checkpointer, TrainState
 from llamaft_trainer.data import IGNORE_INDEX, Data
 from llamaft_trainer.errors import ConfigError
@@ -292,6 +292,7 @@ class Trainer:
             self._account(step_loss, grad_norm, tokens, elapsed, first_step)
             if state.step % tc.log_interval == 0 or state.step == steps:
                 self._log_step(step_loss, grad_norm, lr, tokens, elapsed, (time.perf_counter() - started) / max(state.step - first_step, 1))
+            faults.after_step(state.step, rt.rank)  # test-only (LLAMAFT_TEST_FAULT); a no-op otherwise
             if tc.eval_interval and state.step % tc.eval_interval == 0 and state.step < steps:
                 self._eval()
             if self.checkpointer is not None:

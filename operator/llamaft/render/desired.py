@@ -183,6 +183,14 @@ def _env(owner: Owner, spec: LlamaFineTuneSpec) -> list[Obj]:
         # let them use the whole grace period the kubelet gives the pod.
         {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(spec.cluster.termination_grace_period_seconds)},
         {"name": "TORCH_NCCL_ASYNC_ERROR_HANDLING", "value": "1"},
+        # A fresh store for each attempt's workers. By default torchrun's c10d rendezvous hands the
+        # workers its own TCPStore, the same server for every restart with no per-attempt prefix
+        # (torch 2.13 dynamic_rendezvous.py `next_rendezvous`, rendezvous.py `_create_c10d_store`:
+        # "We create a new TCPStore for every retry", which the shared store does not): a restart's
+        # init_process_group reads the dead workers' gloo/NCCL addresses and fails with "Connection
+        # refused", or waits out the collective timeout (pytorch/pytorch#135712). With this, rank 0
+        # of each attempt hosts its own store on a port the rendezvous picks per round.
+        {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"},
         {"name": "OMP_NUM_THREADS", "value": str(threads_per_process(spec))},
         {"name": "TOKENIZERS_PARALLELISM", "value": "false"},
     ]
