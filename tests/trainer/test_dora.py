@@ -218,8 +218,8 @@ def test_dora_exports_an_adapter_and_a_merged_model(tiny_model: Path, tmp_path: 
     tok = AutoTokenizer.from_pretrained(export)
     cfg = TrainingJobConfig.model_validate(config)
     store = d.build_store(cfg.dataset, tok, cfg.training.seed, tmp_path / "dora" / "data")  # the run's own store
-    val = d.PackedBlocks(store.validation, cfg.dataset.max_seq_length)
-    used = len(val) - len(val) % 2  # the 2-rank eval sampler drops an odd last sequence
+    val = d.packed_dataset(store.validation, cfg.dataset, validation=True)
+    used = len(val)  # the eval evaluates every sequence once (data.ValidationShare)
     loss_sum, tokens = 0.0, 0
     with torch.no_grad():
         for i in range(used):

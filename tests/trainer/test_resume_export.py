@@ -111,8 +111,8 @@ def test_export_round_trips_through_from_pretrained_and_generates(runs: dict[str
 
     cfg = TrainingJobConfig.model_validate(_config(tiny_model, runs["full_dir"]))
     store = d.build_store(cfg.dataset, tok, cfg.training.seed, runs["full_dir"] / "data")  # the run's own store: reused
-    val = d.PackedBlocks(store.validation, cfg.dataset.max_seq_length) if cfg.dataset.packing else d.PaddedExamples(store.validation)
-    used = len(val) - len(val) % 2  # the 2-rank eval sampler drops an odd last sequence
+    val = d.packed_dataset(store.validation, cfg.dataset, validation=True) if cfg.dataset.packing else d.PaddedExamples(store.validation)
+    used = len(val)  # the eval evaluates every sequence once (data.ValidationShare)
     loss_sum, tokens = 0.0, 0
     with torch.no_grad():
         for i in range(used):

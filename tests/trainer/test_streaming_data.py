@@ -95,7 +95,7 @@ def test_a_resumed_epoch_continues_at_its_exact_position(tok: Any, tmp_path: Pat
 
 
 def test_packed_blocks_are_full_and_cover_the_token_stream_in_order(tok: Any) -> None:
-    s = spec(packing=True)
+    s = spec(packing=True, packingStrategy="concatenate")
     one = stream(s, tok, 0, world=1)
     blocks = [row for b in one.batches(0, 0) for row in b["input_ids"].tolist()]
     assert all(len(b) == 64 for b in blocks)

@@ -89,7 +89,7 @@ ADMISSION: list[tuple[str, dict[str, Any], list[str]]] = [
       "monitoring, preflight, rendezvous, runPolicy, scheduling, tracking, trainJob, training"]),
     ("dataset.validation_split", with_(("spec.dataset.validation_split", 0.1)),
      [f"spec.dataset.validation_split: unknown field; did you mean 'validationSplit'? {SNAKE}chatTemplate, fieldMapping, format, "
-      "maxSeqLength, packing, promptTemplate, revision, source, split, streaming, trainOn, validationSplit"]),
+      "maxSeqLength, packing, packingStrategy, promptTemplate, revision, source, split, streaming, trainOn, validationSplit"]),
     # checkpoint directory on a claim
     ("checkpoints at /dev/shm", with_(("spec.checkpointing", {"directory": "/dev/shm", "volumeClaim": "ckpt"})),
      [f"spec.checkpointing.directory: {COLLIDES}"]),

@@ -1,6 +1,18 @@
 """Data step: records -> token ids with the loss masked -> a token store built once per run ->
 packed blocks or examples padded per batch -> a distributed, seed-deterministic, resumable loader.
 
+Packing (`dataset.packing`), by `packingStrategy`: `bfd` places whole examples into maxSeqLength
+blocks by best-fit decreasing (packing.py; the layout is computed once, with the store) and each
+example attends only to itself: its position ids restart at 0, and the batch goes to the model with
+position ids and no attention mask, from which transformers' masking_utils builds a block-diagonal
+causal mask (`find_packed_sequence_indices`, transformers 5.x; flash-attention-2 reads the same
+position ids) as long as no cache is made (`use_cache=False`, as the trainer's forwards pass: with a
+cache, transformers does not look for packed sequences); the first token of an example is never a
+target of the one before. `concatenate` lays the examples
+back to back and cuts full blocks (each attends to the examples before it in its block; the last
+partial block is dropped). Validation, when packing, is always packed by best-fit decreasing:
+every held-out example evaluated once and whole, so the eval loss does not depend on packing.
+
 What carries loss, by format: `samsum`, `alpaca` and `jsonl` render a prompt from the record and
 train on the response field only (prompt positions carry label -100); `chat` renders the turns
 with the tokenizer's chat template and trains on the assistant's turns (`trainOn`, chat.py).
@@ -32,10 +44,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from llamaft.api.spec import DatasetFormat, DatasetSpec, TrainOn
+from llamaft.api.spec import DatasetFormat, DatasetSpec, PackingStrategy, TrainOn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from llamaft_trainer import packing as packing_mod
 from llamaft_trainer import store as store_mod
 from llamaft_trainer.errors import ConfigError
 from llamaft_trainer.metrics import log_json
@@ -273,7 +286,8 @@ def store_key(spec: DatasetSpec, encoder: Encoder, fingerprint: str, seed: int) 
     """Everything that changes the stored tokens; another value builds another store."""
     fields = spec.model_dump(
         by_alias=True, include={"format", "source", "revision", "split", "prompt_template", "field_mapping",
-                                "chat_template", "train_on", "max_seq_length", "packing", "validation_split"},
+                                "chat_template", "train_on", "max_seq_length", "packing", "packing_strategy",
+                                "validation_split"},
     )
     return digest(store_mod.VERSION, fields, fingerprint, encoder.identity(), seed)
 
@@ -368,7 +382,7 @@ def build_store(spec: DatasetSpec, tok: PreTrainedTokenizerBase, seed: int, root
     if crashed is None and not failed and not exists and team.me == 0:
         try:
             built = str(_merge([s for s in shards if isinstance(s, _Shard)], path,
-                               {"key": key, "source": spec.source, "records": n}).path)
+                               {"key": key, "source": spec.source, "records": n}, stored_layouts(spec)).path)
         except Exception as exc:
             built = _failure(exc)
     merged = team.gather(built)[0]  # the store is complete (or was already) before anyone opens it
@@ -389,7 +403,7 @@ def build_store(spec: DatasetSpec, tok: PreTrainedTokenizerBase, seed: int, root
     if team.me == 0:
         log_json("data", store=str(path), reused=exists, records=found.meta.get("records"), train_examples=len(found.train),
                  validation_examples=len(found.validation), seconds=round(seconds, 2), builders=team.size,
-                 records_per_second=None if exists else round(n / max(seconds, 1e-9)))
+                 records_per_second=None if exists else round(n / max(seconds, 1e-9)), **block_report(found, spec))
     return found
 
 
@@ -425,8 +439,40 @@ def _encode_shard(source: RecordSource, encoder: Encoder, held_out: np.ndarray[A
     return shard
 
 
-def _merge(shards: list[_Shard], path: Path, meta: dict[str, Any]) -> store_mod.Store:
-    """The members' shards, batch by batch in file order, as one store (a sequential copy)."""
+def stored_layouts(spec: DatasetSpec) -> dict[str, Callable[[np.ndarray[Any, Any]], tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]]]:
+    """The block layouts a store keeps, by part: with packing, validation's always (evaluation
+    packs by best-fit decreasing whatever the strategy) and train's with `bfd`."""
+    if not spec.packing:
+        return {}
+
+    def layout(lengths: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        return packing_mod.flatten_layout(packing_mod.bfd_layout(lengths, spec.max_seq_length))
+
+    parts = ("train", "validation") if spec.packing_strategy is PackingStrategy.BFD else ("validation",)
+    return dict.fromkeys(parts, layout)
+
+
+def block_report(store: store_mod.Store, spec: DatasetSpec) -> dict[str, Any]:
+    """The `data` event's packing keys: blocks per part and their fill (real tokens / capacity)."""
+    if not spec.packing:
+        return {}
+    out: dict[str, Any] = {"packing_strategy": spec.packing_strategy.value}
+    for name, part in (("train", store.train), ("validation", store.validation)):
+        if part.layout is not None:
+            blocks, real = len(part.layout[1]) - 1, part.total_tokens
+        else:  # concatenate: full blocks only, the tail dropped
+            blocks = part.total_tokens // spec.max_seq_length
+            real = blocks * spec.max_seq_length
+        out[f"{name}_blocks"] = blocks
+        out[f"{name}_fill"] = round(real / max(blocks * spec.max_seq_length, 1), 4) if blocks else None
+    return out
+
+
+def _merge(shards: list[_Shard], path: Path, meta: dict[str, Any],
+           layouts: dict[str, Callable[[np.ndarray[Any, Any]], tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]]] | None = None,
+           ) -> store_mod.Store:
+    """The members' shards, batch by batch in file order, as one store (a sequential copy), with
+    the block `layouts` of its parts (computed once, here, by the merging member)."""
     builder = store_mod.StoreBuilder(path)
     try:
         order = sorted((number, k, train, val) for k, s in enumerate(shards) for number, train, val in s.batches)
@@ -440,7 +486,7 @@ def _merge(shards: list[_Shard], path: Path, meta: dict[str, Any]) -> store_mod.
                 if count:
                     writer.append(folders[k], offsets[k], cursor[k], cursor[k] + count)
                     cursor[k] += count
-        return builder.commit(meta)
+        return builder.commit(meta, layouts)
     except BaseException:
         builder.abandon()
         raise
@@ -510,6 +556,46 @@ class PackedBlocks(Dataset[dict[str, torch.Tensor]]):
         return _item(tokens, loss)
 
 
+class PackedExamples(Dataset[dict[str, torch.Tensor]]):
+    """Whole examples packed into blocks of at most `max_len` tokens by best-fit decreasing (the
+    store's layout, or computed here for an in-memory part), one block per item, each example
+    isolated: position ids restart at 0 per example, and the first token of each example carries
+    no label (it is not the previous example's target). Every example is in exactly one block."""
+
+    def __init__(self, part: store_mod.Part, max_len: int) -> None:
+        self.part = part
+        self.max_len = max_len
+        layout = part.layout
+        if layout is None:
+            layout = packing_mod.flatten_layout(packing_mod.bfd_layout(part.lengths, max_len))
+        self.examples: np.ndarray[Any, Any] = layout[0]
+        self.block_offsets: np.ndarray[Any, Any] = layout[1]
+
+    def __len__(self) -> int:
+        return int(self.block_offsets.shape[0]) - 1
+
+    def block(self, index: int) -> list[int]:
+        """The example indices of block `index`, in the order they are laid out."""
+        return [int(i) for i in self.examples[int(self.block_offsets[index]):int(self.block_offsets[index + 1])]]
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        pieces = [self.part.example(i) for i in self.block(index)]
+        item = _item(np.concatenate([t for t, _ in pieces]), np.concatenate([f for _, f in pieces]))
+        lengths = [len(t) for t, _ in pieces]
+        starts = np.cumsum([0, *lengths[:-1]])
+        item["labels"][torch.from_numpy(starts)] = IGNORE_INDEX
+        item["position_ids"] = torch.from_numpy(np.concatenate([np.arange(n, dtype=np.int64) for n in lengths]))
+        return item
+
+
+def packed_dataset(part: store_mod.Part, spec: DatasetSpec, validation: bool) -> Dataset[dict[str, torch.Tensor]]:
+    """A part's packed items: `concatenate` training blocks, else (and always for validation)
+    whole examples by best-fit decreasing."""
+    if spec.packing_strategy is PackingStrategy.CONCATENATE and not validation:
+        return PackedBlocks(part, spec.max_seq_length)
+    return PackedExamples(part, spec.max_seq_length)
+
+
 def _item(tokens: np.ndarray[Any, Any], loss: np.ndarray[Any, Any]) -> dict[str, torch.Tensor]:
     ids = torch.from_numpy(np.array(tokens, dtype=np.int64))
     labels = torch.where(torch.from_numpy(np.array(loss, dtype=np.bool_)), ids, IGNORE_INDEX)
@@ -517,7 +603,10 @@ def _item(tokens: np.ndarray[Any, Any], loss: np.ndarray[Any, Any]) -> dict[str,
 
 
 class Collate:
-    """Right-pad a batch to its longest sequence; padding is masked from attention and loss."""
+    """Right-pad a batch to its longest sequence; padding is masked from attention and loss.
+    Packed examples (items with `position_ids`): the padding's position ids restart at 0, so it is
+    one more packed sequence of its own, which no real token attends to (the model gets position
+    ids and no attention mask; `attention_mask` stays in the batch, counting real tokens)."""
 
     def __init__(self, pad_id: int) -> None:
         self.pad_id = pad_id
@@ -531,6 +620,13 @@ class Collate:
             for row, item in enumerate(items):
                 batch[row, : item[name].shape[0]] = item[name]
             out[name] = batch
+        if "position_ids" in items[0]:
+            positions = torch.arange(width, dtype=torch.long).repeat(len(items), 1)
+            for row, item in enumerate(items):
+                n = int(item["position_ids"].shape[0])
+                positions[row, :n] = item["position_ids"]
+                positions[row, n:] = torch.arange(width - n)
+            out["position_ids"] = positions
         return out
 
 
@@ -625,8 +721,8 @@ def loaders(store: store_mod.Store, spec: DatasetSpec, pad_id: int, batch_size: 
     """Loaders over a store: every rank sees a disjoint, seed-determined share per epoch."""
     train: Dataset[dict[str, torch.Tensor]]
     if spec.packing:
-        train = PackedBlocks(store.train, spec.max_seq_length)
-        validation: Dataset[dict[str, torch.Tensor]] | None = PackedBlocks(store.validation, spec.max_seq_length)
+        train = packed_dataset(store.train, spec, validation=False)
+        validation: Dataset[dict[str, torch.Tensor]] | None = packed_dataset(store.validation, spec, validation=True)
     else:
         train = PaddedExamples(store.train)
         validation = PaddedExamples(store.validation)

@@ -85,17 +85,21 @@ def _forward_replaced(module: nn.Module, forward: Callable[..., Any]) -> Iterato
             module.forward = own  # type: ignore[method-assign]
 
 
-def chunked_token_loss_sum(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                           labels: torch.Tensor, chunks: int) -> torch.Tensor:
+def chunked_token_loss_sum(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                           labels: torch.Tensor, chunks: int, position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The summed next-token loss of `model` (the trainer's model: plain, peft-wrapped, FSDP2 or
     FSDP1) with the head and loss over `chunks` slices, computed as the forward of the root's own
-    call (see the module docstring)."""
+    call (see the module docstring). `position_ids` (packed examples, no attention mask) reach
+    the decoder as they would the unchunked model."""
     lm = causal_lm(model)
 
-    def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor, **_: Any) -> torch.Tensor:
-        hidden = lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor,
+                position_ids: torch.Tensor | None = None, **_: Any) -> torch.Tensor:
+        hidden = lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  use_cache=False).last_hidden_state
         return chunked_cross_entropy_sum(hidden[:, :-1], labels[:, 1:], lm.get_output_embeddings(), chunks)
 
     with _forward_replaced(lm, forward):
-        loss: torch.Tensor = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        loss: torch.Tensor = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   labels=labels)
     return loss

@@ -7,11 +7,15 @@ flat arrays that every rank reads in place by position (the page cache shares on
     <root>/<key>/train/tokens.bin   int32, every example's token ids back to back
     <root>/<key>/train/loss.bin     uint8, 1 where the token carries loss (its label is itself)
     <root>/<key>/train/offsets.bin  int64, example i is tokens[offsets[i]:offsets[i + 1]]
+    <root>/<key>/train/blocks.bin   int64, with packing by best-fit decreasing: example indices in
+                                    block order (packing.py's layout, computed once here)
+    <root>/<key>/train/block_offsets.bin  int64, block b is blocks[block_offsets[b]:block_offsets[b + 1]]
     <root>/<key>/validation/...     the same for the held-out examples
     <root>/<key>/meta.json          what was built and from what (written last: the store is complete)
 
 The key hashes everything that changes the tokens (store_key in data.py): the source and its
-fingerprint, the format and its templates, the tokenizer, maxSeqLength, packing, the split. The
+fingerprint, the format and its templates, the tokenizer, maxSeqLength, packing and its strategy,
+the split. The
 root is beside the checkpoints, so a later attempt of the run (on any node) reuses the store and a
 changed spec builds a new one. A store is built under a temporary name and renamed into place, so
 a crash mid-build leaves nothing a reader would take for complete.
@@ -23,14 +27,17 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 
-VERSION = 1
+VERSION = 2
+"""2: a part may hold its block layout (blocks.bin, block_offsets.bin)."""
 TOKENS, LOSS, OFFSETS, META = "tokens.bin", "loss.bin", "offsets.bin", "meta.json"
+BLOCKS, BLOCK_OFFSETS = "blocks.bin", "block_offsets.bin"
 PARTS = ("train", "validation")
 
 
@@ -80,6 +87,9 @@ class Part:
     loss: Array
     offsets: np.ndarray[Any, np.dtype[np.int64]]
     """In memory: 8 bytes per example."""
+    layout: tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]] | None = None
+    """(example indices in block order, block offsets) when the store packed this part by
+    best-fit decreasing (packing.flatten_layout's form); None otherwise."""
 
     def __len__(self) -> int:
         return int(self.offsets.shape[0]) - 1
@@ -117,8 +127,19 @@ def in_memory(tokens: np.ndarray[Any, Any], loss: np.ndarray[Any, Any], lengths:
 
 
 def open_part(folder: Path) -> Part:
+    layout = None
+    if (folder / BLOCKS).exists():
+        layout = (np.fromfile(folder / BLOCKS, dtype=np.int64), np.fromfile(folder / BLOCK_OFFSETS, dtype=np.int64))
     return Part(FileArray(folder / TOKENS, np.int32), FileArray(folder / LOSS, np.uint8),
-                np.fromfile(folder / OFFSETS, dtype=np.int64))
+                np.fromfile(folder / OFFSETS, dtype=np.int64), layout)
+
+
+def write_layout(folder: Path, layout: tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]) -> None:
+    """A part's block layout beside its tokens (StoreBuilder.commit, before the store is renamed
+    into place: a reader never sees a store without the layout it was built with)."""
+    examples, offsets = layout
+    np.asarray(examples, dtype=np.int64).tofile(folder / BLOCKS)
+    np.asarray(offsets, dtype=np.int64).tofile(folder / BLOCK_OFFSETS)
 
 
 @dataclass(frozen=True)
@@ -201,8 +222,15 @@ class StoreBuilder:
         self.parts = {name: PartWriter(self.partial / name) for name in PARTS}
         self.started = time.perf_counter()
 
-    def commit(self, meta: dict[str, Any]) -> Store:
+    def commit(self, meta: dict[str, Any],
+               layouts: dict[str, Callable[[np.ndarray[Any, Any]], tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]]]
+               | None = None) -> Store:
+        """`layouts`: by part name, the block layout of that part's example lengths, written with it."""
         sizes = {name: writer.close() for name, writer in self.parts.items()}
+        for name, layout in (layouts or {}).items():
+            folder = self.partial / name
+            lengths = np.diff(np.fromfile(folder / OFFSETS, dtype=np.int64))
+            write_layout(folder, layout(lengths))
         meta = {"version": VERSION, **meta, "parts": sizes, "buildSeconds": round(time.perf_counter() - self.started, 2)}
         (self.partial / META).write_text(json.dumps(meta, indent=1, sort_keys=True))
         try:

@@ -5,12 +5,15 @@ windows of WINDOW records, each window shuffled by (seed, epoch, window). Micro-
 epoch is the stream's items [m*G, (m+1)*G) with G = world x batch size, and rank r takes its
 `batch size` of them; an epoch ends where the stream cannot fill a whole micro-batch, on every
 rank at once. Without packing the items are records, and a rank tokenizes only its own; with
-packing they are `maxSeqLength` blocks of the concatenated token stream, which every rank
-tokenizes (block boundaries depend on every record before them).
+packing they are `maxSeqLength` blocks, which every rank tokenizes: by `bfd`, each window's
+examples packed whole by best-fit decreasing (data.PackedExamples; a window's block count depends
+only on its examples' lengths, not on the epoch's shuffle), by `concatenate`, blocks of the
+concatenated token stream (block boundaries depend on every record before them).
 
 A resumed run continues at its exact position from the checkpoint's (epoch, micro-batches done):
 without packing it skips whole windows unparsed and starts inside the window; with packing it
-jumps by a small index of each window's token count (`windows.json` beside the token stores,
+jumps by a small index of each window's token count (`concatenate`) or block count (`bfd`)
+(`windows.json` beside the token stores,
 written as windows are first read: counts do not depend on the epoch's shuffle) and tokenizes
 only the window it resumes in. The first `validation_split` of the first window's records (at most MAX_VALIDATION)
 are held out for evaluation and never trained on.
@@ -27,7 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from llamaft.api.spec import DatasetSpec
+from llamaft.api.spec import DatasetSpec, PackingStrategy
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from llamaft_trainer import data as data_mod
@@ -67,6 +70,7 @@ class Stream:
         self.skip_records = validation_count(spec, _first_window(self.source))
         self.index_path = index_path
         self.window_tokens: list[int] = self._read_index()
+        """Per window: its tokens (`concatenate`) or its blocks (`bfd`)."""
         self.write_index = rt.is_leader
 
     # -------------------------------------------------------------------- the window index
@@ -99,7 +103,9 @@ class Stream:
             yield window, [batch[i] for i in order]
 
     def batches(self, epoch: int, skip: int) -> Iterator[dict[str, torch.Tensor]]:
-        if self.spec.packing:
+        if self.spec.packing and self.spec.packing_strategy is PackingStrategy.BFD:
+            yield from self._packed_examples(epoch, skip)
+        elif self.spec.packing:
             yield from self._packed(epoch, skip)
         else:
             yield from self._records(epoch, skip)
@@ -149,6 +155,30 @@ class Stream:
                 ])
             ids, loss = ids[used:], loss[used:]
 
+    def _packed_examples(self, epoch: int, skip: int) -> Iterator[dict[str, torch.Tensor]]:
+        """`bfd`: the stream's items are each window's best-fit-decreasing blocks, in block order."""
+        group = self.world * self.batch_size
+        target = skip * group  # blocks of this epoch already trained on
+        first, before = 0, 0
+        while first < len(self.window_tokens) and before + self.window_tokens[first] <= target:
+            before += self.window_tokens[first]
+            first += 1
+        drop = target - before  # blocks to skip from window `first` on
+        pending: list[tuple[data_mod.PackedExamples, int]] = []
+        for window, records in self._windows(epoch, first):
+            blocks = data_mod.PackedExamples(self.encoder.encode(records), self.spec.max_seq_length)
+            self._learn(window, len(blocks))
+            pending.extend((blocks, i) for i in range(len(blocks)))
+            if drop:
+                cut = min(drop, len(pending))
+                pending, drop = pending[cut:], drop - cut
+            used = 0
+            while len(pending) - used >= group:
+                mine = pending[used + self.rank * self.batch_size:used + (self.rank + 1) * self.batch_size]
+                used += group
+                yield self.collate([blocks_of[i] for blocks_of, i in mine])
+            pending = pending[used:]
+
     def _batch(self, encoded: store_mod.Part) -> dict[str, torch.Tensor]:
         return self.collate([data_mod._item(*encoded.example(i)) for i in range(len(encoded))])
 
@@ -174,7 +204,7 @@ def streaming_data(spec: DatasetSpec, tok: PreTrainedTokenizerBase, batch_size: 
     validation: Any = None
     val_loader = None
     if part is not None and len(part):
-        validation = data_mod.PackedBlocks(part, spec.max_seq_length) if spec.packing else data_mod.PaddedExamples(part)
+        validation = data_mod.packed_dataset(part, spec, validation=True) if spec.packing else data_mod.PaddedExamples(part)
         if len(validation):
             val_loader = data_mod.ValidationShare(validation, rt.rank, rt.world_size, batch_size, stream.collate)
         else:

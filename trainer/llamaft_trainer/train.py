@@ -119,12 +119,16 @@ def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: tor
     head and the loss over that many slices of the sequence (training.lossChunks, loss.py)."""
     input_ids = batch["input_ids"].to(device)
     labels = batch["labels"].to(device)
+    # Packed examples (data.PackedExamples) carry position ids restarting per example and go to the
+    # model with no attention mask: transformers then masks each example from the others.
+    positions = batch["position_ids"].to(device) if "position_ids" in batch else None
+    attention_mask = None if positions is not None else batch["attention_mask"].to(device)
     if chunks > 1:
         from llamaft_trainer.loss import chunked_token_loss_sum
 
-        loss = chunked_token_loss_sum(model, input_ids, batch["attention_mask"].to(device), labels, chunks)
+        loss = chunked_token_loss_sum(model, input_ids, attention_mask, labels, chunks, position_ids=positions)
         return loss, int((labels[:, 1:] != IGNORE_INDEX).sum())
-    out = model(input_ids=input_ids, attention_mask=batch["attention_mask"].to(device), use_cache=False)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
     logits = out.logits[:, :-1, :].float()
     targets = labels[:, 1:]
     loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")

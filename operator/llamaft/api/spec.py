@@ -128,6 +128,13 @@ class TrainOn(ApiEnum):
     ALL = "all"
 
 
+class PackingStrategy(ApiEnum):
+    """How `packing` fills each `maxSeqLength` sequence."""
+
+    BFD = "bfd"
+    CONCATENATE = "concatenate"
+
+
 BUILTIN_CHAT_TEMPLATES = ("llama3", "llama2")
 """Names `dataset.chatTemplate` may give instead of a Jinja template (llamaft_trainer.chat)."""
 
@@ -203,6 +210,13 @@ class DatasetSpec(ApiModel):
     """Tokens per training sequence; must not exceed the model's max_position_embeddings."""
     packing: bool = False
     """Pack several examples into each sequence (no padding waste) instead of padding each one."""
+    packing_strategy: PackingStrategy = PackingStrategy.BFD
+    """With `packing`: `bfd` places whole examples into sequences by best-fit decreasing (TRL's
+    default) and each example attends only to itself (position ids restart per example, no label
+    crosses an example boundary), so a packed example's loss and gradients are those it has alone.
+    `concatenate` cuts the examples laid back to back into full sequences, each attending to the
+    ones before it in its sequence (cross-talk): for continued pre-training on raw text, where that
+    is wanted. Evaluation packs by `bfd` with either, so the eval loss does not depend on packing."""
     validation_split: float = Field(default=0.05, ge=0.0, le=0.5)
     """Fraction of records held out for eval loss and perplexity (0 disables eval)."""
 
