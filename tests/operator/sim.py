@@ -11,7 +11,8 @@ that all "nodes" share this machine's network (each container has a filesystem o
   worker's block, 0 without xdist, so simulated clusters in parallel workers never share an
   address and port), the trainer is told to bind its
   metrics server there (LLAMAFT_METRICS_HOST), and a port that a Service of a training pod names is
-  mapped to a free local port (pods share one port space here);
+  mapped to a local one (pods share one port space here, so such ports and the metrics ports the
+  tests choose come from `pod_port`, below the kernel's ephemeral range);
 - "DNS": an endpoint host that names a Service of a pod, or a pod's `hostname.subdomain` (Indexed
   Jobs' pods, Trainer's PET_MASTER_ADDR), resolves to that pod's address; any other `*.svc` host
   (the managed etcd, an external `etcd.infra.svc`) is the one real local etcd the test passes in
@@ -128,12 +129,49 @@ def _parse_time(text: str | None) -> float | None:
     return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC).timestamp()
 
 
-def _free_port() -> int:
+POD_PORTS_PER_WORKER = 1000
+_pod_ports_lock = threading.Lock()
+_next_pod_port = 0
+
+
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default floor
+
+
+def pod_port() -> int:
+    """A port for something a simulated pod binds on its own address (status.podIP): a Service's
+    port mapped to a local one, a metrics port a test gives the spec.
+
+    On a cluster each pod has a network namespace, so its ports collide with nobody's. Here pods
+    share this machine's port space on addresses of their own, and a wildcard bind collides with
+    a port held on any address: torch elastic's agent picks its workers' master port by binding
+    `localhost:0` (torch/distributed/elastic/utils/distributed.py get_free_port), which never sees
+    a port another pod holds on 127.x, so the worker's TCPStore then fails on 0.0.0.0 with
+    EADDRINUSE (a CI run lost its fault test's last attempt that way). Such ports therefore come
+    from below the kernel's ephemeral range (ip_local_port_range), which bind(0) and connect()
+    never hand out: a block of POD_PORTS_PER_WORKER per pytest-xdist worker (as pod addresses are
+    blocked), in turn, skipping any port something holds on any address."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    global _next_pod_port
+    block = _xdist_block()
+    base = _ephemeral_floor() - POD_PORTS_PER_WORKER * (block + 1)
+    if base < 1024:
+        raise RuntimeError(f"no room for pod ports of xdist block {block} below the ephemeral range")
+    with _pod_ports_lock:
+        for _ in range(POD_PORTS_PER_WORKER):
+            port = base + _next_pod_port % POD_PORTS_PER_WORKER
+            _next_pod_port += 1
+            with socket.socket() as probe:
+                try:
+                    probe.bind(("0.0.0.0", port))  # fails while any address holds the port
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError(f"every pod port in {base}..{base + POD_PORTS_PER_WORKER - 1} is taken")
 
 
 # ------------------------------------------------------------------------------------ the API
@@ -1692,7 +1730,7 @@ class SimCluster:
                     pod_spec = pod.get("spec", {})
                     if (pod_spec.get("hostname"), pod_spec.get("subdomain")) == (parts[0], parts[1]) \
                             and pod_spec.get("nodeName") and not pod["metadata"].get("deletionTimestamp"):
-                        local = self._ports.setdefault((pod_ns, f"{parts[0]}.{parts[1]}", port), _free_port())
+                        local = self._ports.setdefault((pod_ns, f"{parts[0]}.{parts[1]}", port), pod_port())
                         return f"{self._ip_for(pod['metadata']['uid'])}:{local}"
                 if len(parts) == 2 or len(parts) >= 4:
                     return None
@@ -1704,7 +1742,7 @@ class SimCluster:
         if selector:
             for pod in self.api.list(pod_path(svc_ns), label_selector=",".join(f"{k}={v}" for k, v in selector.items())):
                 if pod.get("spec", {}).get("nodeName") and not pod["metadata"].get("deletionTimestamp"):
-                    local = self._ports.setdefault((svc_ns, parts[0], port), _free_port())
+                    local = self._ports.setdefault((svc_ns, parts[0], port), pod_port())
                     return f"{self._ip_for(pod['metadata']['uid'])}:{local}"
         return self.etcd_endpoint if len(parts) >= 2 else None
 

@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from llamaft_trainer.local_etcd import LocalEtcd, free_port
+from llamaft_trainer.local_etcd import LocalEtcd
 
 from tests.hub.fixture import HubServer
 from tests.operator.conftest import Cluster, Operator, wait_for
 from tests.operator.emulator import EmulatorThread, write_kubeconfig
-from tests.operator.sim import SimCluster
+from tests.operator.sim import SimCluster, pod_port
 from tests.operator.sim_fixtures import (  # noqa: F401 (the *_fixture imports register pytest fixtures)
     DATASET,
     make_sim_fixture,
@@ -70,7 +70,7 @@ def hub_spec(hub: HubServer, model: str, dataset: str, workdir: Path, name: str,
         cluster={"env": [{"name": "HF_ENDPOINT", "value": hub.endpoint}, {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}],
                  "terminationGracePeriodSeconds": 5},
         rendezvous={"maxRestarts": 0},
-        monitoring={"metricsPort": free_port()},
+        monitoring={"metricsPort": pod_port()},
         runPolicy={"retryBudget": 2, "startupGraceSeconds": 120},
         **overrides,
     )["spec"]

@@ -55,6 +55,7 @@ from tests.operator.sim import (
     OPERATOR_NAME,
     REPLICA_INDEX,
     REPLICA_TYPE,
+    pod_port,
 )
 from tests.operator.sim import JOB_NAME as PYTORCHJOB_NAME_LABEL
 from tests.operator.sim_fixtures import torch_distributed_runtime
@@ -493,7 +494,7 @@ def fleet() -> Iterator[Fleet]:
     serves the trainer's metrics on its own loopback address and the spec's metrics port; Prometheus
     scrapes them through the configs derived from the rendered PodMonitors."""
     binary = need_binary("prometheus", "prometheus")
-    metrics_port = free_port()
+    metrics_port = pod_port()  # bound on each pod's own address
     rng = random.Random(11)
     chat = Owner("chat", NS, "5e1f0c2a-0000-4000-8000-000000000001")
     long = Owner(LONG_NAME, NS, "0b2c0c2a-0000-4000-8000-000000000002")

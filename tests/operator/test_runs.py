@@ -27,7 +27,7 @@ from llamaft_trainer.local_etcd import LocalEtcd
 from tests.conftest import REPO, need_binary
 from tests.operator.conftest import Cluster, Operator, close_rendezvous, free_port, wait_for
 from tests.operator.emulator import EmulatorThread, write_kubeconfig
-from tests.operator.sim import SimCluster
+from tests.operator.sim import SimCluster, pod_port
 from tests.operator.sim_fixtures import CHECKPOINT_CLAIM, checkpoint_folder, checkpointing, on_claim
 
 pytestmark = pytest.mark.slow
@@ -121,7 +121,7 @@ def run_spec(model: Path, *, backend: str = "etcd-v2", **overrides: Any) -> dict
         "checkpointing": checkpointing(RUN, everyNSteps=EVERY, keepLast=2, exportHuggingFace=True),
         "cluster": {"workers": 2, "gpusPerWorker": 0, "image": "llamaft/trainer:test", "terminationGracePeriodSeconds": 5},
         "rendezvous": {"backend": backend, "maxRestarts": 0},
-        "monitoring": {"metricsPort": free_port()},
+        "monitoring": {"metricsPort": pod_port()},
         "runPolicy": {"retryBudget": 3, "progressDeadlineSeconds": 60, "startupGraceSeconds": 120},
     }
     for key, value in overrides.items():

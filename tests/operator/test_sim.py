@@ -21,10 +21,9 @@ from kubernetes import client
 from llamaft.api.validation import validate_resource
 from llamaft.render import desired
 from llamaft.render.naming import Owner
-from llamaft_trainer.local_etcd import free_port
 
 from tests.operator.emulator import EmulatorThread
-from tests.operator.sim import SimCluster, condition_true, job_path, pod_path
+from tests.operator.sim import SimCluster, condition_true, job_path, pod_path, pod_port
 from tests.operator.sim_fixtures import (  # noqa: F401 (the *_fixture imports register pytest fixtures)
     CHECKPOINT_CLAIM,
     make_sim_fixture,
@@ -46,8 +45,8 @@ def submit(sim: SimCluster, model: Path, name: str, *, restart_policy: str | Non
     """Apply the ConfigMap and PyTorchJob the operator would render for a tiny fine-tune (attempt 1),
     with the test's changes to the job. Returns the stored job."""
     owner = Owner(name, NS, str(uuid.uuid4()))
-    # A free port: every pod binds it on its own address, but nothing else on this machine may hold it.
-    spec.setdefault("monitoring", {"metricsPort": free_port()})
+    # Every pod binds it on its own address (sim.pod_port says why it is below the ephemeral range).
+    spec.setdefault("monitoring", {"metricsPort": pod_port()})
     parsed = validate_resource(tiny_finetune(name, model, **spec))
     job = desired.pytorch_job(owner, parsed, 1)
     worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
@@ -114,6 +113,30 @@ def kube(emulator: EmulatorThread) -> tuple[client.CoreV1Api, client.CustomObjec
 
 # ------------------------------------------------------------------------ the real trainer
 @pytest.mark.slow
+def test_pod_ports_are_ones_no_bind_probe_can_hand_out() -> None:
+    """A port one pod holds on its own address blocks another pod's wildcard bind of it, and
+    torch elastic's `get_free_port` (a `localhost:0` probe) cannot see it: pod ports come from
+    below the ephemeral range, where such a probe never lands, and are not handed out twice."""
+    import socket
+
+    from torch.distributed.elastic.utils.distributed import get_free_port
+
+    from tests.operator.sim import _ephemeral_floor
+
+    ports = [pod_port() for _ in range(5)]
+    assert len(set(ports)) == 5 and all(1024 <= p < _ephemeral_floor() for p in ports)
+    held = socket.socket()
+    held.bind(("127.0.0.9", ports[0]))  # a pod's metrics server on its own address
+    held.listen()
+    try:
+        with socket.socket() as wildcard, pytest.raises(OSError):
+            wildcard.bind(("0.0.0.0", ports[0]))  # what a worker's TCPStore does with the master port
+        assert all(get_free_port() >= _ephemeral_floor() for _ in range(20))
+        assert ports[0] not in {pod_port() for _ in range(20)}
+    finally:
+        held.close()
+
+
 def test_job_runs_to_success_and_ttl_removes_it(sim: SimCluster, tiny_model: Path, tmp_path: Path) -> None:
     job = submit(sim, tiny_model, "happy", ttl=2)
     name = job["metadata"]["name"]

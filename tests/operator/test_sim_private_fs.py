@@ -21,10 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from llamaft_trainer.local_etcd import free_port
 
 from tests.operator.emulator import GENERATE_NAME_ALPHABET
-from tests.operator.sim import Api, SimCluster, job_path, pod_path
+from tests.operator.sim import Api, SimCluster, job_path, pod_path, pod_port
 from tests.operator.sim_fixtures import (  # noqa: F401 (the *_fixture imports register pytest fixtures)
     CHECKPOINT_CLAIM,
     checkpoint_folder,
@@ -212,7 +211,7 @@ def test_checkpoints_outside_any_volume_are_lost_with_the_container(make_sim: An
 
     sim = make_sim(nodes=2)
     resource = tiny_finetune("nofs", tiny_model, training={"maxSteps": 200}, cluster={"workers": 1},
-                             monitoring={"metricsPort": free_port()})
+                             monitoring={"metricsPort": pod_port()})
     resource["spec"]["checkpointing"] = {"directory": "/checkpoints/run", "everyNSteps": 2, "resume": True,
                                          "exportHuggingFace": False, "discardWithPod": True}
     owner, parsed = Owner("nofs", NS, str(uuid.uuid4())), validate_resource(resource)

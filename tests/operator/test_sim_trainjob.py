@@ -23,10 +23,10 @@ import pytest
 from llamaft.api.validation import validate_resource
 from llamaft.render import desired, trainjob
 from llamaft.render.naming import Owner
-from llamaft_trainer.local_etcd import LocalEtcd, free_port
+from llamaft_trainer.local_etcd import LocalEtcd
 
 from tests.operator.emulator import EmulatorThread
-from tests.operator.sim import ApiError, SimCluster, service_path
+from tests.operator.sim import ApiError, SimCluster, pod_port, service_path
 from tests.operator.sim_fixtures import (  # noqa: F401 (the *_fixture imports register pytest fixtures)
     CHECKPOINT_CLAIM,
     SIM_GC_DELAY,
@@ -56,7 +56,7 @@ NS = "default"
 def render(model: Path, name: str, **spec: Any) -> tuple[Owner, Any, Obj]:
     """(owner, parsed spec, TrainJob) for a tiny fine-tune's attempt 1, as the operator renders it."""
     owner = Owner(name, NS, str(uuid.uuid4()))
-    spec.setdefault("monitoring", {"metricsPort": free_port()})
+    spec.setdefault("monitoring", {"metricsPort": pod_port()})
     parsed = validate_resource(tiny_finetune(name, model, **spec))
     job = trainjob.train_job(owner, parsed, 1)
     if not trainer_binds_metrics_host():  # two pods on one machine would collide on the port; see sim_fixtures

@@ -23,10 +23,10 @@ from llamaft.api.validation import SpecInvalid, label_key_problem, validate_spec
 from llamaft.render import desired, trainjob
 from llamaft.render.admission import child_errors
 from llamaft.render.naming import Owner
-from llamaft_trainer.local_etcd import free_port
 
 from tests.operator.conftest import Cluster, Operator, tiny_spec, wait_for
 from tests.operator.emulator import write_kubeconfig
+from tests.operator.sim import pod_port
 from tests.operator.sim_fixtures import (  # noqa: F401 (the *_fixture imports register pytest fixtures)
     make_sim_fixture,
     sim_emulator_fixture,
@@ -195,7 +195,7 @@ def test_kueue_admits_with_a_topology_assignment_and_the_run_proceeds(
                         LLAMAFT_RENDEZVOUS_ADDRESS_OVERRIDE=sim_etcd.endpoint, LLAMAFT_SYNC_INTERVAL="1").start()
     api = Api(sim_emulator.url)
     try:
-        spec = tiny_finetune("tas", tiny_model, monitoring={"metricsPort": free_port()},
+        spec = tiny_finetune("tas", tiny_model, monitoring={"metricsPort": pod_port()},
                              scheduling={"queueName": "team-a-cpus", "topology": {"mode": "required", "level": EFA_BLOCK}})["spec"]
         cluster.create("tas", spec)
         job = wait_for("the queued job", lambda: cluster.attempt_job("tas", 1), timeout=60)
