@@ -191,7 +191,11 @@ def example_spec(name: str, pair: Pair, steps: int, model: Path, checkpoints: Pa
     doc["metadata"]["name"] = name
     spec = doc["spec"]
     spec["model"]["source"] = str(model)
-    spec["dataset"].update(source=str(DATASET), validationSplit=0)
+    # Concatenated blocks: every row of every batch is maxSeqLength real tokens, so the HF side
+    # replays plain (input_ids, labels, attention_mask) rows and both sides' tokens/s count the same
+    # tokens. The default (bfd) gives variable-length padded blocks with per-example position ids,
+    # which is a data question, not the engine speed this bench compares.
+    spec["dataset"].update(source=str(DATASET), validationSplit=0, packingStrategy="concatenate")
     training = spec["training"]
     training.pop("epochs", None)
     training.update(maxSteps=steps, evalInterval=0, logInterval=1)
