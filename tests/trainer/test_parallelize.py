@@ -141,3 +141,30 @@ def test_selective_op_keeps_activations_between_none_and_full_as_the_planner_say
     assert op == 4 * op_sac_saved_bytes(shape, setup, tokens)
     # input, q, v, gate, down, the attention output and its log-sum-exp
     assert op == 4 * tokens * 4 * (32 + 32 + 16 + 64 + 32 + 32 + 4 * 4 / 4)
+
+
+def test_the_adapter_of_a_compiled_model_is_selected_by_the_names_its_state_dict_keys_have() -> None:
+    """torch.compile's wrappers add `_orig_mod` to the module names and distributed checkpoint's
+    state dicts leave it out: peft, which selects the adapter by its modules' names, found none of
+    a compiled model's LoRA weights (an empty exported adapter) until the wrappers are set aside."""
+    from llamaft_trainer.parallelize import apply_compile, compile_wrappers_removed
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2)
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    layers = decoder_layers(model)
+    apply_compile(layers)
+    compiled = list(layers)
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    assert not any("_orig_mod" in key for key in state)
+    assert get_peft_model_state_dict(model, state_dict=state) == {}, "peft's own behaviour this works around"
+    with compile_wrappers_removed(model) as plain:
+        adapter = get_peft_model_state_dict(plain, state_dict=state)
+        assert not any(hasattr(layer, "_orig_mod") for layer in decoder_layers(plain))
+    assert sorted(adapter) == sorted(
+        f"base_model.model.model.layers.{i}.self_attn.{p}.lora_{ab}.weight"
+        for i in range(2) for p in ("q_proj", "v_proj") for ab in "AB")
+    assert list(decoder_layers(model)) == compiled, "the compiled layers are back in place"

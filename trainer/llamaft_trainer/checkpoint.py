@@ -61,6 +61,8 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from llamaft_trainer.float8 import plain_weights
+
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 COMPLETE = "COMPLETE"
 ASYNC_GROUP_TIMEOUT_S = 1800.0
@@ -499,4 +501,4 @@ def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     storage it then clones and segfaults (torch 2.13); on CPU there is nothing to offload anyway."""
     offload = torch.cuda.is_available()
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
-    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    return plain_weights({k: v for k, v in state.items() if isinstance(v, torch.Tensor)})

@@ -21,6 +21,7 @@ from transformers import PretrainedConfig
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from llamaft_trainer.checkpoint import full_model_state_dict
+from llamaft_trainer.parallelize import compile_wrappers_removed
 
 
 def export_hugging_face(
@@ -38,6 +39,11 @@ def export_hugging_face(
     state = full_model_state_dict(model)
     if rank != 0:
         return destination
+    # The peft model inside DDP (NO_SHARD in full precision): its peft_config and adapter names are
+    # the inner module's (found by tests/trainer/test_feature_matrix.py).
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = model.module if isinstance(model, DistributedDataParallel) else model
     with tempfile.TemporaryDirectory(prefix="llamaft-export-") as tmp:
         staging = Path(tmp)
         if lora and lora_export is LoraExport.ADAPTER:
@@ -91,17 +97,41 @@ def merged_weights(model: nn.Module, config: PretrainedConfig, state: dict[str, 
         if result.unexpected_keys or set(result.missing_keys) - tied:
             raise RuntimeError(f"merging the adapters: the gathered weights do not fit the LoRA model "
                                f"(missing {result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]})")
-    merged: Any = peft_model.merge_and_unload()
+    _merge_in_full_precision(peft_model)
+    merged: Any = peft_model.unload()  # the base layers, each already holding its merged weight
     if getattr(config, "tie_word_embeddings", False):
         merged.tie_weights()
     return {k: v for k, v in merged.state_dict().items() if v.device.type != "meta"}
+
+
+def _merge_in_full_precision(peft_model: nn.Module) -> None:
+    """Fold each adapter into its base layer computing in float32, one layer at a time, and round
+    the result once to the layer's own dtype. With `pure-bf16` the gathered weights are bf16, and
+    peft's merge in bf16 rounds at every step of DoRA's weight norm (W + BA) * m / ||W + BA||: the
+    merged model's logits then strayed from the adapter's by a few percent (found by
+    tests/trainer/test_feature_matrix.py). One layer's float32 copy at a time keeps rank 0's memory
+    at the gathered model's."""
+    from peft.tuners.lora import LoraLayer
+
+    for module in peft_model.modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        base = module.get_base_layer()
+        dtype = base.weight.dtype
+        module.float()
+        module.merge()
+        base.to(dtype)
 
 
 def _save_adapter(model: nn.Module, state: dict[str, Any], staging: Path) -> None:
     from peft import get_peft_model_state_dict
 
     staging.mkdir(parents=True, exist_ok=True)
-    adapter = get_peft_model_state_dict(model, state_dict=state)  # type: ignore[arg-type]
+    with compile_wrappers_removed(model):
+        adapter = get_peft_model_state_dict(model, state_dict=state)  # type: ignore[arg-type]
+    if not adapter:
+        raise RuntimeError("the LoRA adapter to export holds no tensor: peft matched none of the trained model's "
+                           f"{len(state)} state entries to its LoRA modules")
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in adapter.items()}, str(staging / "adapter_model.safetensors"))

@@ -119,3 +119,17 @@ def after_optimizer_step(model: nn.Module, fsdp: FsdpSpec) -> None:
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def plain_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with torchao's float8 all-gather weights (`WeightWithDynamicFloat8CastTensor`, which
+    holds the high-precision weight as `_tensor`) replaced by that plain tensor. FSDP2's full state
+    dict unwraps them as it all-gathers; on one rank nothing is gathered and the subclass stays,
+    which safetensors (the export) cannot save (found by tests/trainer/test_feature_matrix.py)."""
+    import sys
+
+    module = sys.modules.get("torchao.float8.fsdp_utils")  # loaded only when float8 is on
+    if module is None:
+        return state
+    wrapper = module.WeightWithDynamicFloat8CastTensor
+    return {key: (value._tensor if isinstance(value, wrapper) else value) for key, value in state.items()}

@@ -21,9 +21,10 @@ all-reduce-based reduce-scatter. CUDA keeps FSDP2's defaults.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -169,6 +170,29 @@ def apply_activation_checkpointing(layers: nn.ModuleList, mode: CheckpointingMod
 def apply_compile(layers: nn.ModuleList) -> None:
     for index, layer in enumerate(list(layers)):
         layers[index] = torch.compile(layer)  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def compile_wrappers_removed(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` with each `torch.compile` wrapper (`apply_compile`'s) swapped for the module it
+    compiled while the body runs, then put back; nothing is copied or recompiled.
+
+    Why: the wrapper adds `_orig_mod` to the module names, while torch.distributed.checkpoint's
+    state dicts leave it out of the keys. peft selects an adapter's entries of a state dict by the
+    names of its LoRA modules (`_get_tuner_state_dict_key_prefixes`), so on a compiled model it
+    matches none and the exported adapter would be empty."""
+    swapped: list[tuple[nn.Module, str, nn.Module]] = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            inner = getattr(child, "_orig_mod", None)
+            if isinstance(inner, nn.Module):
+                swapped.append((parent, name, child))
+                setattr(parent, name, inner)
+    try:
+        yield model
+    finally:
+        for parent, name, child in reversed(swapped):
+            setattr(parent, name, child)
 
 
 def _sharded_units(model: nn.Module, layers: nn.ModuleList, fsdp: FsdpSpec) -> list[nn.Module]:

@@ -465,6 +465,13 @@ class FsdpSpec(ApiModel):
             "supports bf16 and fp32, not fp16 with gradient scaling): set fsdp.mixedPrecision to bf16",
             field_path=".float8.enabled",
         ),
+        cel_rule(
+            "!self.compile || self.implementation == 'fsdp2'",
+            message="fsdp.compile with fsdp.implementation fsdp1: FSDP1's state dict keeps torch.compile's _orig_mod in "
+            "the decoder layers' parameter names, so its checkpoints cannot be resumed and its export does not load: "
+            "set fsdp.implementation to fsdp2 or fsdp.compile to false",
+            field_path=".compile",
+        ),
     )
 
     sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
@@ -1071,6 +1078,16 @@ EVALUATION_FSDP2_RULE = cel_rule(
 )
 
 
+DORA_FLOAT8_RULE = cel_rule(
+    "!has(self.training.lora) || !self.training.lora.enabled || !self.training.lora.useDora || "
+    "!self.fsdp.float8.enabled || self.fsdp.float8.recipe != 'tensorwise' || !self.fsdp.float8.allGather",
+    message="training.lora.useDora with fsdp.float8.allGather: DoRA's weight norm reads each base weight, which FSDP2 "
+    "then all-gathers as a float8 tensor that peft cannot dequantize (torchao): set fsdp.float8.allGather to false "
+    "or training.lora.useDora to false",
+    field_path=".fsdp.float8.allGather",
+)
+
+
 STREAMING_STEPS_RULE = cel_rule(
     "!self.dataset.streaming || has(self.training.maxSteps)",
     message="a streamed dataset (dataset.streaming) has no known length, so epochs cannot be counted: "
@@ -1083,7 +1100,7 @@ STREAMING_STEPS_RULE = cel_rule(
 class TrainingJobConfig(ApiModel):
     """The part of the spec the trainer reads (mounted into every worker as JSON)."""
 
-    model_config = api_config(STREAMING_STEPS_RULE, EVALUATION_FSDP2_RULE)
+    model_config = api_config(STREAMING_STEPS_RULE, EVALUATION_FSDP2_RULE, DORA_FLOAT8_RULE)
 
     model: ModelSpec
     """The pretrained model."""
@@ -1106,7 +1123,7 @@ class LlamaFineTuneSpec(TrainingJobConfig):
 
     model_config = api_config(
         HYBRID_GROUPS_RULE, HYBRID_DIVIDES_RULE, ELASTIC_HYBRID_RULE, LORA_FSDP1_RULE, HYBRID_WORLD_RULE,
-        METRICS_PORT_RULE, IMMUTABLE_BACKEND, STREAMING_STEPS_RULE, EVALUATION_FSDP2_RULE,
+        METRICS_PORT_RULE, IMMUTABLE_BACKEND, STREAMING_STEPS_RULE, EVALUATION_FSDP2_RULE, DORA_FLOAT8_RULE,
     )
 
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
