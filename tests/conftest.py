@@ -46,5 +46,11 @@ def need_etcd() -> str:
 
 # `--cpu-profile DIR`: each test's wall and CPU seconds (tests/cpu_profile.py, bench/suite_cpu.py);
 # the Hugging Face Hub API server on loopback (tests/hub): `hub_server` (session) and `hub_env`.
-from tests.cpu_profile import pytest_addoption, pytest_configure  # noqa: E402, F401
+from tests import cpu_profile, tiers  # noqa: E402
+from tests.cpu_profile import pytest_addoption  # noqa: E402, F401
 from tests.hub.fixture import hub_env, hub_server  # noqa: E402, F401
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    cpu_profile.pytest_configure(config)
+    tiers.register(config)  # the slow tier, marked by what starts processes (tests/tiers.py)

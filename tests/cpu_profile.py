@@ -36,7 +36,8 @@ class CpuProfile:
         yield
         own_after, children_after = cpu_seconds()
         self.rows.append({"id": item.nodeid, "wall": time.monotonic() - started,
-                          "self": own_after - own, "children": children_after - children})
+                          "self": own_after - own, "children": children_after - children,
+                          "tier": "slow" if item.get_closest_marker("slow") else "unit"})
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if not self.rows:

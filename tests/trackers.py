@@ -23,6 +23,7 @@ import pytest
 from llamaft_trainer.local_etcd import free_port, parent_death_signal
 
 from tests.conftest import REPO
+from tests.tiers import starts_processes
 
 START_TIMEOUT_S = 120
 """A cold `mlflow server` creates its sqlite schema (alembic migrations) before it answers."""
@@ -40,6 +41,7 @@ def need_mlflow() -> str:
     return found
 
 
+@starts_processes
 class MlflowServer:
     """`mlflow server` on 127.0.0.1; `stop()` kills it (a tracker that disappears), `start()`
     brings it back on the same port and store."""

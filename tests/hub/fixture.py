@@ -36,6 +36,7 @@ import pytest
 from llamaft_trainer.local_etcd import free_port, parent_death_signal
 
 from tests.hub.server import HEALTH
+from tests.tiers import starts_processes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PLURAL = {"model": "models", "dataset": "datasets"}
@@ -59,6 +60,7 @@ def _datasets_config() -> Any:
     return datasets.config
 
 
+@starts_processes
 class HubServer:
     """`with HubServer() as hub: hub.endpoint` -> "http://127.0.0.1:<port>" (olah + HubCompat)."""
 

@@ -21,6 +21,7 @@ from llamaft_trainer.local_etcd import LocalEtcd, free_port
 
 from tests.conftest import REPO, need_etcd
 from tests.operator.emulator import EmulatorThread, write_kubeconfig
+from tests.tiers import starts_processes
 
 T = TypeVar("T")
 GROUP, VERSION, PLURAL = "llamaft.io", "v1alpha1", "llamafinetunes"
@@ -44,6 +45,7 @@ def wait_for(what: str, fn: Callable[[], T | None], timeout: float = 30.0, inter
     raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
 
+@starts_processes
 class Operator:
     """`kopf run --standalone -A -m llamaft.operator.handlers` against the emulator."""
 
@@ -221,6 +223,7 @@ def close_rendezvous(endpoint: str, rdzv_id: str, backend: str = "etcd-v2") -> N
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def etcd() -> Iterator[LocalEtcd]:
     """A real etcd (v2 API on) on loopback, for rendezvous resets and torchrun's etcd backends."""
     need_etcd()

@@ -73,6 +73,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tests.operator.emulator import merge_diff, now_rfc3339
+from tests.tiers import starts_processes
 
 Obj = dict[str, Any]
 T = TypeVar("T")
@@ -369,6 +370,7 @@ def _stop_all_at_exit() -> None:
 atexit.register(_stop_all_at_exit)
 
 
+@starts_processes
 class SimCluster:
     """`SimCluster(api_url, etcd_endpoint, nodes=2, workdir=...).start()` ... `.stop()`.
 

@@ -27,6 +27,7 @@ from tests.conftest import REPO, need_etcd
 from tests.operator.conftest import CHECKPOINT_CLAIM as CHECKPOINT_CLAIM  # re-exported
 from tests.operator.emulator import EmulatorThread
 from tests.operator.sim import SimCluster
+from tests.tiers import starts_processes
 
 DATASET = REPO / "examples" / "data" / "samsum-tiny.jsonl"
 TORCH_DISTRIBUTED = REPO / "tests" / "fixtures" / "upstream" / "kubeflow-trainer-v2.3" / "torch_distributed_runtime.yaml"
@@ -92,6 +93,7 @@ def tiny_finetune(name: str, model: Path, **overrides: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module", name="sim_etcd")
+@starts_processes
 def sim_etcd_fixture() -> Iterator[LocalEtcd]:
     """One real etcd (v2 API) for every "etcd" of the module's clusters; runs use unique ids."""
     need_etcd()
@@ -108,6 +110,7 @@ def sim_emulator_fixture() -> Iterator[EmulatorThread]:
 
 
 @pytest.fixture(name="make_sim")
+@starts_processes
 def make_sim_fixture(sim_emulator: EmulatorThread, sim_etcd: LocalEtcd, tmp_path: Path) -> Iterator[Callable[..., SimCluster]]:
     """make_sim(nodes=2, **SimCluster options) -> a started SimCluster on this test's emulator, with
     CHECKPOINT_CLAIM backed by `checkpoint_folder(tmp_path)` besides the `claims` given.

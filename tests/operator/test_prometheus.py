@@ -21,6 +21,7 @@ from llamaft.render.naming import Owner
 
 from tests.conftest import need_binary
 from tests.operator.conftest import Cluster, Operator, free_port, tiny_spec, wait_for
+from tests.tiers import starts_processes
 
 pytestmark = pytest.mark.slow
 NAME, POD = "gpuh", "gpuh-1-worker-0"
@@ -65,6 +66,7 @@ def serve() -> tuple[ThreadingHTTPServer, int]:
 
 
 @pytest.fixture(scope="module")
+@starts_processes
 def prometheus() -> Iterator[str]:
     binary = need_binary("prometheus", "prometheus")
     from llamaft_trainer.metrics import Progress

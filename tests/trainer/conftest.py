@@ -13,6 +13,7 @@ from typing import Any
 from llamaft_trainer.local_etcd import free_port
 
 from tests.conftest import REPO
+from tests.tiers import starts_processes
 
 DATASET = REPO / "examples" / "data" / "samsum-tiny.jsonl"
 HARNESS = Path(__file__).with_name("harness.py")
@@ -29,6 +30,7 @@ def trainer_env(**extra: str) -> dict[str, str]:
     return env
 
 
+@starts_processes
 def torchrun_cmd(nproc: int, *args: str, port: int | None = None) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
@@ -36,6 +38,7 @@ def torchrun_cmd(nproc: int, *args: str, port: int | None = None) -> list[str]:
     ]
 
 
+@starts_processes
 def run_harness(tmp: Path, nproc: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
     cases_file, out_file = tmp / f"cases-{nproc}.json", tmp / f"out-{nproc}.json"
     cases_file.write_text(json.dumps(cases))
@@ -61,6 +64,7 @@ def base_config(model: Path, checkpoint_dir: Path, **overrides: Any) -> dict[str
     return cfg
 
 
+@starts_processes
 def launch_trainer(config: dict[str, Any], tmp: Path, name: str, nproc: int = 2) -> subprocess.Popen[str]:
     """`torchrun -m llamaft_trainer` on a config written to tmp/<name>.json, output on stdout."""
     path = tmp / f"{name}.json"
