@@ -313,6 +313,33 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_data_preview(args: argparse.Namespace) -> int:
+    """The first examples of the file's dataset exactly as the trainer will see them (tokens, what
+    carries loss, truncation, packing), through the trainer's own code (llamaft_trainer.preview).
+    Bad input (the file, a missing path, a record without its fields) exits 1 naming the field."""
+    from llamaft.local import missing_inputs
+    from llamaft.manifests import load_finetune
+
+    _, spec = load_finetune(args.file)  # SpecInvalid: main reports it, exit 1
+    problems = missing_inputs(spec)  # what run --local checks before torchrun starts
+    if problems:
+        _print_errors("error", problems, sys.stderr)
+        return 1
+    with _without_torchao():
+        from llamaft_trainer.errors import ConfigError
+        from llamaft_trainer.preview import preview, render_json, render_text, use_colour
+
+        try:
+            result = preview(spec.training_config(), count=args.examples, split=args.split,
+                             store=Path(args.store) if args.store else None)
+        except ConfigError as exc:
+            _print_errors("error", str(exc).splitlines(), sys.stderr)
+            return 1
+    sys.stdout.write(render_json(result) if args.json else render_text(result, use_colour(args.color, sys.stdout,
+                                                                                           os.environ)))
+    return 0
+
+
 def _cmd_render(args: argparse.Namespace) -> int:
     """Every object the operator would create for the file's LlamaFineTune, as YAML. When the
     operator would refuse it (the API server's schema and rules, the children's admission checks,
@@ -536,6 +563,27 @@ def build_parser() -> argparse.ArgumentParser:
     op.add_argument("--json-logs", action="store_true", help="structured JSON log lines")
     op.add_argument("--verbose", action="store_true")
     op.set_defaults(func=_cmd_operator)
+
+    data = sub.add_parser("data", help="look at a LlamaFineTune's data as the trainer will see it")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    data_preview = data_sub.add_parser(
+        "preview", help="the first examples as the trainer tokenizes them, loss-carrying tokens marked",
+        description="Tokenize FILE's dataset exactly as the trainer does (its tokenizer, its token store, the same "
+                    "key) and show the first examples of a split: the decoded text with the tokens that carry loss "
+                    "marked, token and loss counts, what truncation to dataset.maxSeqLength removed, and with "
+                    "packing the blocks. No GPU, no torchrun. Exit status 0, or 1 for bad input.")
+    data_preview.add_argument("file", help="YAML file with one LlamaFineTune")
+    data_preview.add_argument("--examples", type=_positive_int, default=3, metavar="N", help="examples to show (default 3)")
+    data_preview.add_argument("--split", choices=["train", "validation"], default="train",
+                              help="the part of the store to show (default train)")
+    data_preview.add_argument("--json", action="store_true",
+                              help="one JSON document: token ids, loss flags, spans, counts, truncation, packing")
+    data_preview.add_argument("--color", choices=["auto", "always", "never"], default="auto",
+                              help="mark loss in colour (auto: on a terminal, unless NO_COLOR is set) or with [[...]]")
+    data_preview.add_argument("--store", metavar="DIR",
+                              help="build (or reuse) the token store here and keep it (default: a temporary directory, "
+                                   "removed at the end); <checkpointing.directory>/data is the trainer's own")
+    data_preview.set_defaults(func=_cmd_data_preview)
 
     tiny = sub.add_parser("make-tiny-model", help="build a tiny random-init Llama + tokenizer (no downloads)")
     tiny.add_argument("output", help="directory to write (save_pretrained layout)")
