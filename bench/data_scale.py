@@ -99,7 +99,7 @@ def store_worker(cfg: dict[str, Any], out: Path) -> None:
     `skip` micro-batches in (a resumed attempt starts mid-epoch)."""
     import torch.distributed as dist
     from llamaft.api.spec import DatasetSpec
-    from llamaft_trainer import data as d
+    from llamaft_trainer.inputs import build_data
     from llamaft_trainer.runtime import init_runtime
     from transformers import AutoTokenizer
 
@@ -108,7 +108,7 @@ def store_worker(cfg: dict[str, Any], out: Path) -> None:
     spec = DatasetSpec.model_validate(cfg["dataset"])
     dist.barrier()
     rss0, anon0, peak0, started = rss_mb(), anon_mb(), peak_mb(), time.perf_counter()
-    data = d.build_data(spec, tok, 4, 0, rt, cfg["checkpoints"])
+    data = build_data(spec, tok, 4, 0, rt, cfg["checkpoints"])
     prepared = time.perf_counter() - started
     batches = data.batches(epoch=0, skip=cfg["skip"])
     next(batches)

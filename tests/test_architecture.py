@@ -195,3 +195,72 @@ def test_the_trainer_imports_public_torch_only() -> None:
 ])
 def test_a_private_torch_import_is_found(source: str, private: bool) -> None:
     assert bool(private_torch_imports("llamaft_trainer.x", source)) is private
+
+
+def import_cycles(sources: dict[str, tuple[str, bool]]) -> list[list[str]]:
+    """Groups of modules that import each other, directly or round a loop (strongly connected
+    components of the import graph; imports inside functions and TYPE_CHECKING blocks count: a
+    lazy import hides a cycle from the interpreter, not from a reader). `sources`: module ->
+    (source text, whether it is a package's __init__)."""
+    known = set(sources)
+
+    def resolve(target: str) -> str | None:
+        parts = target.split(".")
+        for end in range(len(parts), 0, -1):
+            if ".".join(parts[:end]) in known:
+                return ".".join(parts[:end])
+        return None
+
+    graph = {module: sorted({t for _, target in imported_modules(module, text, package)
+                             if (t := resolve(target)) is not None and t != module})
+             for module, (text, package) in sources.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(cycles)
+
+
+def test_no_module_imports_itself_round_a_loop() -> None:
+    """Modules that share something share it through a module both import (issue 40: a cycle
+    means two modules hold one piece of knowledge between them)."""
+    sources = {module: (path.read_text(encoding="utf-8"), path.name == "__init__.py") for module, path in modules()}
+    assert import_cycles(sources) == []
+
+
+def test_a_cycle_is_found_through_lazy_and_type_checking_imports() -> None:
+    sources = {
+        "llamaft.sweep.report": ("def f():\n    from llamaft.sweep import chart\n", False),
+        "llamaft.sweep.chart": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from llamaft.sweep.report import P\n", False),
+        "llamaft.sweep.point": ("import json\n", False),
+        "llamaft.sweep": ("from llamaft.sweep.report import f\n", True),
+    }
+    assert import_cycles(sources) == [["llamaft.sweep.chart", "llamaft.sweep.report"]]
+    sources["llamaft.sweep.chart"] = ("from llamaft.sweep.point import P\n", False)
+    assert import_cycles(sources) == []

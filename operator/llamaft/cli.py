@@ -245,7 +245,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     timed out, 2 for bad input."""
     from llamaft.sweep import SweepError, plan_sweep, write_outputs
     from llamaft.sweep.plan import parse_sizes
-    from llamaft.sweep.report import table, with_scaling
+    from llamaft.sweep.point import with_scaling
+    from llamaft.sweep.report import table
 
     if args.local and args.at_once:
         print("llamaft sweep: error: --at-once is for a cluster: here the sizes run one after another (they would share "
@@ -356,8 +357,8 @@ def _cmd_render(args: argparse.Namespace) -> int:
     from llamaft.render import trainjob
     from llamaft.render.admission import PLACEHOLDER_UID
     from llamaft.render.backends import backend_for
-    from llamaft.render.desired import desired_objects
     from llamaft.render.naming import Owner
+    from llamaft.render.objects import desired_objects
 
     if not 1 <= args.attempt <= MAX_ATTEMPTS:
         print(f"error: --attempt must be 1..{MAX_ATTEMPTS}", file=sys.stderr)

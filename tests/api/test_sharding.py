@@ -62,6 +62,21 @@ def test_a_shard_group_that_does_not_divide_the_world_is_refused() -> None:
         plan_sharding(fsdp(shardingStrategy="HYBRID_SHARD", hybridShard={"shardGroupSize": 3, "replicaGroupSize": 3}), 8, 4)
 
 
+@pytest.mark.parametrize(("fields", "world", "local", "strategy"), [
+    ({"implementation": "fsdp1"}, 4, 4, ShardingStrategy.FULL_SHARD),
+    ({"implementation": "fsdp1", "shardingStrategy": "SHARD_GRAD_OP"}, 4, 4, ShardingStrategy.SHARD_GRAD_OP),
+    ({"implementation": "fsdp1", "shardingStrategy": "NO_SHARD"}, 4, 2, ShardingStrategy.NO_SHARD),
+    ({"implementation": "fsdp1", "shardingStrategy": "HYBRID_SHARD"}, 8, 4, ShardingStrategy.HYBRID_SHARD),
+    # shard groups of one rank: FSDP1's HYBRID_SHARD would skip the replicas' all-reduce
+    ({"implementation": "fsdp1", "shardingStrategy": "HYBRID_SHARD"}, 2, 1, ShardingStrategy.NO_SHARD),
+    ({"implementation": "fsdp1", "shardingStrategy": "HYBRID_SHARD",
+      "hybridShard": {"shardGroupSize": 1, "replicaGroupSize": 2}}, 2, 2, ShardingStrategy.NO_SHARD),
+])
+def test_fsdp1_gets_the_plans_strategy(fields: dict[str, Any], world: int, local: int,
+                                       strategy: ShardingStrategy) -> None:
+    assert plan_sharding(fsdp(**fields), world, local).fsdp1_strategy is strategy
+
+
 def test_shard_grad_op_alone_keeps_parameters_gathered_after_forward() -> None:
     assert [plan_sharding(fsdp(shardingStrategy=s.value), 4, 4, force_fsdp=True).reshard_after_forward
             for s in ShardingStrategy] == [s is not ShardingStrategy.SHARD_GRAD_OP for s in ShardingStrategy]

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from llamaft.api.spec import LlamaFineTuneSpec
 from llamaft.api.validation import SpecInvalid, validate_resource, validate_spec
-from llamaft.render import desired
+from llamaft.render import desired, objects
 from llamaft.render.naming import Owner
 
 from tests.conftest import EXAMPLES
@@ -116,7 +116,7 @@ def test_rendezvous_id_is_unique_per_attempt_and_never_none() -> None:
 
 def test_managed_etcd_objects() -> None:
     spec = example("llama2-7b.yaml")
-    objs = desired.desired_objects(OWNER, spec, 1)
+    objs = objects.desired_objects(OWNER, spec, 1)
     assert [o["kind"] for o in objs] == ["ConfigMap", "Deployment", "Service", "PodMonitor", "PrometheusRule", "ConfigMap", "PyTorchJob"]
     deployment = objs[1]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
@@ -128,7 +128,7 @@ def test_managed_etcd_objects() -> None:
 
 def test_external_etcd_and_c10d_need_no_managed_etcd() -> None:
     spec = validate_spec({**example("minimal.yaml").to_k8s(), "rendezvous": {"endpoint": "etcd.shared:2379"}})
-    assert [o["kind"] for o in desired.desired_objects(OWNER, spec, 1)] == ["ConfigMap", "PodMonitor", "PrometheusRule", "ConfigMap", "PyTorchJob"]
+    assert [o["kind"] for o in objects.desired_objects(OWNER, spec, 1)] == ["ConfigMap", "PodMonitor", "PrometheusRule", "ConfigMap", "PyTorchJob"]
     assert desired.pytorch_job(OWNER, spec, 1)["spec"]["elasticPolicy"]["rdzvHost"] == "etcd.shared"
     c10d = validate_spec({**example("minimal.yaml").to_k8s(), "rendezvous": {"backend": "c10d"}})
     policy = desired.pytorch_job(OWNER, c10d, 2)["spec"]["elasticPolicy"]

@@ -23,7 +23,7 @@ from llamaft.operator.kube import ForeignObject
 from llamaft.operator.metrics import FINETUNES
 from llamaft.operator.settings import OperatorSettings
 from llamaft.operator.step import Step
-from llamaft.render import desired
+from llamaft.render import objects
 from llamaft.render.naming import Owner
 
 from tests.operator.conftest import tiny_spec
@@ -188,8 +188,8 @@ def test_a_step_of_an_unchanged_generation_does_not_render_the_children(monkeypa
     step, kube = step_with({})
     reconcile(step)
     rendered: list[Any] = []
-    real = desired.children
-    monkeypatch.setattr(desired, "children", lambda *a, **k: rendered.append(a) or real(*a, **k))
+    real = objects.children
+    monkeypatch.setattr(objects, "children", lambda *a, **k: rendered.append(a) or real(*a, **k))
     obj = {"apiVersion": "llamaft.io/v1alpha1", "kind": "LlamaFineTune",
            "metadata": {"name": "x", "namespace": "default", "uid": UID, "generation": 1}, "spec": tiny_spec(), "status": {}}
     spec = specs.cached_spec(step.memo, obj["spec"])

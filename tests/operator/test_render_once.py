@@ -14,7 +14,7 @@ from llamaft.operator.children import adopted
 from llamaft.operator.settings import OperatorSettings
 from llamaft.operator.state import new_memo, object_state
 from llamaft.operator.step import Step
-from llamaft.render import admission, desired
+from llamaft.render import admission, objects
 from llamaft.render.naming import Owner
 
 from tests.operator.conftest import tiny_spec
@@ -40,10 +40,10 @@ def step_with(settings: OperatorSettings | None = None) -> tuple[Step, Recording
 
 @pytest.fixture
 def renders(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Every call of desired.children (the operator's and the checker's render of the children)."""
+    """Every call of objects.children (the operator's and the checker's render of the children)."""
     calls: list[Any] = []
-    real = desired.children
-    monkeypatch.setattr(desired, "children", lambda *a, **k: calls.append(a) or real(*a, **k))
+    real = objects.children
+    monkeypatch.setattr(objects, "children", lambda *a, **k: calls.append(a) or real(*a, **k))
     return calls
 
 

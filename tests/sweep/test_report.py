@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 from llamaft.sweep import chart
-from llamaft.sweep.report import Point, from_performance, table, with_scaling, write_outputs
+from llamaft.sweep.point import Point, from_performance, with_scaling
+from llamaft.sweep.report import table, write_outputs
 
 
 def measured(workers: int, tps: float, devices_per_worker: int = 8) -> Point:

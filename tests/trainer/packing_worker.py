@@ -71,12 +71,12 @@ def case(cfg: TrainingJobConfig, steps: int, rt: Runtime) -> dict[str, Any]:
     mine = [rt.rank + k * rt.world_size for k in range(BLOCKS_PER_RANK)]
     packed_batches = [collate([train[i]]) for i in mine]
     examples = [e for i in mine for e in train.block(i)]
-    alone = [collate([d._item(*train.part.example(e))]) for e in examples]
+    alone = [collate([d.training_item(*train.part.example(e))]) for e in examples]
     # Under FSDP every rank runs as many forwards as the others: pad with batches that carry no label.
     most = torch.tensor([len(alone)])
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
     for _ in range(int(most) - len(alone)):
-        filler = collate([d._item(*train.part.example(examples[0]))])
+        filler = collate([d.training_item(*train.part.example(examples[0]))])
         filler["labels"].fill_(d.IGNORE_INDEX)
         alone.append(filler)
     chunks = cfg.training.loss_chunks

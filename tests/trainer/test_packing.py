@@ -281,7 +281,7 @@ def test_packed_examples_have_the_losses_and_gradients_they_have_alone(
     model.zero_grad(set_to_none=True)
     alone_total, alone_targets, alone_each = 0.0, 0, {}
     for e in range(len(part)):
-        batch = collate([d._item(*part.example(e))])
+        batch = collate([d.training_item(*part.example(e))])
         loss, n = token_loss_sum(model, batch, CPU, 1)
         loss.backward()
         alone_total, alone_targets = alone_total + float(loss.detach()), alone_targets + n
@@ -303,7 +303,7 @@ def test_packed_examples_have_the_losses_and_gradients_they_have_alone(
             loss.backward(retain_graph=True)
             packed_one = grads(model)
             model.zero_grad(set_to_none=True)
-            token_loss_sum(model, collate([d._item(*part.example(by_tokens[key]))]), CPU)[0].backward()
+            token_loss_sum(model, collate([d.training_item(*part.example(by_tokens[key]))]), CPU)[0].backward()
             assert_grads_close(packed_one, grads(model))
 
 

@@ -14,7 +14,7 @@ import yaml
 from llamaft.api.resource import MAX_ATTEMPTS, MAX_NAME_LENGTH
 from llamaft.api.spec import LlamaFineTuneSpec, TrainingJobConfig
 from llamaft.api.validation import validate_resource, validate_spec
-from llamaft.render import admission, desired
+from llamaft.render import admission, desired, objects
 from llamaft.render.admission import PLACEHOLDER_UID, child_errors, schema_errors
 from llamaft.render.naming import Owner
 
@@ -43,7 +43,7 @@ def test_the_longest_name_fits_everywhere() -> None:
     namespace = "n" * 63
     assert child_errors(spec, name, namespace, attempt=MAX_ATTEMPTS) == []
     owner = Owner(name, namespace, PLACEHOLDER_UID)
-    for child in desired.desired_objects(owner, spec, MAX_ATTEMPTS):
+    for child in objects.desired_objects(owner, spec, MAX_ATTEMPTS):
         assert len(child["metadata"]["name"]) <= 63
         assert all(len(v) <= 63 for v in child["metadata"]["labels"].values())
     assert len(f"{owner.job_name(MAX_ATTEMPTS)}-worker-4095") == 63
@@ -100,7 +100,7 @@ def test_one_template_is_checked_once_and_names_are_checked_each_time(monkeypatc
 def _objects() -> dict[str, dict[str, Any]]:
     spec = validate_resource(EXAMPLE_DOCS["llama2-7b.yaml"])
     return {o["kind"] + ("-dash" if o["metadata"]["name"].endswith("dashboard") else ""): o
-            for o in desired.desired_objects(Owner("x", "ns", PLACEHOLDER_UID), spec, 1)}
+            for o in objects.desired_objects(Owner("x", "ns", PLACEHOLDER_UID), spec, 1)}
 
 
 @pytest.mark.parametrize(("kind", "path", "value", "expected"), [

@@ -73,7 +73,7 @@ DEFAULT_RESPONSE = {DatasetFormat.SAMSUM: "summary", DatasetFormat.ALPACA: "outp
 BUILD_TIMEOUT = timedelta(hours=12)
 """How long the other ranks wait for the store's builder (a 10^6-record set takes minutes)."""
 
-__all__ = ["IGNORE_INDEX", "Data", "build_data", "read_numbered"]
+__all__ = ["IGNORE_INDEX", "Data", "loaders", "prepared_store", "read_numbered"]
 
 
 @dataclass(frozen=True)
@@ -537,7 +537,7 @@ class PaddedExamples(Dataset[dict[str, torch.Tensor]]):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         tokens, loss = self.part.example(index)
-        return _item(tokens, loss)
+        return training_item(tokens, loss)
 
 
 class PackedBlocks(Dataset[dict[str, torch.Tensor]]):
@@ -553,7 +553,7 @@ class PackedBlocks(Dataset[dict[str, torch.Tensor]]):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         tokens, loss = self.part.span(index * self.max_len, (index + 1) * self.max_len)
-        return _item(tokens, loss)
+        return training_item(tokens, loss)
 
 
 class PackedExamples(Dataset[dict[str, torch.Tensor]]):
@@ -580,7 +580,7 @@ class PackedExamples(Dataset[dict[str, torch.Tensor]]):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         pieces = [self.part.example(i) for i in self.block(index)]
-        item = _item(np.concatenate([t for t, _ in pieces]), np.concatenate([f for _, f in pieces]))
+        item = training_item(np.concatenate([t for t, _ in pieces]), np.concatenate([f for _, f in pieces]))
         lengths = [len(t) for t, _ in pieces]
         starts = np.cumsum([0, *lengths[:-1]])
         item["labels"][torch.from_numpy(starts)] = IGNORE_INDEX
@@ -596,7 +596,8 @@ def packed_dataset(part: store_mod.Part, spec: DatasetSpec, validation: bool) ->
     return PackedExamples(part, spec.max_seq_length)
 
 
-def _item(tokens: np.ndarray[Any, Any], loss: np.ndarray[Any, Any]) -> dict[str, torch.Tensor]:
+def training_item(tokens: np.ndarray[Any, Any], loss: np.ndarray[Any, Any]) -> dict[str, torch.Tensor]:
+    """One sequence as the model's inputs: ids, labels (IGNORE_INDEX where no loss), attention mask."""
     ids = torch.from_numpy(np.array(tokens, dtype=np.int64))
     labels = torch.where(torch.from_numpy(np.array(loss, dtype=np.bool_)), ids, IGNORE_INDEX)
     return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
@@ -743,20 +744,3 @@ def loaders(store: store_mod.Store, spec: DatasetSpec, pad_id: int, batch_size: 
         validation = None
     return Data(train, validation, loader, val_loader, sampler, batch_size, store.path,
                 info={"train_sequences": n_train})
-
-
-def build_data(
-    spec: DatasetSpec, tok: PreTrainedTokenizerBase, batch_size: int, seed: int, rt: Runtime, checkpoint_directory: str,
-) -> Data:
-    """The run's data: from the token store (built once, reused by later attempts), or a stream."""
-    pad_id = int(tok.pad_token_id)
-    root, shared = store_root(checkpoint_directory)
-    if spec.streaming:
-        from llamaft_trainer.streaming import streaming_data
-
-        return streaming_data(spec, tok, batch_size, seed, rt, root if shared or rt.world_size == 1 else None)
-    started = time.perf_counter()
-    store = prepared_store(spec, tok, seed, rt, root, shared)
-    data = loaders(store, spec, pad_id, batch_size, seed, rt.rank, rt.world_size)
-    data.info["data_seconds"] = round(time.perf_counter() - started, 3)
-    return data

@@ -117,7 +117,9 @@ def _merge_in_full_precision(peft_model: nn.Module) -> None:
         if not isinstance(module, LoraLayer):
             continue
         base = module.get_base_layer()
-        dtype = base.weight.dtype
+        weight = base.weight
+        assert isinstance(weight, torch.Tensor)
+        dtype = weight.dtype
         module.float()
         module.merge()
         base.to(dtype)

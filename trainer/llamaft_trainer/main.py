@@ -35,7 +35,7 @@ from llamaft.api.validation import SpecInvalid, validate_resource
 from torch import nn
 
 from llamaft_trainer import data as data_step
-from llamaft_trainer import elastic, float8, kubeflow_progress, loading, termination, tracking
+from llamaft_trainer import elastic, float8, inputs, kubeflow_progress, loading, termination, tracking
 from llamaft_trainer import model as model_step
 from llamaft_trainer.checkpoint import Checkpointer, RunState, TrainState
 from llamaft_trainer.errors import EXIT_CONFIG_ERROR, EXIT_FAILURE, ConfigError
@@ -125,7 +125,7 @@ def setup(cfg: TrainingJobConfig, rt: Runtime) -> Session:
     tokenizer = model_step.load_tokenizer(cfg.model, rt)
     model_config = model_step.load_config(cfg.model, rt)
     data_step.check_sequence_length(cfg.dataset, getattr(model_config, "max_position_embeddings", None))
-    data = data_step.build_data(
+    data = inputs.build_data(
         cfg.dataset, tokenizer, cfg.training.per_device_batch_size, cfg.training.seed, rt, cfg.checkpointing.directory,
     )
     plan = sharding_plan(cfg.fsdp, rt)

@@ -318,9 +318,11 @@ class AllToAllReduceScatter(PlainReduceScatter):
         return None
 
 
-def apply_fsdp1(model: nn.Module, fsdp: FsdpSpec, mesh: DeviceMesh, device: torch.device) -> nn.Module:
-    """FSDP1 (FullyShardedDataParallel). HYBRID_SHARD always gets the 2-D device mesh: without one
-    FSDP1 silently degrades it to NO_SHARD on CPU and the ranks diverge."""
+def apply_fsdp1(model: nn.Module, fsdp: FsdpSpec, plan: ShardingPlan, mesh: DeviceMesh,
+                device: torch.device) -> nn.Module:
+    """FSDP1 (FullyShardedDataParallel) with the plan's FSDP1 strategy. HYBRID_SHARD always gets
+    the 2-D device mesh: without one FSDP1 silently degrades it to NO_SHARD on CPU and the ranks
+    diverge."""
     from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel
     from torch.distributed.fsdp import MixedPrecision as Fsdp1Precision
     from torch.distributed.fsdp import ShardingStrategy as Fsdp1Strategy
@@ -334,18 +336,14 @@ def apply_fsdp1(model: nn.Module, fsdp: FsdpSpec, mesh: DeviceMesh, device: torc
     else:
         wrap = partial(size_based_auto_wrap_policy, min_num_params=fsdp.wrap_policy.min_num_params)
     kwargs: dict[str, Any] = {}
-    strategy = Fsdp1Strategy[fsdp.sharding_strategy.value]
-    if mesh.ndim == 2 and mesh.size(1) == 1:
-        # Shard groups of one rank are pure replication. FSDP1 HYBRID_SHARD on such a mesh skips
-        # the replicate all-reduce and the ranks diverge (seen with torch 2.13), so use NO_SHARD.
-        strategy = Fsdp1Strategy.NO_SHARD
-    elif fsdp.sharding_strategy is ShardingStrategy.HYBRID_SHARD:
+    strategy = plan.fsdp1_strategy
+    if strategy is ShardingStrategy.HYBRID_SHARD:
         kwargs["device_mesh"] = mesh
-    else:
-        kwargs["process_group"] = mesh.get_group("shard") if mesh.ndim == 1 else None
+    elif mesh.ndim == 1:
+        kwargs["process_group"] = mesh.get_group("shard")
     return FullyShardedDataParallel(
         model,
-        sharding_strategy=strategy,
+        sharding_strategy=Fsdp1Strategy[strategy.value],
         mixed_precision=Fsdp1Precision(
             param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype, buffer_dtype=torch.float32
         ),
@@ -379,7 +377,7 @@ def parallelize(model: nn.Module, fsdp: FsdpSpec, plan: ShardingPlan, mesh: Devi
     if mesh is None:
         raise ValueError(f"the sharding plan wraps with {plan.wrapper.value}: it needs a device mesh")
     if plan.wrapper is Wrapper.FSDP1:
-        return apply_fsdp1(model, fsdp, mesh, device)
+        return apply_fsdp1(model, fsdp, plan, mesh, device)
     return apply_fsdp2(model, fsdp, plan, mesh)
 
 

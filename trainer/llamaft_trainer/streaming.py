@@ -150,7 +150,7 @@ class Stream:
                 block_loss = loss[used:used + group * length][mine]
                 used += group * length
                 yield self.collate([
-                    data_mod._item(block_ids[i * length:(i + 1) * length], block_loss[i * length:(i + 1) * length])
+                    data_mod.training_item(block_ids[i * length:(i + 1) * length], block_loss[i * length:(i + 1) * length])
                     for i in range(self.batch_size)
                 ])
             ids, loss = ids[used:], loss[used:]
@@ -180,7 +180,7 @@ class Stream:
             pending = pending[used:]
 
     def _batch(self, encoded: store_mod.Part) -> dict[str, torch.Tensor]:
-        return self.collate([data_mod._item(*encoded.example(i)) for i in range(len(encoded))])
+        return self.collate([data_mod.training_item(*encoded.example(i)) for i in range(len(encoded))])
 
     def validation(self) -> store_mod.Part | None:
         n = self.skip_records

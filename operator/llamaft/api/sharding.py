@@ -93,6 +93,15 @@ class ShardingPlan:
         return self.strategy is not ShardingStrategy.SHARD_GRAD_OP
 
     @property
+    def fsdp1_strategy(self) -> ShardingStrategy:
+        """The strategy FSDP1 is given. Shard groups of one rank are pure replication, and FSDP1
+        HYBRID_SHARD over such a mesh skips the replicate all-reduce so the ranks diverge (seen
+        with torch 2.13): those run as NO_SHARD."""
+        if len(self.mesh_shape) == 2 and self.shard_size == 1:
+            return ShardingStrategy.NO_SHARD
+        return self.strategy
+
+    @property
     def gradient_sync(self) -> GradientSync:
         """What the training loop does on a micro-step that does not complete the optimizer step."""
         if self.wrapper is Wrapper.DDP or (self.wrapper is Wrapper.FSDP1 and self.strategy is ShardingStrategy.NO_SHARD):

@@ -17,7 +17,7 @@ from llamaft.operator import lifecycle, observe
 from llamaft.operator.kube import ForeignObject, Kube, MonitoringUnavailable, owned_by
 from llamaft.operator.settings import OperatorSettings
 from llamaft.operator.state import Obj, now, object_state, operator_state, wake
-from llamaft.render import desired
+from llamaft.render import objects
 from llamaft.render.naming import LABEL_FINETUNE, Owner
 
 PRUNABLE = ("ConfigMap", "Deployment", "Service", "PrometheusRule")
@@ -177,7 +177,7 @@ class ChildReconciler:
         handed, own.rendered = own.rendered, None
         if handed is not None and handed[0] == source:
             return copy.deepcopy(handed[1])  # type: ignore[no-any-return]
-        return desired.children(owner, spec, self.settings.etcd_image, dict(self.settings.dashboard_labels))
+        return objects.children(owner, spec, self.settings.etcd_image, dict(self.settings.dashboard_labels))
 
     def _indexed_children(self) -> dict[str, list[Obj]]:
         """This LlamaFineTune's labelled children as kopf's index has them ({} without the index)."""

@@ -39,6 +39,7 @@ from typing import Any
 
 from llamaft.api import contracts
 from llamaft.api.contracts import FailedReport, FailureReason, SucceededReport
+from llamaft.render.backends import TRAINER_CONTAINERS
 
 Obj = Mapping[str, Any]
 
@@ -110,15 +111,10 @@ def trainer_report(message: str | None) -> SucceededReport | FailedReport | None
     return contracts.read_termination(doc)
 
 
-TRAINER_CONTAINERS = (None, "pytorch", "node")
-"""The trainer container: `pytorch` in a PyTorchJob's pods, `node` in a TrainJob's (the
-torch-distributed runtime's container, which llamaft's runtimePatches patch)."""
-
-
 def terminated(pod: Obj) -> dict[str, Any] | None:
     """The trainer container's terminated state (current or last), if it has ended."""
     for cs in pod.get("status", {}).get("containerStatuses", []) or []:
-        if cs.get("name") not in TRAINER_CONTAINERS:
+        if cs.get("name") not in (None, *TRAINER_CONTAINERS):  # None: a status that names no container
             continue
         for key in ("state", "lastState"):
             state = (cs.get(key) or {}).get("terminated")

@@ -2,7 +2,7 @@
 it as the cluster will, before anything is created.
 
 `checked_children(owner, spec, ...)` (the operator's check, once per generation) renders the
-objects of an attempt once (`desired.children`: ConfigMap, managed etcd, PodMonitor,
+objects of an attempt once (`objects.children`: ConfigMap, managed etcd, PodMonitor,
 PrometheusRule, dashboard; and the attempt's PyTorchJob, with `backend: TrainJob` the TrainJob of
 llamaft.render.trainjob instead), checks exactly those and returns the children to apply with the
 problems found; `child_errors(spec, name, namespace)` (`llamaft validate` / `render`, the sweep)
@@ -169,13 +169,13 @@ class _Rendered:
 
 def _render(owner: Owner, spec: LlamaFineTuneSpec, attempt: int, backend: Backend, etcd_image: str | None = None,
             dashboard_labels: dict[str, str] | None = None) -> _Rendered:
-    """Every object of one attempt, rendered once (desired.children and the attempt's job)."""
-    from llamaft.render import desired
+    """Every object of one attempt, rendered once (objects.children and the attempt's job)."""
+    from llamaft.render import desired, objects
     from llamaft.render.desired import pod_template
 
     errors: list[FieldError] = []
     try:
-        children = desired.children(owner, spec, etcd_image or desired.ETCD_IMAGE, dashboard_labels)
+        children = objects.children(owner, spec, etcd_image or desired.ETCD_IMAGE, dashboard_labels)
         base = pod_template(owner, spec.model_copy(update={"cluster": spec.cluster.model_copy(
             update={"pod_template_overrides": None})}), attempt)
         merged = None
@@ -216,7 +216,7 @@ class Checked:
     """The children of one render and every problem of them (and of the attempt's job)."""
 
     children: list[Obj]
-    """desired.children as rendered: the objects the operator server-side applies."""
+    """objects.children as rendered: the objects the operator server-side applies."""
     errors: list[FieldError]
 
 

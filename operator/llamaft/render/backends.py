@@ -49,6 +49,9 @@ class JobBackend(Protocol):
     resource: Resource
     install_hint: str
     """What to install when the cluster does not serve the kind (it goes into the status message)."""
+    trainer_container: str
+    """The trainer container's name in the kind's pods (their containerStatuses, and the
+    `container` label kube-state-metrics and dcgm-exporter put on its series)."""
 
     def render(self, owner: Owner, spec: LlamaFineTuneSpec, attempt: int, excluded_nodes: Sequence[str] = ()) -> Obj:
         """The attempt's job object."""
@@ -89,6 +92,7 @@ class PyTorchJobBackend:
     kind = Backend.PYTORCH_JOB.value
     resource = Resource("kubeflow.org", "v1", "pytorchjobs")
     install_hint = "kubeflow.org/v1 PyTorchJobs (install the Kubeflow training operator v1.9)"
+    trainer_container = trainjob.TEMPLATE_CONTAINER  # desired.pod_template's, kept as is
 
     def render(self, owner: Owner, spec: LlamaFineTuneSpec, attempt: int, excluded_nodes: Sequence[str] = ()) -> Obj:
         return desired.pytorch_job(owner, spec, attempt, excluded_nodes)
@@ -128,6 +132,7 @@ class TrainJobBackend:
     resource = Resource("trainer.kubeflow.org", "v1alpha1", "trainjobs")
     install_hint = ("trainer.kubeflow.org/v1alpha1 TrainJobs (install Kubeflow Trainer v2.3 and its "
                     "torch-distributed runtime)")
+    trainer_container = trainjob.NODE  # the torch runtime's container, which our runtimePatches patch
 
     def render(self, owner: Owner, spec: LlamaFineTuneSpec, attempt: int, excluded_nodes: Sequence[str] = ()) -> Obj:
         return trainjob.train_job(owner, spec, attempt, excluded_nodes)
@@ -156,6 +161,8 @@ class TrainJobBackend:
 
 BACKENDS: dict[str, JobBackend] = {b.kind: b for b in (PyTorchJobBackend(), TrainJobBackend())}
 """Every job kind the operator can run, by kind (status.backend's values)."""
+TRAINER_CONTAINERS = tuple(b.trainer_container for b in BACKENDS.values())
+"""The trainer container's name on each backend."""
 
 
 def backend_for(kind: str | Backend | None) -> JobBackend:

@@ -401,21 +401,3 @@ def pytorch_job(owner: Owner, spec: LlamaFineTuneSpec, attempt: int, excluded_no
             },
         },
     }
-
-
-def children(owner: Owner, spec: LlamaFineTuneSpec, etcd_image: str = ETCD_IMAGE,
-             dashboard_labels: dict[str, str] | None = None) -> list[Obj]:
-    """The run's long-lived children, reconciled by server-side apply: the config, the managed
-    etcd and the monitoring objects. What is not in this list (monitoring turned off, etcd after a
-    switch to c10d) is pruned. The attempts' PyTorchJobs are not here: each is created once."""
-    from llamaft.render.monitoring import monitoring_objects
-
-    objs = [config_map(owner, spec)]
-    if uses_managed_etcd(spec):
-        objs += etcd_objects(owner, etcd_image)
-    return objs + monitoring_objects(owner, spec, dashboard_labels)
-
-
-def desired_objects(owner: Owner, spec: LlamaFineTuneSpec, attempt: int, etcd_image: str = ETCD_IMAGE) -> list[Obj]:
-    """Everything one attempt of the run needs, in creation order (what `llamaft render` prints)."""
-    return [*children(owner, spec, etcd_image), pytorch_job(owner, spec, attempt)]

@@ -33,8 +33,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from llamaft.api.resource import MAX_ATTEMPTS
-from llamaft.api.spec import LlamaFineTuneSpec
+from llamaft.api.spec import Backend, LlamaFineTuneSpec
 from llamaft.render import trainjob
+from llamaft.render.backends import BACKENDS, TRAINER_CONTAINERS
 from llamaft.render.naming import Owner
 
 Obj = dict[str, Any]
@@ -46,11 +47,8 @@ LOW_UTILISATION_PERCENT = 20
 
 METRICS_PORT_NAME = "metrics"
 """The metrics port's name on the PyTorchJob's trainer container (desired.pod_template)."""
-PYTORCHJOB_CONTAINER = trainjob.TEMPLATE_CONTAINER
-TRAINJOB_CONTAINER = trainjob.NODE
-TRAINER_CONTAINERS = (PYTORCHJOB_CONTAINER, TRAINJOB_CONTAINER)
-"""The trainer container's name on each backend (what kube-state-metrics' and dcgm-exporter's
-`container` label says)."""
+PYTORCHJOB_CONTAINER = BACKENDS[Backend.PYTORCH_JOB.value].trainer_container
+TRAINJOB_CONTAINER = BACKENDS[Backend.TRAIN_JOB.value].trainer_container
 
 # ------------------------------------------------------------------------------- pod names
 MAX_WORKER_INDEX_DIGITS = 4

@@ -15,6 +15,7 @@ at once), or here (local.py: `llamaft run --local` per size, for the sizes this 
 from __future__ import annotations
 
 from llamaft.sweep.plan import SweepError, SweepPlan, plan_sweep
-from llamaft.sweep.report import Point, write_outputs
+from llamaft.sweep.point import Point
+from llamaft.sweep.report import write_outputs
 
 __all__ = ["Point", "SweepError", "SweepPlan", "plan_sweep", "write_outputs"]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from llamaft.sweep.report import Point
+    from llamaft.sweep.point import Point
 
 PNG_KEY = "llamaft.sweep"
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from llamaft.api import resource
 from llamaft.sweep.plan import SWEEP_LABEL, SizedRun, SweepError, SweepPlan
-from llamaft.sweep.report import Point, from_performance
+from llamaft.sweep.point import Point, from_performance
 
 TERMINAL = ("Succeeded", "Failed")
 _IN_CLUSTER_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")

@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from llamaft.sweep.plan import SizedRun, SweepPlan
-from llamaft.sweep.report import Point, from_performance
+from llamaft.sweep.point import Point, from_performance
 
 
 def capacity(plan: SweepPlan) -> tuple[int, str]:

@@ -1,0 +1,30 @@
+"""The run's objects as a whole: its long-lived children (desired.py's config and etcd,
+monitoring.py's objects) and one attempt's objects. Above both so neither imports the other."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llamaft.api.spec import LlamaFineTuneSpec
+from llamaft.render import desired
+from llamaft.render.desired import ETCD_IMAGE
+from llamaft.render.monitoring import monitoring_objects
+from llamaft.render.naming import Owner
+
+Obj = dict[str, Any]
+
+
+def children(owner: Owner, spec: LlamaFineTuneSpec, etcd_image: str = ETCD_IMAGE,
+             dashboard_labels: dict[str, str] | None = None) -> list[Obj]:
+    """The run's long-lived children, reconciled by server-side apply: the config, the managed
+    etcd and the monitoring objects. What is not in this list (monitoring turned off, etcd after a
+    switch to c10d) is pruned. The attempts' PyTorchJobs are not here: each is created once."""
+    objs = [desired.config_map(owner, spec)]
+    if desired.uses_managed_etcd(spec):
+        objs += desired.etcd_objects(owner, etcd_image)
+    return objs + monitoring_objects(owner, spec, dashboard_labels)
+
+
+def desired_objects(owner: Owner, spec: LlamaFineTuneSpec, attempt: int, etcd_image: str = ETCD_IMAGE) -> list[Obj]:
+    """Everything one attempt of the run needs, in creation order (what `llamaft render` prints)."""
+    return [*children(owner, spec, etcd_image), desired.pytorch_job(owner, spec, attempt)]
