@@ -31,6 +31,7 @@ from llamaft.api.contracts import (
     read_progress,
     read_termination,
 )
+from llamaft.api.status import read_status
 from llamaft.operator import failures, lifecycle, observe
 from llamaft_trainer import termination
 
@@ -81,7 +82,7 @@ def test_the_success_report_is_the_model_and_the_operator_takes_it(tmp_path: Pat
     report = failures.trainer_report(text)  # the operator's reader of a container's message
     assert report == strict
     d = lifecycle.decide(lifecycle.Observed(
-        spec=spec(), status={"phase": "Running", "attempt": 1, "jobName": "ft-1"}, now=NOW, job_name="ft-1",
+        spec=spec(), status=read_status({"phase": "Running", "attempt": 1, "jobName": "ft-1"}), now=NOW, job_name="ft-1",
         job={"metadata": {"name": "ft-1"}, "status": {"conditions": [{"type": "Succeeded", "status": "True"}]}},
         pods=[container_message(0, text, 0, "Succeeded")]))
     assert d.status["phase"] == "Succeeded" and d.status["exportPath"] == "/ckpt/export"
@@ -189,7 +190,8 @@ def test_the_progress_document_is_the_model_and_the_operator_reads_it(served: tu
     assert read_progress(doc) == strict
 
     status = observe.observe({"metadata": {"name": "ft-1"}, "status": {"conditions": [{"type": "Running", "status": "True"}]}},
-                             [], [doc], {"phase": "Creating"}, generation=1, now="2026-01-01T00:00:00Z").status
+                             [], read_progress(doc), read_status({"phase": "Creating"}), generation=1,
+                             now="2026-01-01T00:00:00Z").status
     assert status["progress"] == {"epoch": 1, "step": 10, "totalSteps": 20, "stepOfTotal": "10/20", "loss": 1.5,
                                   "evalLoss": 1.75, "tokensPerSecond": 900.0, "mfu": 0.4, "etaSeconds": 30,
                                   "updatedAt": doc["updatedAt"]}
@@ -235,7 +237,6 @@ def test_the_operator_reads_an_older_or_newer_or_garbled_document_without_failin
                            "tracking": {"mlflowRunId": "r", "newTracker": "t"}, "evaluation": {"step": 4, "bleu": 0.1}})
     assert newer is not None and (newer.rank, newer.step, newer.phase, newer.loss) == (0, 4, None, None)
     assert newer.tracking == contracts.TrackingInfo(mlflow_run_id="r") and newer.evaluation is not None
-    assert observe.leader([{"rank": 1, "step": 9}, "garbage", {"rank": 0, "step": 10}]) == read_progress({"rank": 0, "step": 10})
     assert observe.progress_status(read_progress({"rank": 0, "step": "x"}), {"step": 3}) == {"step": 3}
 
 

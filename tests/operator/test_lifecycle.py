@@ -12,7 +12,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from llamaft.api.contracts import read_progress
 from llamaft.api.spec import LlamaFineTuneSpec
+from llamaft.api.status import read_status
 from llamaft.operator import failures, lifecycle
 from llamaft.operator.lifecycle import Observed, decide
 
@@ -52,7 +54,11 @@ RUNNING = {"phase": "Running", "attempt": 1, "jobName": JOB, "attemptStartTime":
 
 
 def observed(status: dict[str, Any] | None = None, **kw: Any) -> Observed:
-    base = dict(spec=spec(), status=dict(RUNNING if status is None else status), now=NOW, job_name=JOB, retry_backoff_s=10.0)
+    """An Observed as Step builds it: the status and a /progress document (given as written) read once."""
+    base = dict(spec=spec(), status=read_status(dict(RUNNING if status is None else status)), now=NOW, job_name=JOB,
+                retry_backoff_s=10.0)
+    if isinstance(kw.get("progress"), dict):
+        kw["progress"] = read_progress(kw["progress"])
     base.update(kw)
     return Observed(**base)
 

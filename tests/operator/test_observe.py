@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from llamaft.api.contracts import read_progress
+from llamaft.api.status import read_status
 from llamaft.operator import observe
 
 NOW = "2026-11-29T20:00:00Z"
@@ -50,24 +52,25 @@ def test_closed_rendezvous_is_found_in_job_conditions_or_termination_messages() 
 
 
 def test_observe_status_progress_leader_and_events() -> None:
-    previous = {"phase": "Creating", "conditions": [], "restarts": 0}
-    docs = [{"rank": 1, "pod": "ft-1-worker-1", "step": 9}, {"rank": 0, "pod": "ft-1-worker-0", "step": 10, "totalSteps": 100,
-            "loss": 1.5, "tokensPerSecond": 1234.5, "mfu": 0.41, "etaSeconds": 90, "epoch": 0}]
+    previous = read_status({"phase": "Creating", "conditions": [], "restarts": 0})
+    doc = read_progress({"rank": 0, "pod": "ft-1-worker-0", "step": 10, "totalSteps": 100, "loss": 1.5,
+                         "tokensPerSecond": 1234.5, "mfu": 0.41, "etaSeconds": 90, "epoch": 0})
     obs = observe.observe(job(("Running", "True", "PyTorchJobRunning"), replicaStatuses={"Worker": {"active": 2}}, startTime=NOW),
-                          [], docs, previous, generation=3, now=NOW)
+                          [], doc, previous, generation=3, now=NOW)
     s = obs.status
     assert s["phase"] == "Running" and s["workers"] == {"active": 2, "succeeded": 0, "failed": 0}
     assert s["progress"]["stepOfTotal"] == "10/100" and s["progress"]["loss"] == 1.5 and s["leaderPod"] == "ft-1-worker-0"
     assert s["observedGeneration"] == 3 and s["startTime"] == NOW
     assert [(e.type, e.reason) for e in obs.events] == [("Normal", "Running")]
-    same = observe.observe(job(("Running", "True", "PyTorchJobRunning")), [], [], s, generation=3, now=NOW)
+    same = observe.observe(job(("Running", "True", "PyTorchJobRunning")), [], None, read_status(s), generation=3, now=NOW)
     assert same.events == [] and same.status["progress"]["step"] == 10  # progress survives a missed poll
 
 
 def test_restarts_count_each_restarting_transition() -> None:
-    s = observe.observe(job(("Restarting", "True", "x")), [], [], {"phase": "Running", "restarts": 1}, generation=1, now=NOW).status
+    s = observe.observe(job(("Restarting", "True", "x")), [], None, read_status({"phase": "Running", "restarts": 1}),
+                        generation=1, now=NOW).status
     assert s["restarts"] == 2 and s["phase"] == "Restarting"
-    again = observe.observe(job(("Restarting", "True", "x")), [], [], s, generation=1, now=NOW).status
+    again = observe.observe(job(("Restarting", "True", "x")), [], None, read_status(s), generation=1, now=NOW).status
     assert again["restarts"] == 2
 
 
@@ -75,19 +78,19 @@ def test_tracking_status_is_kept_once_known_and_each_health_change_is_one_event(
     running = job(("Running", "True", "PyTorchJobRunning"))
     doc = {"rank": 0, "step": 3, "tracking": {"mlflowRunId": "r1", "tensorboardDirectory": "/ckpt/tensorboard",
                                               "secretish": "never copied"}}
-    first = observe.observe(running, [], [doc], {"phase": "Running"}, generation=1, now=NOW)
+    first = observe.observe(running, [], read_progress(doc), read_status({"phase": "Running"}), generation=1, now=NOW)
     assert first.status["tracking"] == {"mlflowRunId": "r1", "tensorboardDirectory": "/ckpt/tensorboard"}
     assert not [e for e in first.events if e.reason == "Tracking"]
     # A new attempt's document before its trackers opened: what status knew stays.
-    later = observe.observe(running, [], [{"rank": 0, "step": 1}], first.status, generation=1, now=NOW)
+    later = observe.observe(running, [], read_progress({"rank": 0, "step": 1}), read_status(first.status), generation=1, now=NOW)
     assert later.status["tracking"] == first.status["tracking"]
     down = {**doc, "trackingWarning": "mlflow: ConnectionError: refused; training goes on"}
-    warned = observe.observe(running, [], [down], later.status, generation=1, now=NOW)
+    warned = observe.observe(running, [], read_progress(down), read_status(later.status), generation=1, now=NOW)
     assert [(e.type, e.reason, e.message) for e in warned.events if e.reason == "Tracking"] == [
         ("Warning", "Tracking", "mlflow: ConnectionError: refused; training goes on")]
-    again = observe.observe(running, [], [down], warned.status, generation=1, now=NOW)
+    again = observe.observe(running, [], read_progress(down), read_status(warned.status), generation=1, now=NOW)
     assert not [e for e in again.events if e.reason == "Tracking"], "the same warning is not posted twice"
-    back = observe.observe(running, [], [{**doc, "trackingWarning": "mlflow: reachable again"}], again.status,
+    back = observe.observe(running, [], read_progress({**doc, "trackingWarning": "mlflow: reachable again"}), read_status(again.status),
                            generation=1, now=NOW)
     assert [(e.type, e.message) for e in back.events if e.reason == "Tracking"] == [("Normal", "mlflow: reachable again")]
 
@@ -96,7 +99,7 @@ def test_evaluation_scores_go_to_status_and_stay_until_the_next_ones() -> None:
     running = job(("Running", "True", "PyTorchJobRunning"))
     doc = {"rank": 0, "evaluation": {"step": 30, "samples": 4, "rouge1": 0.41, "rouge2": 0.17, "rougeL": 0.33,
                                      "generations": [{"generated": "not in status"}]}}
-    first = observe.observe(running, [], [doc], {"phase": "Running"}, generation=1, now=NOW).status
+    first = observe.observe(running, [], read_progress(doc), read_status({"phase": "Running"}), generation=1, now=NOW).status
     assert first["evaluation"] == {"step": 30, "samples": 4, "rouge1": 0.41, "rouge2": 0.17, "rougeL": 0.33}
-    kept = observe.observe(running, [], [{"rank": 0, "step": 31}], first, generation=1, now=NOW).status
+    kept = observe.observe(running, [], read_progress({"rank": 0, "step": 31}), read_status(first), generation=1, now=NOW).status
     assert kept["evaluation"] == first["evaluation"]

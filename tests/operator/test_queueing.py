@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from llamaft.api.spec import LlamaFineTuneSpec
+from llamaft.api.status import read_status
 from llamaft.api.validation import SpecInvalid, validate_spec
 from llamaft.operator.kube import USER_AGENT
 from llamaft.operator.lifecycle import Observed, decide
@@ -79,7 +80,7 @@ def job(*conditions: str) -> dict[str, Any]:
 
 
 def observed(status: dict[str, Any], job_: dict[str, Any], pods: list[dict[str, Any]] = (), **spec: Any) -> Observed:  # type: ignore[assignment]
-    return Observed(spec=parsed(**spec), status=status, now=NOW, job_name=OWNER.job_name(1), job=job_, pods=list(pods))
+    return Observed(spec=parsed(**spec), status=read_status(status), now=NOW, job_name=OWNER.job_name(1), job=job_, pods=list(pods))
 
 
 QUEUE = {"scheduling": {"queueName": "team-a-gpus"}}

@@ -15,7 +15,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from llamaft.api.spec import Backend, EnvVar, LlamaFineTuneSpec
-from llamaft.api.status import Phase
+from llamaft.api.status import Phase, read_status
 from llamaft.api.validation import SpecInvalid, validate_resource, validate_spec
 from llamaft.cli import main
 from llamaft.operator import lifecycle, observe
@@ -458,11 +458,11 @@ def test_lifecycle_decides_on_a_failed_trainjob_like_on_a_pytorchjob() -> None:
     status = {"phase": "Running", "attempt": 1, "retriesUsed": 0, "startTime": "2026-11-29T19:00:00Z"}
     failed = train_job_obj(("Failed", "True", "FailedJobs"), jobs=[node(failed=1)])
     failed["status"]["conditions"][0]["message"] = "jobset failed due to a failed job"
-    decision = lifecycle.decide(lifecycle.Observed(spec=spec, status=status, now=now, job_name="minimal-1", job=failed))
+    decision = lifecycle.decide(lifecycle.Observed(spec=spec, status=read_status(status), now=now, job_name="minimal-1", job=failed))
     assert decision.start_attempt == 2 and decision.status["phase"] == "Restarting" and decision.delete_jobs == ["minimal-1"]
     assert decision.retry is not None and decision.retry.reason == "JobFailed" and decision.retry.retryable
     running = train_job_obj(jobs=[node(active=1)])
-    decision = lifecycle.decide(lifecycle.Observed(spec=spec, status=status, now=now, job_name="minimal-1", job=running))
+    decision = lifecycle.decide(lifecycle.Observed(spec=spec, status=read_status(status), now=now, job_name="minimal-1", job=running))
     assert decision.status.get("phase") == "Running" and decision.start_attempt is None
 
 

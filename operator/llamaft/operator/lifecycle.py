@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from llamaft.api.contracts import ProgressDocument, SucceededReport, read_progress
+from llamaft.api.contracts import ProgressDocument, SucceededReport
 from llamaft.api.resource import MAX_ATTEMPTS
 from llamaft.api.spec import LlamaFineTuneSpec
 from llamaft.api.status import (
@@ -66,7 +66,7 @@ class Observed:
 
     spec: LlamaFineTuneSpec
     status: LlamaFineTuneStatus
-    """The LlamaFineTune's status (a Mapping is read with status.read_status)."""
+    """The LlamaFineTune's status, read once (status.read_status) by Step."""
     now: datetime
     job_name: str
     """The current attempt's job name."""
@@ -82,7 +82,7 @@ class Observed:
     pods: Sequence[Obj] = ()
     """Pods of the current attempt's job."""
     progress: ProgressDocument | None = None
-    """The leader's live /progress document (a Mapping is read with contracts.read_progress)."""
+    """The leader's live /progress document, read once (contracts.read_progress) by Step."""
     gpu: Failure | None = None
     """A GPU XID on one of the job's GPUs (failures.gpu_failure)."""
     retry_backoff_s: float = 10.0
@@ -91,12 +91,6 @@ class Observed:
     capacity_refusal: str | None = None
     """The capacity planner's verdict when it refuses the run (spec.preflight Enforce and it will
     not fit): no attempt is created."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.status, LlamaFineTuneStatus):
-            object.__setattr__(self, "status", read_status(self.status))
-        if self.progress is not None and not isinstance(self.progress, ProgressDocument):
-            object.__setattr__(self, "progress", read_progress(self.progress))
 
 
 @dataclass
@@ -301,7 +295,7 @@ def _with_job(obs: Observed, attempt: int, d: Decision) -> Decision:
             failure = _stalled(obs, last_step, last_progress)
     if failure is not None:
         return _failed_attempt(obs, attempt, d, failure)  # rule 5
-    o = observe.observe(obs.job, obs.pods, [progress_doc] if progress_doc is not None else [], st, generation=generation, now=now)
+    o = observe.observe(obs.job, obs.pods, progress_doc, st, generation=generation, now=now)
     d.status.update({k: v for k, v in o.status.items() if k != "observedGeneration"})
     if o.status["phase"] == Phase.CREATING.value and st.phase is Phase.RESTARTING:
         d.status["phase"] = Phase.RESTARTING.value  # the new attempt's job exists; its pods are not running yet
@@ -346,7 +340,7 @@ def st_generation(obs: Observed) -> int | None:
 
 def _succeeded(obs: Observed, d: Decision, report: SucceededReport | None) -> Decision:
     st, now = obs.status, iso(obs.now)
-    o = observe.observe(obs.job, obs.pods, [obs.progress] if obs.progress is not None else [], st, generation=st_generation(obs),
+    o = observe.observe(obs.job, obs.pods, obs.progress, st, generation=st_generation(obs),
                         now=now)
     progress = _progress_with_report(o.status.get("progress", {}), report, now)
     message = f"{obs.job_kind} {obs.job_name} succeeded" + (f" at step {progress['step']}" if progress.get("step") is not None else "")
@@ -512,7 +506,7 @@ class SpecChanged:
     spec: LlamaFineTuneSpec
     """The new spec (validated, transition rules included)."""
     status: LlamaFineTuneStatus
-    """The LlamaFineTune's status (a Mapping is read with status.read_status)."""
+    """The LlamaFineTune's status, read once (status.read_status) by Step."""
     changed: frozenset[tuple[str, ...]]
     """changed_fields(old, new)."""
     job_name: str

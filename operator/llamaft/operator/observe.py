@@ -7,12 +7,12 @@ Created, Running, Restarting, Succeeded, Failed, Suspended; a TrainJob's Complet
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from llamaft.api.contracts import ProgressDocument, read_progress
-from llamaft.api.status import EvaluationStatus, LlamaFineTuneStatus, Phase, as_written, read_status
+from llamaft.api.contracts import ProgressDocument
+from llamaft.api.status import EvaluationStatus, LlamaFineTuneStatus, Phase, as_written
 from llamaft.render import backends
 
 Obj = Mapping[str, Any]
@@ -71,16 +71,6 @@ def tracking_status(doc: ProgressDocument | None, previous: Mapping[str, Any] | 
     return out
 
 
-def leader(progress_docs: Iterable[ProgressDocument | Mapping[str, Any]]) -> ProgressDocument | None:
-    """The /progress document of global rank 0 (the leader), if any worker reported it (a Mapping
-    is read with contracts.read_progress)."""
-    for raw in progress_docs:
-        doc = read_progress(raw)
-        if doc is not None and doc.rank == 0:
-            return doc
-    return None
-
-
 EVENT_FOR_PHASE = {
     Phase.RUNNING: ("Normal", "Running"),
     Phase.RESTARTING: ("Warning", "Restarting"),
@@ -91,12 +81,11 @@ EVENT_FOR_PHASE = {
 
 
 def observe(
-    job: Obj | None, pods: Sequence[Obj], progress_docs: Sequence[ProgressDocument | Mapping[str, Any]],
-    previous: LlamaFineTuneStatus | Mapping[str, Any], *, generation: int | None, now: str,
+    job: Obj | None, pods: Sequence[Obj], doc: ProgressDocument | None, before: LlamaFineTuneStatus, *,
+    generation: int | None, now: str,
 ) -> Observation:
-    """The status the LlamaFineTune should have, and the events that explain its transition
-    (`previous`, the status it has, a Mapping read with status.read_status)."""
-    before = read_status(previous)
+    """The status the LlamaFineTune should have, and the events that explain its transition:
+    `doc` is the leader's /progress document (read once, by Step), `before` the status it has."""
     phase, reason, message = job_phase(job)
     job_status = (job or {}).get("status", {})
     workers = job_status.get("replicaStatuses", {}).get("Worker", {})
@@ -109,7 +98,6 @@ def observe(
     for key in ("startTime", "completionTime"):
         if job_status.get(key):
             status[key] = job_status[key]
-    doc = leader(progress_docs)
     status["progress"] = progress_status(doc, as_written(before.progress))
     if doc is not None and doc.pod:
         status["leaderPod"] = doc.pod
