@@ -19,7 +19,10 @@ values), bf16:
   layers (8B's fp32 master weights, gradients and AdamW state alone are 128 GB: half the layers
   keep the per-layer work and memory per token of the real model on one GPU);
 - each as bf16, + compile, + compile + float8 (tensorwise, float8 all-gather), + selective-op
-  activation checkpointing.
+  activation checkpointing;
+- and bf16 on documents of samsum-like lengths, packed as the trainer packs them (bfd's whole
+  documents, position ids restarting, no attention mask) and padded one a row (DOCUMENTS): real
+  tokens/s and MFU side by side, what packing buys on the GPU.
 
 For each: tokens/s/GPU over the steps after the warm-up, MFU by torchtitan's formula against the
 GPU's dense bf16 peak (float8 too, as torchtitan reports it), torch.cuda.max_memory_allocated of
@@ -53,6 +56,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import REPO  # noqa: E402
+from llamaft_trainer.logline import read_events  # noqa: E402
 from plan_accuracy import _case, estimate, shape_config  # noqa: E402
 
 LLAMA_32_1B: dict[str, Any] = {
@@ -77,6 +81,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "bf16 + selective-op AC": {"activationCheckpointing": {"mode": "selective-op"}},
 }
 """fsdp fields of each variant, over `mixedPrecision: bf16, activationCheckpointing: none`."""
+DOCUMENTS = ("packed documents", "padded documents")
+"""The bf16 variant again on documents of samsum-like lengths (a quarter to a sixteenth of the
+sequence) instead of one sequence per row: `packed` as the trainer packs them (whole documents
+filling each row, position ids restarting per document and no attention mask, so transformers
+masks each from the others), `padded` one document per row padded to the batch's longest. Their
+tokens/s and MFU count real tokens only: the pair says what packing buys on this GPU."""
 
 FIT_FRACTION = 0.9
 """A case's batch is halved (down to 1) while the planner predicts more than this share of the GPU."""
@@ -100,7 +110,44 @@ def throughput_cases(cpu: bool) -> list[dict[str, Any]]:
             case = _case(name, dict(shape), 1, batch, seq, fsdp=_fsdp(variant, cpu))
             case["notes"] = ["compile off in the CPU smoke"] if cpu and "compile" in variant else []
             cases.append(case)
+        for layout in DOCUMENTS:
+            case = _case(f"{shape_name}, bf16, {layout}", dict(shape), 1, batch, seq, fsdp=_fsdp({}, cpu))
+            case["documents"], case["notes"] = layout.split()[0], []
+            cases.append(case)
     return cases
+
+
+def document_batch(layout: str | None, batch: int, seq: int, vocab: int, device: Any) -> dict[str, Any]:
+    """A micro-batch as the trainer's Collate makes it: full rows of random tokens (layout None),
+    rows of whole documents packed with restarting position ids (`packed`), or one document a row
+    right-padded to the longest (`padded`). Seeded: every case sees the same lengths."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+
+    def length() -> int:
+        return int(torch.randint(max(seq // 16, 1), seq // 4 + 1, (1,), generator=generator))
+
+    if layout == "padded":
+        lengths = [length() for _ in range(batch)]
+        width = max(lengths)
+        ids = torch.randint(0, vocab, (batch, width), generator=generator)
+        mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
+        return {"input_ids": ids.to(device), "labels": ids.masked_fill(mask == 0, -100).to(device),
+                "attention_mask": mask.to(device)}
+    ids = torch.randint(0, vocab, (batch, seq), generator=generator)
+    data = {"input_ids": ids.to(device), "labels": ids.clone().to(device), "attention_mask": torch.ones_like(ids).to(device)}
+    if layout == "packed":
+        rows = []
+        for _ in range(batch):
+            pieces, filled = [], 0
+            while filled < seq:
+                n = min(length(), seq - filled)
+                pieces.append(torch.arange(n))
+                filled += n
+            rows.append(torch.cat(pieces))
+        data["position_ids"] = torch.stack(rows).to(device)
+    return data
 
 
 # ------------------------------------------------------------------------------------ one case
@@ -130,8 +177,8 @@ def measure_case(case: dict[str, Any], steps: int, warmup: int) -> dict[str, Any
             p.normal_(0.0, 0.02)
     model_step.rebuild_rotary_buffers(model, rt.device)
     optimizer = build_optimizer(model, cfg)
-    ids = torch.randint(0, config.vocab_size, (batch, seq), device=rt.device)
-    data = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    data = document_batch(case.get("documents"), batch, seq, config.vocab_size, rt.device)
+    real_tokens = int(data["attention_mask"].sum())
     cuda = rt.device.type == "cuda"
 
     def sync() -> None:
@@ -154,11 +201,11 @@ def measure_case(case: dict[str, Any], steps: int, warmup: int) -> dict[str, Any
             times.append(time.perf_counter() - start)
         losses.append(float(loss.detach()) / max(tokens, 1))
     step_s = sum(times) / len(times)
-    tps = batch * seq / step_s
+    tps = real_tokens / step_s
     peak = peak_flops(rt.device)
     mfu = tps * flops_per_token(config, n_params, seq) / peak if peak else None
     result = {
-        "params": n_params, "batch": batch, "seq": seq, "step_s": step_s, "tokens_per_s_per_gpu": tps, "mfu": mfu,
+        "params": n_params, "batch": batch, "seq": seq, "real_tokens_per_step": real_tokens, "step_s": step_s, "tokens_per_s_per_gpu": tps, "mfu": mfu,
         "peak_memory_bytes": int(torch.cuda.max_memory_allocated(rt.device)) if cuda else None,
         "losses": losses,
     }
@@ -254,7 +301,7 @@ def local_run(out: Path, cpu: bool, timeout_s: float | None) -> dict[str, Any]:
                                   timeout=timeout_s, cwd=REPO)
         except subprocess.TimeoutExpired:
             return {**row, "status": "TimedOut", "message": f"{phase} run still running after {timeout_s} s"}
-        events = _events(proc.stdout + proc.stderr) + _events_in(run_dir)
+        events = read_events(proc.stdout + proc.stderr) + _events_in(run_dir)
         done = [e for e in events if e.get("event") == "done"]
         resumed = [e for e in events if e.get("event") == "resume"]
         row[phase] = {"exit": proc.returncode, "wall_s": time.monotonic() - started, "log": proc.stdout[-20000:],
@@ -267,7 +314,7 @@ def local_run(out: Path, cpu: bool, timeout_s: float | None) -> dict[str, Any]:
         problems.append(f"the second run did not resume from step {first}: {row['resumed']['resume']}")
     if row["resumed"]["done"].get("step") != then:
         problems.append(f"the second run ended at {row['resumed']['done'].get('step')}, not {then}")
-    exported = [e for e in _events_in(out / "run-resumed") + _events(row["resumed"].get("log", "")) if e.get("event") == "export"]
+    exported = [e for e in _events_in(out / "run-resumed") + read_events(row["resumed"].get("log", "")) if e["event"] == "export"]
     export = Path(exported[-1]["path"]) if exported else None
     if export is None or not (export / "config.json").exists() or not any(export.glob("*.safetensors")):
         problems.append(f"no export (config.json + safetensors) from the resumed run: {export}")
@@ -281,23 +328,8 @@ def local_run(out: Path, cpu: bool, timeout_s: float | None) -> dict[str, Any]:
     return row
 
 
-def _events(text: str) -> list[dict[str, Any]]:
-    events = []
-    for line in text.splitlines():
-        start = line.find("{")
-        if start < 0:
-            continue
-        try:
-            record = json.loads(line[start:])
-        except ValueError:
-            continue
-        if isinstance(record, dict) and "event" in record:
-            events.append(record)
-    return events
-
-
 def _events_in(run_dir: Path) -> list[dict[str, Any]]:
-    return [e for log in sorted(run_dir.glob("**/*.log")) for e in _events(log.read_text(errors="replace"))]
+    return [e for log in sorted(run_dir.glob("**/*.log")) for e in read_events(log)]
 
 
 # ------------------------------------------------------------------------------------ report

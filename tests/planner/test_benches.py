@@ -55,12 +55,16 @@ def test_gpu_suite_cpu_smoke(tmp_path: Path) -> None:
     rows = {row["case"]: row for row in report["rows"]}
     throughput = [row for name, row in rows.items() if name != "llamaft run --local"]
     assert [r["case"].split(", ", 1)[1] for r in throughput] == [
-        "bf16", "bf16 + compile", "bf16 + compile + float8", "bf16 + selective-op AC"]
+        "bf16", "bf16 + compile", "bf16 + compile + float8", "bf16 + selective-op AC", "bf16, packed documents",
+        "bf16, padded documents"]
     for row in throughput:
         assert row["status"] == "Measured", row
         assert row["tokens_per_s_per_gpu"] > 0 and row["estimate_bytes"] > 0 and row["params"] > 0
         assert all(loss == loss and 0 < loss < 20 for loss in row["losses"]), row["losses"]  # finite, plausible
     assert "compile off in the CPU smoke" in rows["tiny shape (CPU smoke), bf16 + compile"]["notes"]
+    packed, padded = rows["tiny shape (CPU smoke), bf16, packed documents"], rows["tiny shape (CPU smoke), bf16, padded documents"]
+    assert packed["real_tokens_per_step"] == packed["batch"] * packed["seq"]  # whole documents fill every row
+    assert padded["real_tokens_per_step"] < padded["batch"] * packed["seq"] // 4 + padded["batch"]  # one short document a row
     run = rows["llamaft run --local"]
     assert run["status"] == "Measured", run
     assert run["first"]["done"]["step"] == 6 and run["resumed"]["resume"]["step"] == 6
