@@ -38,6 +38,7 @@ from _common import DATASET, REPO
 
 def run(mode: str, model: Path, tmp: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     from llamaft_trainer.local_etcd import free_port
+    from llamaft_trainer.logline import read_events
 
     config = {
         "model": {"source": str(model), "dtype": "float32"},
@@ -61,7 +62,7 @@ def run(mode: str, model: Path, tmp: Path, args: argparse.Namespace) -> list[dic
     )
     if proc.returncode != 0:
         raise SystemExit(proc.stdout[-3000:] + proc.stderr[-5000:])
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return read_events(proc.stdout)
 
 
 def figures(events: list[dict[str, Any]], steps: int) -> dict[str, Any]:

@@ -34,7 +34,6 @@ Compare efficiencies within one invocation, run several rounds, and note the loa
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -75,13 +74,14 @@ def config(model: Path, checkpoints: Path, steps: int) -> dict[str, Any]:
 def train(nproc: int, model: Path, tmp: Path, steps: int, phases: bool, overlap: bool = True, stat: str = "median") -> Run:
     """`overlap`: parallelize.overlap_on_cpu (False: FSDP2's defaults, as before it existed).
     `stat`: over the steps after warm-up, "median" or "min" (the fastest step: tokens/s and phases)."""
+    from llamaft_trainer.logline import read_events
     from llamaft_trainer.parallelize import CPU_OVERLAP_ENV
     from llamaft_trainer.profiling import ENV_VAR, summarize
 
     tmp.mkdir(parents=True, exist_ok=True)
     env = {ENV_VAR: "1" if phases else "0", CPU_OVERLAP_ENV: "1" if overlap else "0"}
     _, stdout = torchrun(nproc, "train", config(model, tmp / "checkpoints", steps), tmp, env=env)
-    events = json_events(stdout)
+    events = read_events(stdout)
     step_events = [e for e in events if e.get("event") == "step"]
     rates = [e["tokens_per_second"] for e in step_events[WARMUP:]]
     tps = max(rates) if stat == "min" else statistics.median(rates)
@@ -89,24 +89,6 @@ def train(nproc: int, model: Path, tmp: Path, steps: int, phases: bool, overlap:
     timed = [e for e in events if e.get("event") == "phases"]
     threads = sorted({int(e["threads"]) for e in timed if "threads" in e})
     return Run(tps, summarize(timed, skip_steps=WARMUP, stat=stat) if timed else {}, parameters, threads)
-
-
-def json_events(stdout: str) -> list[dict[str, Any]]:
-    """The JSON log records in torchrun's stdout. Ranks share the pipe and print writes a record
-    and its newline separately, so two records can share a line: decode them one after another."""
-    decoder = json.JSONDecoder()
-    events: list[dict[str, Any]] = []
-    for line in stdout.splitlines():
-        at = line.find("{")
-        while at != -1:
-            try:
-                record, end = decoder.raw_decode(line, at)
-            except json.JSONDecodeError:
-                break
-            if isinstance(record, dict) and "event" in record:
-                events.append(record)
-            at = line.find("{", end)
-    return events
 
 
 def concurrent_pair(model: Path, tmp: Path, steps: int, phases: bool, stat: str = "median") -> Run:

@@ -75,7 +75,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import DATASET, REPO  # noqa: E402
-from cpu_scaling import json_events, load_average  # noqa: E402
+from cpu_scaling import load_average  # noqa: E402
+from llamaft_trainer.logline import read_events  # noqa: E402
 
 HF_PEER = Path(__file__).with_name("_hf_peer.py")
 REQUIREMENTS = Path(__file__).with_name("peers-requirements.txt")
@@ -313,7 +314,7 @@ def run_llamaft(name: str, pair: Pair, steps: int, model: Path, store_root: Path
     env = dict(os.environ, OMP_NUM_THREADS=str(pair.threads),
                PYTHONPATH=os.pathsep.join([str(REPO / "operator"), str(REPO / "trainer")]))
     tree = run_tree(argv, env, folder, folder / "cli.log", timeout_s)
-    events = [e for log in sorted((folder / "run").glob("worker-*.log")) for e in json_events(log.read_text())]
+    events = [e for log in sorted((folder / "run").glob("worker-*.log")) for e in read_events(log)]
     data = next((e for e in events if e.get("event") == "data"), {})
     if not data.get("reused"):
         raise SystemExit(f"{name}: llamaft built a token store of its own ({data}): not the exported batches")

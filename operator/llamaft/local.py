@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
-import json
 import os
 import signal
 import subprocess
@@ -52,6 +51,7 @@ from typing import IO, Any
 from llamaft_trainer import termination
 from llamaft_trainer.errors import EXIT_CONFIG_ERROR, ConfigError
 from llamaft_trainer.local_etcd import LocalEtcd, free_port, parent_death_signal
+from llamaft_trainer.logline import parse_event
 
 from llamaft.api.sources import SourceKind, parse_source
 from llamaft.api.spec import LlamaFineTuneSpec, RendezvousBackend, TensorBoardSpec
@@ -281,11 +281,8 @@ def _pump(stream: IO[str], log: IO[str], show: bool, seen: list[dict[str, Any]],
     for line in stream:
         log.write(line)
         log.flush()
-        if not line.startswith("{"):
-            continue
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
+        event = parse_event(line)
+        if event is None:
             continue
         seen.append(event)
         text = format_event(event) if show else None

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 from llamaft_trainer.local_etcd import LocalEtcd
+from llamaft_trainer.logline import read_events
 
 from tests.hub.fixture import HubServer
 from tests.operator.conftest import Cluster, Operator, wait_for
@@ -36,7 +37,7 @@ from tests.operator.sim_fixtures import (  # noqa: F401 (the *_fixture imports r
     sim_etcd_fixture,
     tiny_finetune,
 )
-from tests.operator.test_runs import phase, steps_of
+from tests.operator.test_runs import phase
 
 pytestmark = pytest.mark.slow
 CLAIM = "hf-cache"
@@ -87,7 +88,7 @@ def scheduled(sim: SimCluster, job: str) -> dict[str, str]:
 
 
 def trained(sim: SimCluster, pods: list[str]) -> bool:
-    return any(line.get("event") == "step" for pod in pods for line in steps_of(sim.logs(pod)))
+    return any(line.get("event") == "step" for pod in pods for line in read_events(sim.logs(pod)))
 
 
 def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:

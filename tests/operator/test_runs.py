@@ -23,6 +23,7 @@ import pytest
 import yaml
 from llamaft.operator import gpu_health
 from llamaft_trainer.local_etcd import LocalEtcd
+from llamaft_trainer.logline import read_events
 
 from tests.conftest import REPO, need_binary
 from tests.operator.conftest import Cluster, Operator, close_rendezvous, free_port, wait_for
@@ -130,19 +131,6 @@ def run_spec(model: Path, *, backend: str = "etcd-v2", **overrides: Any) -> dict
 
 
 # ------------------------------------------------------------------------------- assertions
-def steps_of(log: str) -> list[dict[str, Any]]:
-    out = []
-    for line in log.splitlines():
-        if line.startswith("{"):
-            try:
-                doc = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(doc, dict):
-                out.append(doc)
-    return out
-
-
 def attempt_logs(cluster: Cluster, sim: SimCluster, name: str, attempts: int, workers: int = 2) -> list[list[dict[str, Any]]]:
     """The JSON lines of global rank 0 (whichever pod ran it), per attempt."""
     per_attempt = []
@@ -150,7 +138,7 @@ def attempt_logs(cluster: Cluster, sim: SimCluster, name: str, attempts: int, wo
         job = cluster.job_name(name, attempt)
         lines: list[dict[str, Any]] = []
         for index in range(workers):
-            lines += steps_of(sim.logs(f"{job}-worker-{index}"))
+            lines += read_events(sim.logs(f"{job}-worker-{index}"))
         per_attempt.append(lines)
     return per_attempt
 
@@ -232,7 +220,7 @@ def stepping(cluster: Cluster, sim: SimCluster, name: str, at_least: int, timeou
         current = job or status.get("jobName")
         if not current:
             return None
-        lines = [line for i in range(2) for line in steps_of(sim.logs(f"{current}-worker-{i}"))]
+        lines = [line for i in range(2) for line in read_events(sim.logs(f"{current}-worker-{i}"))]
         steps = [line["step"] for line in lines if line.get("event") == "step"]
         complete = [line["step"] for line in lines if line.get("event") == "checkpoint"]
         done = not saved or (complete and max(complete) >= saved)
@@ -245,7 +233,7 @@ def leader_pod(cluster: Cluster, sim: SimCluster, name: str, job: str | None = N
     log has the step lines."""
     job = job or cluster.status(name)["jobName"]
     return next(f"{job}-worker-{i}" for i in range(2)
-                if any(line.get("event") == "step" for line in steps_of(sim.logs(f"{job}-worker-{i}"))))
+                if any(line.get("event") == "step" for line in read_events(sim.logs(f"{job}-worker-{i}"))))
 
 
 def other_pod(cluster: Cluster, sim: SimCluster, name: str, job: str | None = None) -> str:
@@ -575,7 +563,7 @@ def test_trainjob_run_recovers_a_killed_container_as_a_whole_gang(cluster: Clust
 
     def logs(job: str, previous: bool = False, pods: list[str] | None = None) -> list[dict[str, Any]]:
         """Global rank 0's lines of the job's containers (previous: of the runs before a restart in place)."""
-        return [line for pod in pods or trainjob_pods(cluster, job) for line in steps_of(sim.logs(pod, previous=previous))]
+        return [line for pod in pods or trainjob_pods(cluster, job) for line in read_events(sim.logs(pod, previous=previous))]
 
     first = cluster.job_name("tjrun", 1)
     wait_for("step past the first checkpoint, complete", lambda: any(line.get("event") == "checkpoint" and line["step"] >= EVERY

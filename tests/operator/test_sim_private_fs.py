@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from llamaft_trainer.logline import read_events
 
 from tests.operator.emulator import GENERATE_NAME_ALPHABET
 from tests.operator.sim import Api, SimCluster, job_path, pod_path, pod_port
@@ -186,19 +187,6 @@ def test_indexed_job_pod_generate_name_keeps_the_index_when_cut() -> None:
 
 
 # ----------------------------------------------------------------- the point: no resume
-def events(log: str, kind: str) -> list[dict[str, Any]]:
-    out = []
-    for line in log.splitlines():
-        if line.startswith("{"):
-            try:
-                doc = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(doc, dict) and doc.get("event") == kind:
-                out.append(doc)
-    return out
-
-
 @pytest.mark.slow
 def test_checkpoints_outside_any_volume_are_lost_with_the_container(make_sim: Any, tiny_model: Path) -> None:
     """One worker checkpoints every 2 steps to /checkpoints/run, on no volume (discardWithPod: the
@@ -223,11 +211,11 @@ def test_checkpoints_outside_any_volume_are_lost_with_the_container(make_sim: An
     assert sim.api.create(job_path(NS), job) is not None
     pod = worker(job, 0)
     first_uid = sim.wait_pod_running(pod, timeout=60)["metadata"]["uid"]
-    sim.wait("a complete checkpoint", lambda: events(sim.logs(pod), "checkpoint"), timeout=120, interval=0.1)
+    sim.wait("a complete checkpoint", lambda: read_events(sim.logs(pod), "checkpoint"), timeout=120, interval=0.1)
     sim.kill_container(pod)
     sim.wait("the replacement pod", lambda: (p := sim.pod(pod)) and p["metadata"]["uid"] != first_uid, timeout=60)
-    sim.wait("the replacement's first step", lambda: sim.logs(pod, previous=True) and events(sim.logs(pod), "step"), timeout=120)
+    sim.wait("the replacement's first step", lambda: sim.logs(pod, previous=True) and read_events(sim.logs(pod), "step"), timeout=120)
     before, after = sim.logs(pod, previous=True), sim.logs(pod)
-    assert events(before, "checkpoint")[0]["step"] >= 2 and events(before, "step")[-1]["step"] >= 2
-    assert events(after, "step")[0]["step"] == 1 and not events(after, "resume"), "nothing to resume from: it starts over"
+    assert read_events(before, "checkpoint")[0]["step"] >= 2 and read_events(before, "step")[-1]["step"] >= 2
+    assert read_events(after, "step")[0]["step"] == 1 and not read_events(after, "resume"), "nothing to resume from: it starts over"
     assert not Path("/checkpoints/run").exists(), "and the checkpoints never reached this machine"

@@ -33,6 +33,7 @@ from typing import Any
 import fsspec
 import pytest
 from fsspec.implementations.local import LocalFileOpener, LocalFileSystem
+from llamaft_trainer.logline import parse_event, read_events
 
 from tests.conftest import REPO
 from tests.trainer.conftest import base_config, kill_tree, run_harness, torchrun_cmd, trainer_env
@@ -94,16 +95,15 @@ class Job:
         self.lines: list[str] = []
 
     def events(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in self.lines if line.startswith("{")]
+        return read_events(self.lines)
 
     def read_until(self, event: str, step: int) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line)
-            if line.startswith("{"):
-                doc = json.loads(line)
-                if doc["event"] == event and doc["step"] >= step:
-                    return
+            doc = parse_event(line)
+            if doc is not None and doc["event"] == event and doc["step"] >= step:
+                return
         raise AssertionError(f"the run ended before {event} {step}:\n" + "".join(self.lines[-60:]))
 
     def finish(self, timeout: float = 300) -> int:

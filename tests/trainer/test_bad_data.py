@@ -25,6 +25,7 @@ from typing import Any
 import psutil
 import pytest
 import yaml
+from llamaft_trainer.logline import read_events
 
 from tests.conftest import REPO
 from tests.trainer.conftest import DATASET, base_config, torchrun_cmd, trainer_env
@@ -107,7 +108,7 @@ def test_direct(case: str, tiny_model: Path, tmp_path: Path) -> None:
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert re.search("llamaft: configuration error: .*" + pattern, proc.stderr), proc.stderr[-3000:]
-    errors = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"') and '"error"' in line]
+    errors = read_events(proc.stdout, "error")
     assert len(errors) == 1 and re.search(pattern, errors[0]["message"]), proc.stdout
     doc = json.loads(termination.read_text())
     assert {k: doc[k] for k in ("phase", "reason", "retryable", "exitCode")} == {

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from llamaft_trainer.logline import read_events
 
 from tests.trainer.conftest import base_config, launch_trainer, run_harness
 from tests.trainer.load_worker import digest, launch
@@ -198,7 +199,7 @@ def test_dora_exports_an_adapter_and_a_merged_model(tiny_model: Path, tmp_path: 
     proc = launch_trainer(config, tmp_path, "dora")
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-5000:]
-    events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    events = read_events(out)
     export = tmp_path / "dora" / "export"
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     layers = base.config.num_hidden_layers

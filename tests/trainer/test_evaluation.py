@@ -4,7 +4,6 @@ model generates on its own."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ import torch
 from llamaft.api.spec import EvalMetric
 from llamaft_trainer import data as d
 from llamaft_trainer import evaluation
+from llamaft_trainer.logline import read_events
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.trainer.conftest import base_config, launch_trainer
@@ -49,8 +49,7 @@ def test_sharded_generations_are_the_exported_models_and_are_scored(tiny_model: 
     proc = launch_trainer(config, tmp_path, "gen", nproc=2)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-5000:]
-    reports = [json.loads(line) for line in out.splitlines() if line.startswith('{"') and '"generations"' in line]
-    reports = [r for r in reports if r["event"] == "generations"]
+    reports = read_events(out, "generations")
     assert [r["step"] for r in reports] == [3, 6], "at each eval and at the end"
     for report in reports:
         assert report["samples"] == 3 and len(report["generations"]) == 3

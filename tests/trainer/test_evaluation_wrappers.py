@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from llamaft_trainer.logline import read_events
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import REPO
@@ -67,8 +68,7 @@ def test_every_eval_reports_generations(launched: tuple[dict[str, Any], str, Pat
         "fsdp1-lora": "FullyShardedDataParallel", "fsdp1-full": "FullyShardedDataParallel",
         "fsdp2-float8": "FSDPLlamaForCausalLM",
     }
-    reports = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"') and '"generations"' in line]
-    reports = [r for r in reports if r["event"] == "generations"]
+    reports = read_events(stdout, "generations")
     # Each case in launch order: the eval at step 2 and the final one at step 4, two samples each.
     assert [r["step"] for r in reports] == [2, 4] * len(CASES)
     assert all(r["samples"] == 2 and len(r["generations"]) == 2 for r in reports)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from llamaft_trainer.logline import parse_event, read_events
 
 from tests.trainer.conftest import (
     DATASET,
@@ -46,7 +47,7 @@ def _run(config: dict[str, Any], tmp: Path, name: str) -> list[dict[str, Any]]:
     finally:
         kill_tree(proc)
     assert proc.returncode == 0, out[-5000:]
-    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return read_events(out)
 
 
 def _sha256(path: Path) -> str:
@@ -63,8 +64,9 @@ def lora_runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
-            if line.startswith("{"):
-                killed.append(json.loads(line))
+            event = parse_event(line)
+            if event is not None:
+                killed.append(event)
                 # Checkpoints are written in the background (checkpointing.async): kill once step-20
                 # is complete (its `checkpoint` line), at step 25 or the first step after it.
                 saved = any(e["event"] == "checkpoint" and e["step"] == 2 * EVERY for e in killed)

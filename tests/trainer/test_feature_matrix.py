@@ -12,7 +12,6 @@ generations are compared with the trainer's last ones.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ import torch
 from llamaft.api.sharding import Wrapper, plan_sharding
 from llamaft.api.spec import FsdpSpec
 from llamaft.api.validation import SpecInvalid, validate_spec
+from llamaft_trainer.logline import read_events
 
 from tests.trackers import tensorboard_scalars
 from tests.trainer import feature_matrix as fm
@@ -113,7 +113,7 @@ class RowRun:
 def _segments(log: Path, count: int) -> list[list[dict[str, Any]]]:
     """Rank 0's events of a harness launch, one list per case: each run begins with setup's first
     phase line."""
-    events = [json.loads(line) for line in log.read_text().splitlines() if line.startswith('{"ts"')]
+    events = read_events(log)
     segments: list[list[dict[str, Any]]] = []
     for event in events:
         if event["event"] == "phase" and event["phase"] == "loading the tokenizer and preparing the data":
@@ -164,7 +164,7 @@ def _launch(tmp: Path, label: str, world: int, runs: list[RowRun], steps: int) -
 def _events_of(log: Path) -> list[dict[str, Any]]:
     if not log.exists():
         return []
-    return [json.loads(line) for line in log.read_text().splitlines() if line.startswith('{"ts"')]
+    return read_events(log)
 
 
 @pytest.fixture(scope="module")

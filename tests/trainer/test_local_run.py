@@ -20,6 +20,7 @@ import pytest
 import yaml
 from llamaft.cli import main as cli
 from llamaft_trainer.checkpoint import Checkpointer
+from llamaft_trainer.logline import read_events
 
 from tests.conftest import REPO, need_etcd
 from tests.trackers import tensorboard_scalars
@@ -48,8 +49,7 @@ def finetune(model: Path, tmp: Path, name: str, **spec: Any) -> Path:
 
 def events(run_dir: Path) -> list[dict[str, Any]]:
     """Rank 0's events, from whichever worker's log holds them (the rendezvous assigns ranks)."""
-    lines = [line for log in sorted(run_dir.glob("worker-*.log")) for line in log.read_text().splitlines()]
-    return [json.loads(line) for line in lines if line.startswith("{")]
+    return [e for log in sorted(run_dir.glob("worker-*.log")) for e in read_events(log)]
 
 
 def test_two_nodes_rendezvous_through_etcd_v2_and_train_hybrid(tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from llamaft.api.spec import CheckpointingMode, DatasetSpec
 from llamaft_trainer import data as d
 from llamaft_trainer import streaming
+from llamaft_trainer.logline import read_events
 from llamaft_trainer.packing import bfd_layout, fill_ratio, flatten_layout
 from llamaft_trainer.runtime import Runtime
 from llamaft_trainer.train import token_loss_sum
@@ -144,7 +145,7 @@ def test_the_layout_is_built_with_the_store_and_is_part_of_its_key(tok: Any, tmp
 
 def test_the_data_event_reports_blocks_and_fill(tok: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     store = d.build_store(dspec(packingStrategy="bfd"), tok, 0, tmp_path)
-    event = [json.loads(line) for line in capsys.readouterr().out.splitlines() if '"event": "data"' in line][-1]
+    event = read_events(capsys.readouterr().out, "data")[-1]
     blocks = len(store.train.layout[1]) - 1  # type: ignore[index]
     assert event["packing_strategy"] == "bfd" and event["train_blocks"] == blocks
     assert event["train_fill"] == round(store.train.total_tokens / (blocks * 256), 4)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from llamaft_trainer import termination
 from llamaft_trainer.checkpoint import Checkpointer
 from llamaft_trainer.errors import ConfigError
+from llamaft_trainer.logline import parse_event, read_events
 from llamaft_trainer.preemption import grace_budget_seconds
 
 from tests.conftest import REPO
@@ -52,13 +53,14 @@ class Launch:
         self.workers: list[psutil.Process] = []
 
     def events(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in self.lines if line.startswith("{")]
+        return read_events(self.lines)
 
     def read_until_step(self, step: int) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line)
-            if line.startswith("{") and json.loads(line)["event"] == "step" and json.loads(line)["step"] >= step:
+            event = parse_event(line)
+            if event is not None and event["event"] == "step" and event["step"] >= step:
                 self.workers = psutil.Process(self.proc.pid).children(recursive=True)
                 return
         raise AssertionError(f"the run ended before step {step}:\n" + "".join(self.lines[-60:]))

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from llamaft_trainer import profiling
+from llamaft_trainer.logline import read_events
 
 from tests.conftest import REPO
 from tests.trainer.conftest import base_config, torchrun_cmd, trainer_env
@@ -80,21 +81,6 @@ def test_summarize_medians_over_steps_and_ranks() -> None:
         profiling.summarize(events, stat="mean")
 
 
-def _events(stdout: str) -> list[dict[str, Any]]:
-    decoder, events = json.JSONDecoder(), []
-    for line in stdout.splitlines():
-        at = line.find("{")
-        while at != -1:
-            try:
-                record, end = decoder.raw_decode(line, at)
-            except json.JSONDecodeError:
-                break
-            if isinstance(record, dict) and "event" in record:
-                events.append(record)
-            at = line.find("{", end)
-    return events
-
-
 @pytest.mark.slow
 def test_two_process_run_logs_every_phase(tiny_model: Path, tmp_path: Path) -> None:
     config = base_config(tiny_model, tmp_path / "ck", training={"maxSteps": 3})
@@ -105,7 +91,7 @@ def test_two_process_run_logs_every_phase(tiny_model: Path, tmp_path: Path) -> N
         env=trainer_env(**{profiling.ENV_VAR: "1"}), capture_output=True, text=True, timeout=300, cwd=REPO,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    phases = [e for e in _events(proc.stdout) if e["event"] == "phases"]
+    phases = read_events(proc.stdout, "phases")
     assert sorted((e["step"], e["rank"]) for e in phases) == [(s, r) for s in (1, 2, 3) for r in (0, 1)]
     for e in phases:
         assert all(e[p] >= 0 for p in profiling.PHASES)
@@ -114,7 +100,7 @@ def test_two_process_run_logs_every_phase(tiny_model: Path, tmp_path: Path) -> N
         assert e["all_gather"] > 0 and e["reduce_scatter"] > 0
         assert e["all_gather_bytes"] > 0 and e["reduce_scatter_bytes"] > 0
     # Rank 0's phases add up to the step time it logs (`other` is the remainder, never negative).
-    steps = {e["step"]: e for e in _events(proc.stdout) if e["event"] == "step"}
+    steps = {e["step"]: e for e in read_events(proc.stdout, "step")}
     for e in (e for e in phases if e["rank"] == 0 and e["step"] in steps):
         total = sum(e[p] for p in profiling.PHASES)
         assert total == pytest.approx(steps[e["step"]]["step_seconds"] * 1e3, abs=1.0)

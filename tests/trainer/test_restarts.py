@@ -16,7 +16,6 @@ of the four runs (the full product is 8)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from typing import Any
 import pytest
 import yaml
 from llamaft_trainer import faults
+from llamaft_trainer.logline import read_events
 
 from tests.conftest import REPO, need_etcd
 from tests.trainer.conftest import DATASET, kill_tree, trainer_env
@@ -68,8 +68,7 @@ def _finetune(model: Path, tmp: Path, workers: int, backend: str, max_restarts: 
 def _events(run_dir: Path) -> list[dict[str, Any]]:
     """Every worker's events in the order they happened: a restart may give another worker rank 0
     (an etcd rendezvous keeps no rank), so the leader's lines are in more than one log."""
-    lines = [line for log in sorted(run_dir.glob("worker-*.log")) for line in log.read_text().splitlines()]
-    return sorted((json.loads(line) for line in lines if line.startswith("{")), key=lambda e: e["ts"])
+    return sorted((e for log in sorted(run_dir.glob("worker-*.log")) for e in read_events(log)), key=lambda e: e["ts"])
 
 
 @pytest.mark.parametrize(("workers", "nproc", "backend", "fault"), RUNS,

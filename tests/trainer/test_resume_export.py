@@ -3,12 +3,12 @@ losses; the final export round-trips through from_pretrained; LoRA exports a pef
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from llamaft_trainer.logline import parse_event, read_events
 
 from tests.trainer.conftest import base_config, kill_tree, launch_trainer
 
@@ -16,15 +16,11 @@ pytestmark = pytest.mark.slow
 STEPS = 24
 
 
-def _events(stdout: str) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-
-
 def _run(config: dict[str, Any], tmp: Path, name: str) -> list[dict[str, Any]]:
     proc = launch_trainer(config, tmp, name)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-5000:]
-    return _events(out)
+    return read_events(out)
 
 
 def _config(model: Path, directory: Path) -> dict[str, Any]:
@@ -45,9 +41,10 @@ def runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     assert proc.stdout is not None
     killed_events = []
     for line in proc.stdout:
-        if line.startswith("{"):
-            killed_events.append(json.loads(line))
-            if killed_events[-1]["event"] == "checkpoint" and killed_events[-1]["step"] == 4:
+        event = parse_event(line)
+        if event is not None:
+            killed_events.append(event)
+            if event["event"] == "checkpoint" and event["step"] == 4:
                 kill_tree(proc)  # no clean-up of any kind, like a node loss (workers included)
                 break
     proc.wait(60)

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from llamaft_trainer.logline import read_events
 
 from tests.trainer.conftest import base_config
 from tests.trainer.load_worker import digest, launch
@@ -186,10 +187,10 @@ def test_a_checkpoint_that_does_not_match_is_a_config_error(results: dict[str, A
 
 
 def test_bin_checkpoint_falls_back_to_from_pretrained_with_a_log_line(results: dict[str, Any]) -> None:
-    fallbacks = [json.loads(line) for line in results["log"].splitlines() if line.startswith("{") and '"fallback"' in line]
+    fallbacks = [e for e in read_events(results["log"], "weights") if "fallback" in e]
     assert len(fallbacks) == 2 and all("no model.safetensors or model.safetensors.index.json" in e["fallback"] for e in fallbacks)
 
 
 def test_each_method_logs_what_it_did(results: dict[str, Any]) -> None:
-    events = [json.loads(line) for line in results["log"].splitlines() if line.startswith('{"ts"') and '"weights"' in line]
+    events = read_events(results["log"], "weights")
     assert {e["method"] for e in events if "method" in e} == {"sliced", "broadcast", "full"}

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from llamaft.cli import main as cli
 from llamaft.sweep import chart
+from llamaft_trainer.logline import read_events
 
 from tests.trainer.test_local_run import finetune
 
@@ -39,8 +40,7 @@ def test_local_sweep_measures_each_size_and_charts_them(tiny_model: Path, tmp_pa
         ckpt = tmp_path / "ckpt" / "sweep" / f"tiny-sweep-w{workers}"
         assert (ckpt / "step-00000004").is_dir() and not (ckpt / "export").exists()
         # The figures are the leader's final report, which the local run's worker logs also print.
-        done = [json.loads(line) for log in sorted((out / f"tiny-sweep-w{workers}").glob("worker-*.log"))
-                for line in log.read_text().splitlines() if line.startswith('{"') and '"event": "done"' in line]
+        done = [e for log in sorted((out / f"tiny-sweep-w{workers}").glob("worker-*.log")) for e in read_events(log, "done")]
         assert done and done[-1]["performance"]["tokensPerSecond"] == float(row["tokens_per_second"])
         # What the trackers log as params: the whole spec at this size, as the operator mounts it.
         assert json.loads((out / f"tiny-sweep-w{workers}" / "spec.json").read_text())["cluster"]["workers"] == workers

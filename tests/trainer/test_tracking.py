@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from llamaft.api.spec import TrainingJobConfig
 from llamaft_trainer import tracking
+from llamaft_trainer.logline import parse_event, read_events
 
 from tests.conftest import REPO
 from tests.trackers import Gate, MlflowServer, tensorboard_scalars, wandb_offline_runs
@@ -138,8 +139,9 @@ def test_a_tracker_that_disappears_mid_run_never_stops_training(
     try:
         for line in proc.stdout:
             lines.append(line)
-            if gone_at is None and '"event": "step"' in line and _points(mlflow_server, "dying") >= 3:
-                gone_at = json.loads(line)["step"]
+            event = parse_event(line)
+            if gone_at is None and event is not None and event["event"] == "step" and _points(mlflow_server, "dying") >= 3:
+                gone_at = event["step"]
                 gate.close()  # the tracker disappears; the trainer is mid-run
         assert proc.wait(600) == 0, "".join(lines[-40:])
     finally:
@@ -147,7 +149,7 @@ def test_a_tracker_that_disappears_mid_run_never_stops_training(
         if proc.poll() is None:
             proc.kill()
     assert gone_at is not None and gone_at < steps, "the server went away before the run ended"
-    events = [json.loads(line) for line in lines if line.startswith("{")]
+    events = read_events(lines)
     assert [e["step"] for e in events if e["event"] == "step"] == list(range(1, steps + 1)), "every step ran"
     warnings = [e["warning"] for e in events if e["event"] == "tracking" and "warning" in e]
     assert warnings and warnings[0].startswith("mlflow: "), warnings
