@@ -70,6 +70,14 @@ def _test_runs_a_bench_script() -> None:
     subprocess.run([sys.executable, "bench/gpu_suite.py", "--cpu-smoke"], check=False)
 
 
+def _test_runs_locally() -> None:
+    subprocess.run(["llamaft", "run", "--local", "spec.yaml"], check=False)
+
+
+def _test_validates() -> None:
+    subprocess.run(["llamaft", "validate", "spec.yaml"], check=False)
+
+
 def _test_compares_a_rendered_command() -> None:
     assert ["torchrun", "-m", "llamaft_trainer"] == ["torchrun", "-m", "llamaft_trainer"]
 
@@ -88,7 +96,8 @@ def _test_through_a_context_manager() -> None:
 # Reached through a dict: a test naming these functions would itself be found slow by the walk.
 FAKE = {f.__name__: f for f in (_launches, _calls_a_launcher, _quick, _test_through_a_helper, _test_in_a_closure,
                                 _test_quick, _test_writes_out_a_launch, _test_runs_a_bench_script,
-                                _test_compares_a_rendered_command, _test_through_a_context_manager)}
+                                _test_compares_a_rendered_command, _test_through_a_context_manager,
+                                _test_runs_locally, _test_validates)}
 
 
 def _item(function: Any, fixtures: dict[str, Any] | None = None, marked: bool = False) -> Any:
@@ -112,6 +121,8 @@ def test_a_launch_written_out_in_the_test_makes_it_slow() -> None:
     assert tiers.why_slow(_item(FAKE["_test_writes_out_a_launch"])) == "-m llamaft_trainer"
     assert tiers.why_slow(_item(FAKE["_test_runs_a_bench_script"])) == "gpu_suite.py"
     assert tiers.why_slow(_item(FAKE["_test_compares_a_rendered_command"])) is None
+    assert tiers.why_slow(_item(FAKE["_test_runs_locally"])) == "llamaft run/sweep --local"
+    assert tiers.why_slow(_item(FAKE["_test_validates"])) is None
 
 
 def test_a_decorated_helper_is_followed_to_its_own_code() -> None:

@@ -7,8 +7,9 @@ processes (torchrun, the trainer, `llamaft run --local`, the kopf operator, etcd
 MLflow, the Hub server, a simulated cluster whose pods run the trainer) carry `@starts_processes`;
 at collection a test is marked `slow` when its body, its fixtures, or any test-suite function they
 name (followed through the functions they name in turn) refers to one, or when that code writes out
-a launch of the trainer or torchrun itself (`"-m", "llamaft_trainer"`). A class carries the mark
-for its constructor.
+a launch of the trainer or torchrun itself (`"-m", "llamaft_trainer"`, or `llamaft run --local` as a
+subprocess; called in-process, the CLI may refuse before torchrun starts, so such tests say so by
+hand). A class carries the mark for its constructor.
 
 The walk reads names, not calls made through objects, so a guard backs it: every process start is
 checked against what it runs, and a test in the unit tier that starts one of the real processes
@@ -84,11 +85,13 @@ def _names_marked(fn: Callable[..., Any], seen: set[int]) -> str | None:
     seen.add(id(code))
     globals_ = getattr(fn, "__globals__", {})
     for c in _codes(code):
-        strings = [const for const in c.co_consts if isinstance(const, str)]
+        strings = list(_strings(c.co_consts))
         scripts = [s for s in strings if s.rsplit("/", 1)[-1] in REAL_SCRIPTS]
         modules = [s for s in strings if s in LAUNCHED_MODULES and "-m" in strings]
         if (scripts or modules) and LAUNCHERS & set(c.co_names):
             return scripts[0].rsplit("/", 1)[-1] if scripts else f"-m {modules[0]}"
+        if "--local" in strings and ({"run", "sweep"} & set(strings)) and LAUNCHERS & set(c.co_names):
+            return "llamaft run/sweep --local"
         for name in c.co_names:
             target = globals_.get(name)
             if target is None:
@@ -102,6 +105,15 @@ def _names_marked(fn: Callable[..., Any], seen: set[int]) -> str | None:
             if isinstance(target, types.ModuleType) and target.__name__.startswith("tests"):
                 continue  # attribute access through a module: the guard covers it
     return None
+
+
+def _strings(consts: Iterable[object]) -> Iterable[str]:
+    """The string constants of a code object, inside the tuples a list of constants compiles to."""
+    for const in consts:
+        if isinstance(const, str):
+            yield const
+        elif isinstance(const, tuple | frozenset):
+            yield from _strings(const)
 
 
 def _codes(code: types.CodeType) -> Iterable[types.CodeType]:

@@ -14,8 +14,6 @@ import pytest
 
 from tests.hub.fixture import HubServer
 
-pytestmark = pytest.mark.slow
-
 ROWS = [{"dialogue": f"A: hello {i}\nB: hi", "summary": f"greeting {i}"} for i in range(12)]
 
 

@@ -39,7 +39,6 @@ from tests.operator.sim_fixtures import (  # noqa: F401 (the *_fixture imports r
 )
 from tests.operator.test_runs import phase
 
-pytestmark = pytest.mark.slow
 CLAIM = "hf-cache"
 STEPS = 30
 """A tiny-model step takes ~0.1 s here (2 ranks on 2 cores): the window in which attempt 1 has fetched everything and

@@ -13,7 +13,6 @@ from llamaft_trainer.local_etcd import LocalEtcd
 
 from tests.operator.conftest import Cluster, Operator, close_rendezvous, free_port, tiny_spec, wait_for
 
-pytestmark = pytest.mark.slow
 ETCD_SPEC = {"backend": "etcd-v2", "endpoint": "etcd.infra.svc:2379"}
 
 

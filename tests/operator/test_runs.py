@@ -31,7 +31,6 @@ from tests.operator.emulator import EmulatorThread, write_kubeconfig
 from tests.operator.sim import SimCluster, pod_port
 from tests.operator.sim_fixtures import CHECKPOINT_CLAIM, checkpoint_folder, checkpointing, on_claim
 
-pytestmark = pytest.mark.slow
 DATASET = REPO / "examples" / "data" / "samsum-tiny.jsonl"
 STEPS, EVERY = 60, 10
 """A tiny-model step takes 50-100 ms here: 60 steps leave a window of seconds to inject a fault after

@@ -182,7 +182,6 @@ def test_job_runs_to_success_and_ttl_removes_it(sim: SimCluster, tiny_model: Pat
                                                             label_selector=f"training.kubeflow.org/job-name={name}"), timeout=15)
 
 
-@pytest.mark.slow
 def test_foreground_delete_stops_pods_gracefully_then_removes_the_job(sim: SimCluster, tiny_model: Path, tmp_path: Path) -> None:
     job = submit(sim, tiny_model, "fg", training={"maxSteps": 10_000})
     name = job["metadata"]["name"]
@@ -203,7 +202,6 @@ def test_foreground_delete_stops_pods_gracefully_then_removes_the_job(sim: SimCl
         assert "got signal: 15" in sim.logs(worker(job, index))
 
 
-@pytest.mark.slow
 def test_background_delete_removes_the_job_at_once_and_gc_collects_its_pods(sim: SimCluster, tiny_model: Path,
                                                                             tmp_path: Path) -> None:
     job = submit(sim, tiny_model, "bg", training={"maxSteps": 10_000})
@@ -217,7 +215,6 @@ def test_background_delete_removes_the_job_at_once_and_gc_collects_its_pods(sim:
     assert not sim.api.list(f"/api/v1/namespaces/{NS}/services", label_selector=f"training.kubeflow.org/job-name={name}")
 
 
-@pytest.mark.slow
 def test_kill_container_fails_a_never_job_with_the_exit_code(sim: SimCluster, tiny_model: Path, tmp_path: Path) -> None:
     job = submit(sim, tiny_model, "killed", restart_policy="Never", training={"maxSteps": 10_000})
     name = job["metadata"]["name"]
@@ -232,7 +229,6 @@ def test_kill_container_fails_a_never_job_with_the_exit_code(sim: SimCluster, ti
     assert pod is not None and pod["status"]["phase"] == "Failed", "Never: the pod stays, failed"
 
 
-@pytest.mark.slow
 def test_oom_kill_under_exit_code_restarts_the_pod(sim: SimCluster, tiny_model: Path, tmp_path: Path) -> None:
     job = submit(sim, tiny_model, "oom", restart_policy="ExitCode", training={"maxSteps": 10_000})
     name = job["metadata"]["name"]
@@ -251,7 +247,6 @@ def test_oom_kill_under_exit_code_restarts_the_pod(sim: SimCluster, tiny_model: 
     # republishes; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 recovers in ~45 s here. Not asserted.)
 
 
-@pytest.mark.slow
 def test_hang_stops_every_process_and_resume_lets_the_run_finish(sim: SimCluster, tiny_model: Path, tmp_path: Path) -> None:
     job = submit(sim, tiny_model, "hang")
     name = job["metadata"]["name"]
@@ -277,7 +272,6 @@ def proc_state(pid: int) -> str:
         return ""
 
 
-@pytest.mark.slow
 def test_kill_trainer_makes_torchrun_restart_its_workers_in_the_same_pod(sim: SimCluster, tiny_model: Path,
                                                                          tmp_path: Path) -> None:
     job = submit(sim, tiny_model, "trainer", training={"maxSteps": 10_000})
@@ -293,7 +287,6 @@ def test_kill_trainer_makes_torchrun_restart_its_workers_in_the_same_pod(sim: Si
     assert not sim.history(worker(job, 0))
 
 
-@pytest.mark.slow
 def test_lose_node_fails_its_pods_and_the_job_gets_replacements(sim: SimCluster, tiny_model: Path, tmp_path: Path) -> None:
     job = submit(sim, tiny_model, "lost", restart_policy="ExitCode", training={"maxSteps": 10_000})
     name = job["metadata"]["name"]
@@ -315,7 +308,6 @@ def test_lose_node_fails_its_pods_and_the_job_gets_replacements(sim: SimCluster,
     assert again["metadata"]["uid"] != first["metadata"]["uid"] and again["spec"]["nodeName"] != node
 
 
-@pytest.mark.slow
 def test_evictions_leave_kubernetes_evidence(sim: SimCluster, tiny_model: Path, tmp_path: Path) -> None:
     # OnFailure: the training operator replaces every failed or vanished pod, so one job sees all three.
     job = submit(sim, tiny_model, "evict", restart_policy="OnFailure", training={"maxSteps": 10_000})
@@ -343,7 +335,6 @@ def test_evictions_leave_kubernetes_evidence(sim: SimCluster, tiny_model: Path, 
     assert condition(preempted, "DisruptionTarget")["reason"] == "PreemptionByScheduler" and preempted["metadata"]["deletionTimestamp"]
 
 
-@pytest.mark.slow
 def test_node_affinity_and_selectors_place_pods(sim: SimCluster, tiny_model: Path, tmp_path: Path) -> None:
     not_node0 = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
         {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["node-0"]}]}]}}}

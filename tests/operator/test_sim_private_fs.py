@@ -187,7 +187,6 @@ def test_indexed_job_pod_generate_name_keeps_the_index_when_cut() -> None:
 
 
 # ----------------------------------------------------------------- the point: no resume
-@pytest.mark.slow
 def test_checkpoints_outside_any_volume_are_lost_with_the_container(make_sim: Any, tiny_model: Path) -> None:
     """One worker checkpoints every 2 steps to /checkpoints/run, on no volume (discardWithPod: the
     loss is accepted). Killed past its first complete checkpoint, the training operator replaces

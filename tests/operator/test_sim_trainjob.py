@@ -195,7 +195,6 @@ def test_strategic_merge_merges_lists_by_their_keys() -> None:
 
 
 # ------------------------------------------------------------------------ the real trainer
-@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["etcd-v2", "c10d"])
 def test_trainjob_runs_the_trainer_to_completion(sim: SimCluster, torch_runtime: Obj, tiny_model: Path, tmp_path: Path,
                                                  backend: str) -> None:
@@ -261,7 +260,6 @@ def test_trainjob_runs_the_trainer_to_completion(sim: SimCluster, torch_runtime:
         assert list(messages) == [0]
 
 
-@pytest.mark.slow
 def test_suspend_deletes_the_pods_resume_recreates_them_and_deleting_the_trainjob_collects_them(
         trainer_only_sim: SimCluster, tiny_model: Path, tmp_path: Path) -> None:
     sim = trainer_only_sim
@@ -305,7 +303,6 @@ def test_suspend_deletes_the_pods_resume_recreates_them_and_deleting_the_trainjo
     assert not sim.errors
 
 
-@pytest.mark.slow
 def test_a_killed_container_restarts_in_place_until_the_jobs_backoff_limit_fails_the_trainjob(
         sim: SimCluster, torch_runtime: Obj, tiny_model: Path, tmp_path: Path) -> None:
     job = submit(sim, tiny_model, "tj-kill", training={"maxSteps": 10_000})
@@ -356,7 +353,6 @@ def test_a_killed_container_restarts_in_place_until_the_jobs_backoff_limit_fails
     assert victim_last["metadata"]["deletionTimestamp"] and restart_count(victim_last) == kills
 
 
-@pytest.mark.slow
 def test_a_runtime_with_backoff_limit_0_fails_the_trainjob_on_the_first_container_failure(
         sim: SimCluster, tiny_model: Path, tmp_path: Path) -> None:
     """What a failed pod ending the job takes under Trainer: a (Cluster)TrainingRuntime whose `node`

@@ -166,7 +166,6 @@ def topology_assignment(nodes: list[dict[str, Any]], level: str, count: int) -> 
     return domain, domains[domain][:count]
 
 
-@pytest.mark.slow
 def test_kueue_admits_with_a_topology_assignment_and_the_run_proceeds(
     sim_emulator: Any, sim_etcd: Any, make_sim: Any, tiny_model: Path, tmp_path: Path,
 ) -> None:

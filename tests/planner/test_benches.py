@@ -26,7 +26,6 @@ def test_gpu_plan_check_smoke() -> None:
     assert "2 cases: mean |error|" in proc.stdout
 
 
-@pytest.mark.slow
 def test_plan_accuracy_one_case(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     out = tmp_path / "rows.json"

@@ -155,7 +155,6 @@ def harness(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
     return out
 
 
-@pytest.mark.slow
 def test_async_and_sync_checkpoints_resume_bit_identically(harness: dict[str, Any]) -> None:
     straight = harness["async/straight"]
     assert len(straight["losses"]) == STEPS
@@ -189,7 +188,6 @@ def test_prune_keeps_the_newest_complete_and_anything_newer(tmp_path: Path) -> N
 
 
 # ------------------------------------------------------------------ 2. SIGKILL during a background write
-@pytest.mark.slow
 def test_a_kill_during_a_background_write_leaves_nothing_resumable(
     tiny_model: Path, tmp_path: Path, harness: dict[str, Any],
 ) -> None:

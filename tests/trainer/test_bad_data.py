@@ -30,8 +30,6 @@ from llamaft_trainer.logline import read_events
 from tests.conftest import REPO
 from tests.trainer.conftest import DATASET, base_config, torchrun_cmd, trainer_env
 
-pytestmark = pytest.mark.slow
-
 GOOD = DATASET.read_text().splitlines()[:4]
 
 

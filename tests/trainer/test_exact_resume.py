@@ -26,8 +26,6 @@ from tests.trainer.conftest import (
     run_harness,
 )
 
-pytestmark = pytest.mark.slow
-
 STEPS, EVERY, KILL_AT = 30, 10, 25
 LORA = {"r": 4, "alpha": 8, "dropout": 0.1, "targetModules": ["q_proj", "v_proj"]}
 

@@ -193,7 +193,6 @@ def _steps(launch: Launch) -> list[int]:
     return [e["step"] for e in launch.of("step")]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_row_trains_checkpoints_and_evaluates(matrix: dict[str, RowRun], name: str) -> None:
     run = matrix[name]
@@ -224,7 +223,6 @@ def _check_generations(run: RowRun, launch: Launch, step: int) -> None:
         assert not rouge & set(reports[0])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_row_resumes_from_its_checkpoint_in_a_second_launch(matrix: dict[str, RowRun], name: str) -> None:
     run = matrix[name]
@@ -256,7 +254,6 @@ def _held_out_prompts(run: RowRun, tokenizer: Any) -> list[list[int]]:
     return [s.prompt_ids for s in evaluation.held_out_samples(opened.validation, tokenizer, 2)]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_row_export_loads_back_with_transformers(matrix: dict[str, RowRun], name: str, tiny_model: Path) -> None:
     """The export of the resumed run: a plain model (full fine-tune; DoRA's merged root), a peft

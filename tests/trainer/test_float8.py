@@ -159,7 +159,6 @@ def runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     return run_harness(tmp, 2, cases)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("name", "reference"), [("tensorwise", "bf16"), ("rowwise", "bf16"),
                                                  ("lora-tensorwise", "lora-bf16")])
 def test_float8_trains_close_to_bf16_on_two_ranks(runs: dict[str, Any], name: str, reference: str) -> None:
@@ -172,7 +171,6 @@ def test_float8_trains_close_to_bf16_on_two_ranks(runs: dict[str, Any], name: st
     assert ranks[0] == ranks[1], "both ranks see the same full parameters"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tensorwise", "lora-tensorwise"])
 def test_float8_resumes_bit_identically(runs: dict[str, Any], name: str) -> None:
     """DCP saves and loads the Float8Linear modules' parameters (plain DTensors with float8

@@ -16,8 +16,6 @@ from llamaft_trainer.parallelize import CPU_OVERLAP_ENV
 
 from tests.trainer.conftest import base_config, run_harness
 
-pytestmark = pytest.mark.slow
-
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
 PRECISIONS = ["fp32", "bf16"]
 AC_MODES = ["none", "full", "selective"]

@@ -31,7 +31,6 @@ def repos(hub_server: HubServer, tiny_model: Path) -> dict[str, str]:
     }
 
 
-@pytest.mark.slow
 def test_snapshot_fetches_the_selected_files_into_the_cache(hub_env: HubServer, repos: dict[str, str], tmp_path: Path) -> None:
     folder = hub.snapshot("trainer/tiny", repo_type="model", revision=None, what="spec.model.tokenizer",
                           ignore_patterns=["*.safetensors"], cache_dir=tmp_path / "c")
@@ -43,7 +42,6 @@ def test_snapshot_fetches_the_selected_files_into_the_cache(hub_env: HubServer, 
     assert data.is_relative_to(Path(os.environ["HF_HUB_CACHE"])) and (data / "train.jsonl").read_text() == '{"text": "hi"}\n'
 
 
-@pytest.mark.slow
 def test_gated_repo_errors_name_the_token_secret_and_never_the_token(hub_env: HubServer, repos: dict[str, str],
                                                                      monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="spec.model.hfTokenSecret") as anonymous:
@@ -60,7 +58,6 @@ def test_gated_repo_errors_name_the_token_secret_and_never_the_token(hub_env: Hu
     assert hub_env.authorizations() and set(hub_env.authorizations()) == {f"Bearer {TOKEN}"}
 
 
-@pytest.mark.slow
 def test_missing_repo_revision_and_file_name_the_field(hub_env: HubServer, repos: dict[str, str],
                                                        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from huggingface_hub import hf_hub_download
@@ -90,7 +87,6 @@ def test_missing_repo_revision_and_file_name_the_field(hub_env: HubServer, repos
         hub.snapshot("a/b/c", repo_type="model", revision=None, what="spec.model.source", cache_dir=tmp_path)
 
 
-@pytest.mark.slow
 def test_connection_errors_are_left_for_the_retry_policy(hub_env: HubServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import huggingface_hub.constants as hub_constants
 
@@ -128,7 +124,6 @@ print(json.dumps(str(hub.snapshot("trainer/tiny", repo_type="model", revision=No
 """
 
 
-@pytest.mark.slow
 def test_two_processes_fetching_one_repo_at_once_download_each_file_once(hub_env: HubServer, repos: dict[str, str], tmp_path: Path) -> None:
     cache = tmp_path / "shared-cache"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "operator"), str(REPO / "trainer")]),
@@ -166,7 +161,6 @@ def test_two_processes_fetching_one_repo_at_once_download_each_file_once(hub_env
     assert infos[1] < max(r["end"] for r in gets), "the second process started while the first was downloading"
 
 
-@pytest.mark.slow
 def test_load_dataset_pins_the_commit_and_names_the_fields(hub_env: HubServer, monkeypatch: pytest.MonkeyPatch) -> None:
     rows = [{"text": f"row {i}"} for i in range(6)]
     first = hub_env.add_dataset("trainer/rows", {"data/train.jsonl": "".join(json.dumps(r) + "\n" for r in rows[:4])})

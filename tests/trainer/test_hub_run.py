@@ -19,7 +19,6 @@ from tests.conftest import REPO
 from tests.hub.fixture import HubServer
 from tests.trainer.test_local_run import events
 
-pytestmark = pytest.mark.slow
 CHAT = REPO / "examples" / "data" / "chat-tiny.jsonl"
 TOKEN = "hf_llamaft_test_token_0123456789"
 

@@ -20,8 +20,6 @@ import pytest
 
 from tests.trainer.conftest import base_config, run_harness
 
-pytestmark = pytest.mark.slow
-
 STEPS = 3
 LORA_HEAD = {"lora": {"r": 4, "alpha": 8, "dropout": 0.0, "targetModules": ["q_proj", "v_proj", "lm_head"]}}
 

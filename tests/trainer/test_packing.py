@@ -343,7 +343,6 @@ def test_a_resumed_streamed_bfd_epoch_gives_the_same_batches(tok: Any, tmp_path:
 
 
 # ----------------------------------------------------------------------------- torchrun
-@pytest.mark.slow
 def test_two_ranks_fsdp_packed_equals_alone_and_eval_packed_equals_padded(tiny_model: Path, tmp_path: Path) -> None:
     """One launch, 2 ranks: FSDP2 (a) activation checkpointing full + lossChunks 3, (b) selective-op
     + LoRA; (c) FSDP1 with full activation checkpointing. Packed blocks against their examples alone (losses, target counts, every full gradient),

@@ -81,7 +81,6 @@ def test_summarize_medians_over_steps_and_ranks() -> None:
         profiling.summarize(events, stat="mean")
 
 
-@pytest.mark.slow
 def test_two_process_run_logs_every_phase(tiny_model: Path, tmp_path: Path) -> None:
     config = base_config(tiny_model, tmp_path / "ck", training={"maxSteps": 3})
     path = tmp_path / "config.json"

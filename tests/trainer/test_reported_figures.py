@@ -50,7 +50,6 @@ def _measure(tiny_model: Path, tmp: Path, nproc: int) -> dict[str, Any]:
     return dict(json.loads(out.read_text()))
 
 
-@pytest.mark.slow
 def test_eval_loss_and_tokens_do_not_depend_on_the_launch(tiny_model: Path, tmp_path: Path) -> None:
     one, three = _measure(tiny_model, tmp_path, 1), _measure(tiny_model, tmp_path, 3)
     n = one["validation_sequences"]

@@ -30,8 +30,6 @@ from llamaft_trainer.logline import read_events
 from tests.conftest import REPO, need_etcd
 from tests.trainer.conftest import DATASET, kill_tree, trainer_env
 
-pytestmark = pytest.mark.slow
-
 RUNS = [  # (workers, processes per worker, rendezvous backend, fault)
     (2, 1, "c10d", "raise"),
     (2, 1, "etcd", "sigkill"),

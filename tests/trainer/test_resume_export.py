@@ -12,7 +12,6 @@ from llamaft_trainer.logline import parse_event, read_events
 
 from tests.trainer.conftest import base_config, kill_tree, launch_trainer
 
-pytestmark = pytest.mark.slow
 STEPS = 24
 
 

@@ -13,8 +13,6 @@ from llamaft.api.sharding import WRAPPER_ENV
 
 from tests.trainer.conftest import base_config, run_harness
 
-pytestmark = pytest.mark.slow
-
 FSDP = {WRAPPER_ENV: "fsdp"}
 SAVE_AT_2 = {"maxSteps": 4, "seed": 7}
 
