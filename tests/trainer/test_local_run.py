@@ -19,6 +19,7 @@ import psutil
 import pytest
 import yaml
 from llamaft.cli import main as cli
+from llamaft.local import STOP_MARGIN_S
 from llamaft_trainer.checkpoint import Checkpointer
 from llamaft_trainer.logline import read_events
 
@@ -103,6 +104,7 @@ def test_failed_run_reports_and_returns_nonzero(tiny_model: Path, tmp_path: Path
 # ------------------------------------------------------------------ interrupts leave nothing behind
 KILL_SEED = int(os.environ.get("LLAMAFT_KILL_SEED", "15"))  # fixed in CI; set it to explore other moments
 TRIALS = [(signal.SIGINT, "Ctrl-C"), (signal.SIGTERM, "SIGTERM"), (signal.SIGKILL, "killed outright")]
+GRACE_S = 5
 
 
 def _tree_of(marker: str) -> list[psutil.Process]:
@@ -127,12 +129,15 @@ def test_an_interrupt_at_a_random_point_leaves_no_process(tiny_model: Path, tmp_
     delay = random.Random(KILL_SEED * 100 + trial).uniform(0.5, 14.0)
     path = finetune(tiny_model, tmp_path, f"interrupt-{trial}", training={"maxSteps": 100_000, "perDeviceBatchSize": 2,
                     "learningRate": 2e-3, "evalInterval": 0}, rendezvous={"backend": "c10d"},
-                    checkpointing={"directory": str(tmp_path / "ck"), "everyNSteps": 20, "exportHuggingFace": False})
+                    checkpointing={"directory": str(tmp_path / "ck"), "everyNSteps": 20, "exportHuggingFace": False},
+                    # The grace period is the agents' TORCH_ELASTIC_SHUTDOWN_TIMEOUT, as in the pod (the
+                    # launch sets it from the spec: an environment variable of this process does not
+                    # reach them), and the runner's SIGKILL comes STOP_MARGIN_S after it.
+                    cluster={"workers": 2, "gpusPerWorker": 0, "terminationGracePeriodSeconds": GRACE_S})
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [str(Path(sys.executable).with_name("llamaft")), "run", "--local", str(path), "--run-dir", str(run_dir)],
-        env={**trainer_env(), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, cwd=REPO, start_new_session=True,
+        env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
     )
     marker = str(run_dir / "config.json")
     try:
@@ -158,7 +163,7 @@ def test_an_interrupt_at_a_random_point_leaves_no_process(tiny_model: Path, tmp_
         assert proc.returncode == -signal.SIGKILL
         return
     assert proc.returncode == 128 + signum, context
-    assert took < 5 + 15 + 10, context  # torchrun's shutdown timeout + the runner's margin + slack
+    assert took < GRACE_S + STOP_MARGIN_S + 10, context  # torchrun's shutdown timeout + the runner's margin + slack
     note = err.strip().splitlines()[-1]
     latest = Checkpointer(str(tmp_path / "ck"), 1, 0).latest()
     if "before the run started" in note:

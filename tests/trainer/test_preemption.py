@@ -29,6 +29,7 @@ from llamaft_trainer.logline import parse_event, read_events
 from llamaft_trainer.preemption import grace_budget_seconds
 
 from tests.conftest import REPO
+from tests.tiers import starts_processes
 from tests.trainer.conftest import base_config, torchrun_cmd, trainer_env
 
 STEPS = 30
@@ -36,6 +37,7 @@ SIGNAL_AT_STEP = 3
 TIMEOUT_S = 10  # the API's minimum collectiveTimeoutSeconds
 
 
+@starts_processes
 class Launch:
     """One torchrun job whose output is read line by line; its workers (torchrun starts them in
     their own sessions, so a process-group kill would miss them) are killed if a test leaves them."""
@@ -86,6 +88,32 @@ class Launch:
                 pass
         if self.proc.poll() is None:
             self.proc.wait(30)
+
+
+def test_a_sigterm_during_start_up_ends_the_run_at_the_next_start_up_phase(tiny_model: Path, tmp_path: Path) -> None:
+    """SIGTERM while the ranks prepare the data: they agree on it at the next start-up boundary
+    and end there (Preempted, 143 each, no step trained), instead of finishing a start-up that
+    can take minutes only to stop before step 1."""
+    job = Launch(_config(tiny_model, tmp_path / "early"), tmp_path, "early")
+    try:
+        assert job.proc.stdout is not None
+        for line in job.proc.stdout:
+            job.lines.append(line)
+            event = parse_event(line)
+            if event is not None and event["event"] == "phase":  # the first boundary is behind the ranks
+                break
+        else:
+            raise AssertionError("the run ended before start-up began:\n" + job.log())
+        job.proc.send_signal(signal.SIGTERM)
+        job.finish(timeout=120)
+    finally:
+        job.close()
+    events = job.events()
+    assert not [e for e in events if e["event"] in ("setup", "step")], job.log()
+    report = job.report()
+    assert report["reason"] == "Preempted" and report["retryable"] is True, report
+    assert "during start-up (before " in report["message"], report["message"]
+    assert "rank 0 exits with code 143" in job.log() and "rank 1 exits with code 143" in job.log()
 
 
 def _config(model: Path, directory: Path, **training: Any) -> dict[str, Any]:

@@ -43,7 +43,7 @@ from llamaft_trainer.evaluation import build_evaluator
 from llamaft_trainer.export import export_hugging_face
 from llamaft_trainer.metrics import Progress, flops_per_token, log_json, peak_flops
 from llamaft_trainer.parallelize import parallelize, replicate
-from llamaft_trainer.preemption import StopSignal
+from llamaft_trainer.preemption import StopReport, StopSignal
 from llamaft_trainer.runtime import Runtime, build_mesh, init_runtime, sharding_plan
 from llamaft_trainer.shutdown import exit_process, teardown
 from llamaft_trainer.termination import RunRecord
@@ -54,6 +54,7 @@ from llamaft_trainer.train import (
     build_optimizer,
     build_scaler,
     build_scheduler,
+    stop_agreed,
     total_steps,
 )
 
@@ -110,18 +111,33 @@ def build_model(cfg: TrainingJobConfig, rt: Runtime, model_config: Any,
     return replicate(model, plan, rt.device), n_params
 
 
-def _phase(rt: Runtime, phase: str) -> None:
-    """Global rank 0's `phase` log line: what start-up is doing now (llamaft run --local shows it
-    with the seconds since launch, so the minute before the first step is not silent)."""
+class StoppedDuringStartUp(Exception):
+    """Every rank agreed, at a start-up boundary, that a stop signal came (SIGTERM, or a Ctrl-C
+    through llamaft run --local): nothing trained yet, nothing to save, so the run ends there
+    instead of finishing a start-up (minutes for a large model) only to stop before step 1."""
+
+    def __init__(self, phase: str) -> None:
+        super().__init__(f"the signal came during start-up (before {phase}): nothing trained since the last checkpoint")
+        self.phase = phase
+
+
+def _phase(rt: Runtime, phase: str, stop: StopSignal | None = None) -> None:
+    """A start-up boundary: with `stop`, the ranks agree on whether a stop signal came (a
+    collective; every rank passes the same boundaries) and end the run if so; then global rank
+    0's `phase` log line: what start-up is doing now (llamaft run --local shows it with the
+    seconds since launch, so the minute before the first step is not silent)."""
+    if stop_agreed(stop, rt.device):
+        raise StoppedDuringStartUp(phase)
     if rt.is_leader:
         log_json("phase", phase=phase)
 
 
-def setup(cfg: TrainingJobConfig, rt: Runtime) -> Session:
+def setup(cfg: TrainingJobConfig, rt: Runtime, stop: StopSignal | None = None) -> Session:
+    """The session of a run. `stop`: a stop signal the ranks check for at each start-up phase."""
     torch.manual_seed(cfg.training.seed)
     tracking.check(cfg)  # on every rank, before any collective: rank 0 alone must not fail later
     float8.check_device(cfg.fsdp, rt.device)  # likewise: each rank its own GPU
-    _phase(rt, "loading the tokenizer and preparing the data")
+    _phase(rt, "loading the tokenizer and preparing the data", stop)
     tokenizer = model_step.load_tokenizer(cfg.model, rt)
     model_config = model_step.load_config(cfg.model, rt)
     data_step.check_sequence_length(cfg.dataset, getattr(model_config, "max_position_embeddings", None))
@@ -129,7 +145,7 @@ def setup(cfg: TrainingJobConfig, rt: Runtime) -> Session:
         cfg.dataset, tokenizer, cfg.training.per_device_batch_size, cfg.training.seed, rt, cfg.checkpointing.directory,
     )
     plan = sharding_plan(cfg.fsdp, rt)
-    _phase(rt, "loading the model")
+    _phase(rt, "loading the model", stop)
     model, n_params = build_model(cfg, rt, model_config, plan)
     optimizer = build_optimizer(model, cfg)
     per_epoch = data.batches_per_epoch
@@ -149,7 +165,7 @@ def run(
     SIGTERM). `record` is kept current for the termination message."""
     record = record if record is not None else RunRecord()
     started = time.perf_counter()
-    s = setup(cfg, rt)
+    s = setup(cfg, rt, stop)
     if rt.is_leader:
         log_json(
             "setup", parameters=s.n_params, world_size=rt.world_size, device=str(rt.device),
@@ -161,7 +177,7 @@ def run(
     if progress is not None:
         progress.total_steps.set(s.steps)
         progress.update(phase="Training", totalSteps=s.steps)
-    _phase(rt, "training: the first steps")
+    _phase(rt, "training: the first steps", stop)
     state, scaler = TrainState(), build_scaler(cfg, rt)
     checkpointer = Checkpointer(
         cfg.checkpointing.directory, cfg.checkpointing.keep_last, rt.rank,
@@ -252,20 +268,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 server = progress.serve(args.metrics_port)
             if rt.is_leader:  # TrainJob.status.trainerStatus, when Kubeflow Trainer asks for it
                 kubeflow = kubeflow_progress.attach(progress)
-        _, result = run(cfg, rt, progress=progress, stop=stop, record=record)
+        try:
+            _, result = run(cfg, rt, progress=progress, stop=stop, record=record)
+        except StoppedDuringStartUp as exc:
+            result = LoopResult(TrainState(), stopped=StopReport(record.step or 0, stop.requested, False, str(exc)))
         healthy = True  # every rank got here together (a stop is agreed on collectively)
         if result.stopped is not None:
-            message = result.stopped.message(record.checkpoint_step, stop.name)
-            # A person's Ctrl-C (SIGINT, from llamaft run --local) is no preemption; a SIGTERM is
-            # one unless the agent sent it because it lost the rendezvous.
-            lost = None if stop.interrupted else elastic.rendezvous_lost()
-            reason: str = (termination.INTERRUPTED if stop.interrupted
-                           else termination.PREEMPTED if lost is None else termination.RENDEZVOUS_LOST)
-            _report(termination.failed(reason, message if lost is None else f"{lost}: {message}", record,
-                                       retryable=True), rt)
-            if progress is not None:
-                progress.update(phase="Preempted")
-            return termination.exit_code(reason)
+            return _stopped(result.stopped, stop, record, rt, progress)
         if progress is not None:
             progress.update(phase="Succeeded")
         if rt.is_leader:
@@ -288,6 +297,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         if kubeflow is not None:
             kubeflow.close()  # the final post, bounded
         teardown(rt, server, healthy=healthy)
+
+
+def _stopped(report: StopReport, stop: StopSignal, record: RunRecord, rt: Runtime, progress: Progress | None) -> int:
+    """The termination message and exit code of a run that stopped on a signal."""
+    message = report.message(record.checkpoint_step, stop.name)
+    # A person's Ctrl-C (SIGINT, from llamaft run --local) is no preemption; a SIGTERM is
+    # one unless the agent sent it because it lost the rendezvous.
+    lost = None if stop.interrupted else elastic.rendezvous_lost()
+    reason: str = (termination.INTERRUPTED if stop.interrupted
+                   else termination.PREEMPTED if lost is None else termination.RENDEZVOUS_LOST)
+    _report(termination.failed(reason, message if lost is None else f"{lost}: {message}", record, retryable=True), rt)
+    if progress is not None:
+        progress.update(phase="Preempted")
+    return termination.exit_code(reason)
 
 
 def _report(doc: dict[str, Any], rt: Runtime | None, *, always: bool = False) -> None:

@@ -135,6 +135,12 @@ def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: tor
     return loss, int((targets != IGNORE_INDEX).sum())
 
 
+def stop_agreed(stop: StopSignal | None, device: torch.device) -> bool:
+    """Whether some rank got the stop signal: a collective, so every rank calls it at the same
+    point and all of them get the same answer (and stop together)."""
+    return stop is not None and _all_reduce_sum([1.0 if stop.requested else 0.0], device)[0] > 0
+
+
 def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t)
@@ -279,8 +285,8 @@ class Trainer:
         steps, tc = s.steps, self.cfg.training
         record.step, record.total_steps = state.step, steps
         record.world_size, record.flops_per_token, record.peak_flops = rt.world_size, s.flops_per_token, self.peak_flops
-        if self.stop is not None and _all_reduce_sum([1.0 if self.stop.requested else 0.0], rt.device)[0] > 0:
-            # SIGTERM during setup or resume: nothing new to save.
+        if self.stop is not None and stop_agreed(self.stop, rt.device):
+            # SIGTERM during the resume: nothing new to save.
             result.stopped = StopReport(state.step, self.stop.requested, False, "the signal came before the first step: nothing new to save")
             return result
         self.model.train()
