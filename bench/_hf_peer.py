@@ -3,7 +3,8 @@
     python bench/_hf_peer.py CONFIG.json                    # 1 process
     python -m torch.distributed.run --nproc_per_node 2 ... bench/_hf_peer.py CONFIG.json   # DDP
 
-transformers' own Trainer (with accelerate; DDP over gloo under torchrun) on the model directory and
+transformers' own Trainer (with accelerate; DDP over gloo under torchrun, or accelerate's FSDP2
+plugin when the config says `fsdp2`) on the model directory and
 the exported batches that llamaft trains on (bench/peers.py writes both; nothing of llamaft is
 imported here, so this runs in a venv with only torch, transformers and accelerate). The batches
 file holds every rank's micro-batches interleaved, global batch k*W + r being rank r's k-th, so
@@ -119,6 +120,11 @@ def main() -> None:
         # without gradient checkpointing, walks the autograd graph every step).
         ddp_find_unused_parameters=False,
         ddp_backend="gloo" if world > 1 else None,
+        # FSDP2 through accelerate's plugin, as llamaft's FULL_SHARD wraps: each decoder layer and
+        # the root, parameters resharded after forward.
+        **({"fsdp": "full_shard auto_wrap",
+            "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                            "reshard_after_forward": True}} if cfg.get("fsdp2") else {}),
     )
     trainer = TimedTrainer(model=model, args=args, train_dataset=Blocks(tensors), data_collator=default_data_collator)
     trainer.expected = mine

@@ -25,6 +25,8 @@ Pairs (1 process: tiny.yaml's FULL_SHARD, which on one rank has nothing to commu
   1p2t     1 process, 2 threads
   2p       2 processes of 1 thread; llamaft NO_SHARD (replicas, all-reduced gradients: DDP's work)
   2p-full  the same with llamaft FULL_SHARD (an extra row; HF is DDP again)
+  2p-fsdp2 FSDP2 on both sides: llamaft FULL_SHARD, HF through accelerate's FSDP2 plugin with the
+           same wrapping unit (each decoder layer, and the root) and reshard_after_forward true
 Each round runs every pair's two tools back to back, alternating which goes first; the table is
 the median over rounds (ratio and delta: the median of the per-round ones).
 
@@ -93,6 +95,9 @@ class Pair:
     threads: int
     strategy: str
     """llamaft's fsdp.shardingStrategy."""
+    hf_fsdp2: bool = False
+    """HF through accelerate's FSDP2 plugin (full_shard auto_wrap of LlamaDecoderLayer,
+    reshard_after_forward true: llamaft's FULL_SHARD units and policy), else DDP (or one process)."""
 
 
 PAIRS = {
@@ -100,6 +105,7 @@ PAIRS = {
     "1p2t": Pair(1, 2, "FULL_SHARD"),
     "2p": Pair(2, 1, "NO_SHARD"),
     "2p-full": Pair(2, 1, "FULL_SHARD"),
+    "2p-fsdp2": Pair(2, 1, "FULL_SHARD", hf_fsdp2=True),
 }
 
 
@@ -348,7 +354,7 @@ def run_hf(name: str, pair: Pair, steps: int, model: Path, batches: Path, work: 
         "steps": steps, "batch_size": tc.per_device_batch_size, "learning_rate": tc.learning_rate,
         "warmup_steps": tc.warmup_steps, "lr_scheduler_type": HF_SCHEDULERS[tc.scheduler.value],
         "weight_decay": tc.weight_decay, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8,
-        "max_grad_norm": tc.max_grad_norm, "optim": "adamw_torch", "seed": tc.seed,
+        "max_grad_norm": tc.max_grad_norm, "optim": "adamw_torch", "seed": tc.seed, "fsdp2": pair.hf_fsdp2,
     }
     (folder / "config.json").write_text(json.dumps(cfg))
     argv = [str(python), str(HF_PEER), str(folder / "config.json")]
