@@ -135,8 +135,14 @@ def main() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(mismatches)  # every rank's check, after the measured steps
     if rank == 0:
+        from torch.distributed.tensor import DTensor
+
+        # What accelerate really did: FSDP2 shards every parameter as a DTensor (DDP and one process, none).
+        sharded = sum(isinstance(p, DTensor) for p in trainer.model.parameters())
         result = {
             "world_size": world, "threads": torch.get_num_threads(), "tokens_per_step": world * batch * seq,
+            "wrapper": type(trainer.model_wrapped).__name__, "sharded_parameters": sharded,
+            "parameters": sum(1 for _ in trainer.model.parameters()),
             "mismatched_batches": int(mismatches.item()), "steps": [record.steps[k] for k in sorted(record.steps)],
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                          "accelerate": __import__("accelerate").__version__},

@@ -26,7 +26,10 @@ Pairs (1 process: tiny.yaml's FULL_SHARD, which on one rank has nothing to commu
   2p       2 processes of 1 thread; llamaft NO_SHARD (replicas, all-reduced gradients: DDP's work)
   2p-full  the same with llamaft FULL_SHARD (an extra row; HF is DDP again)
   2p-fsdp2 FSDP2 on both sides: llamaft FULL_SHARD, HF through accelerate's FSDP2 plugin with the
-           same wrapping unit (each decoder layer, and the root) and reshard_after_forward true
+           same wrapping unit (each decoder layer, and the root) and reshard_after_forward true.
+           GPUs only: on a CPU accelerate ignores the plugin and runs DDP (the HF side reports its
+           wrapper and sharded parameters, and the pair is refused), so there the HF figure is
+           DDP's and `2p-full` is that comparison.
 Each round runs every pair's two tools back to back, alternating which goes first; the table is
 the median over rounds (ratio and delta: the median of the per-round ones).
 
@@ -372,11 +375,19 @@ def run_hf(name: str, pair: Pair, steps: int, model: Path, batches: Path, work: 
     rows = result["steps"]
     if [r["step"] for r in rows] != list(range(1, steps + 1)):
         raise SystemExit(f"{name}: HF recorded steps {[r['step'] for r in rows]}, not 1..{steps}")
+    if pair.hf_fsdp2 and result["sharded_parameters"] != result["parameters"]:
+        # accelerate enables FSDP for accelerator devices only (AcceleratorState: the FSDP branch is
+        # under MULTI_GPU/XPU/NPU/...; MULTI_CPU keeps DDP), so on a CPU the plugin is ignored.
+        raise SystemExit(f"{name}: accelerate's FSDP2 plugin sharded {result['sharded_parameters']} of "
+                         f"{result['parameters']} parameters (the model ran as {result['wrapper']}): not an FSDP2 "
+                         "pair; accelerate applies FSDP on GPUs (and other accelerators) only")
     tokens = [float(result["tokens_per_step"])] * steps
     median, cadence = rates(tokens, [r["seconds"] for r in rows], [r["end"] for r in rows])
     return Run("hf", median, cadence, rows[0]["end"] - tree.launched, tree.peak_rss_mb, tree.seconds,
                [r["loss"] for r in rows], [r["lr"] for r in rows], [r["grad_norm"] for r in rows],
-               {"spawned": tree.spawned, "threads": result["threads"], "versions": result["versions"]})
+               {"spawned": tree.spawned, "threads": result["threads"], "versions": result["versions"],
+                "wrapper": result["wrapper"], "sharded_parameters": result["sharded_parameters"],
+                "parameters": result["parameters"]})
 
 
 def timeline(run: Run) -> str:

@@ -32,25 +32,21 @@ def _peer_python() -> Path:
 
 
 @pytest.mark.slow
-def test_peers_one_process_and_fsdp2_pairs(tmp_path: Path) -> None:
+def test_peers_one_pair(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     python = _peer_python()
     out = tmp_path / "peers.json"
     proc = subprocess.run(
-        [sys.executable, str(PEERS), "--steps", "8", "--rounds", "1", "--pairs", "1p1t,2p-fsdp2", "--hf-python", str(python),
+        [sys.executable, str(PEERS), "--steps", "8", "--rounds", "1", "--pairs", "1p1t", "--hf-python", str(python),
          "--work-dir", str(tmp_path / "work"), "--json", str(out)],
         env=trainer_env(), capture_output=True, text=True, timeout=600, cwd=REPO,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    for pair in ("1p1t", "2p-fsdp2"):
-        (run,) = report["pairs"][pair]["rounds"]
-        for tool in ("llamaft", "hf"):
-            assert run[tool]["tps"] > 0 and run[tool]["cadence_tps"] > 0, run[tool]
-            assert run[tool]["startup_s"] > 0 and run[tool]["peak_rss_mb"] > 0, run[tool]
-            assert len(run[tool]["losses"]) == 8
-        assert f"| {pair} |" in proc.stdout
+    (run,) = report["pairs"]["1p1t"]["rounds"]
+    for tool in ("llamaft", "hf"):
+        assert run[tool]["tps"] > 0 and run[tool]["cadence_tps"] > 0, run[tool]
+        assert run[tool]["startup_s"] > 0 and run[tool]["peak_rss_mb"] > 0, run[tool]
+        assert len(run[tool]["losses"]) == 8
     assert report["parity"]["passed"] is True and report["parity"]["max_abs_loss_diff"] <= 1e-4
-    # FSDP2 on both sides, fp32, the same batches: the same maths (only the reduction order differs).
-    assert report["pairs"]["2p-fsdp2"]["rounds"][0]["parity"]["max_abs_loss_diff"] <= 1e-4
-    assert report["versions"]["hf_side"]["transformers"]
+    assert report["versions"]["hf_side"]["transformers"] and "| 1p1t |" in proc.stdout
