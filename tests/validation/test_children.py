@@ -1,4 +1,4 @@
-"""render.admission.child_errors (through test_issue14.check_children): every rendered child of every example passes the Kubernetes
+"""render.admission.child_errors (through test_error_messages.check_children): every rendered child of every example passes the Kubernetes
 schemas, the Kubeflow and Prometheus Operator CRDs and the pod rules; derived names fit; what the
 operator and the trainer read still parses under strict types; the rules are portable CEL."""
 
@@ -20,7 +20,7 @@ from llamaft.render.naming import Owner
 
 from tests.conftest import EXAMPLES, REFERENCE, REPO
 from tests.validation import apiserver_model
-from tests.validation.test_issue14 import ADMISSION, RENDERED, base, check_children, with_
+from tests.validation.test_error_messages import ADMISSION, RENDERED, base, check_children, with_
 
 EXAMPLE_DOCS = {p.name: yaml.safe_load(p.read_text(encoding="utf-8")) for p in EXAMPLES}
 

@@ -12,7 +12,7 @@ import yaml
 from llamaft.api.documents import MAX_FILE_BYTES, parse_documents
 from llamaft.cli import main
 
-from tests.validation.test_issue14 import base, with_
+from tests.validation.test_error_messages import base, with_
 
 GOOD = yaml.safe_dump(base(), sort_keys=False)
 

@@ -1,4 +1,4 @@
-"""Issue 14, case by case, with the exact message expected: what the API server now rejects at
+"""Bad specs, case by case, with the exact message expected: what the API server rejects at
 admission (schema, patterns, CEL rules), and what only the rendered children show (render.admission.child_errors).
 Every message names the field and says what to do."""
 
