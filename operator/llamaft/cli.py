@@ -169,7 +169,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from llamaft.manifests import load_finetune
     from llamaft.planner import UnknownShape, read_model_config, resolve_shape, verdict
     from llamaft.planner.plan import DEFAULT_MFU, apply_changes, build_plan
-    from llamaft.planner.report import render_plan
+    from llamaft.planner.plan_text import render_plan
     from llamaft.planner.shapes import meta_parameter_count
 
     body, spec = load_finetune(args.file)

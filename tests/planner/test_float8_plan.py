@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from llamaft.cli import main as cli_main
 from llamaft.planner import admission, estimate_memory, setup_from_spec
-from llamaft.planner.admission import NO_FLOAT8
+from llamaft.planner.capacity import NO_FLOAT8
 from llamaft.planner.catalog import GPUS, fp8_gpus, fp8_instance_types
 from llamaft.planner.memory import float8_gathered_numel
 from llamaft.planner.plan import float8_problem

@@ -4,7 +4,7 @@ operator can call `admission(spec)` before it creates anything; `llamaft plan FI
 whole plan. See docs/capacity-planning.md for the model behind the numbers and its measured error.
 """
 
-from llamaft.planner.admission import (
+from llamaft.planner.capacity import (
     CPU_ONLY,
     FITS,
     UNKNOWN_GPU,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from llamaft.api.spec import CheckpointingMode
-from llamaft.planner.admission import Admission
+from llamaft.planner.capacity import Admission
 from llamaft.planner.catalog import GiB
 from llamaft.planner.memory import COMPONENTS, master_bytes
 from llamaft.planner.plan import CUDA_CONTEXT_BYTES, FRAGMENTATION, HOST_BYTES_PER_GPU_PROCESS, Plan, gib
