@@ -2,10 +2,11 @@
 (`packingStrategy: bfd`) against concatenation (`concatenate`) and against padding (`packing: false`),
 measured in one run, so the ratios hold on whatever the machine is doing.
 
-    .venv/bin/python bench/packing.py [--max-seq-length 512] [--batch-size 4] [--steps 10] [--rounds 3]
+    .venv/bin/python bench/packing.py [--max-seq-length 512] [--batch-size 4] [--steps 10] [--rounds 3] [--data samsum-like]
 
-Each mode trains the same tiny Llama (llamaft make-tiny-model's defaults, fp32, one thread) on
-examples/data/samsum-tiny.jsonl through the trainer's own data path (token store, loaders,
+Each mode trains the same tiny Llama (llamaft make-tiny-model's defaults, fp32, one thread, the
+attention the trainer runs for `sdpa`) on dialogues with samsum's spread of lengths
+(bench/_samsum_like.py; `--data samsum-tiny`: the examples' own short dialogues) through the trainer's own data path (token store, loaders,
 collate) and loss (train.token_loss_sum): forward, backward and an AdamW step per micro-batch of
 `--batch-size` sequences of at most `--max-seq-length` tokens. The modes take turns, `--rounds`
 times, each round `--steps` micro-batches (the first round of each is a warm-up and not counted).
@@ -26,9 +27,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "operator"), str(REPO / "trainer")]
 
+import _samsum_like as samsum_like  # noqa: E402
 import torch  # noqa: E402
 from llamaft.api.spec import DatasetSpec  # noqa: E402
 from llamaft_trainer import data as d  # noqa: E402
+from llamaft_trainer.attention import DOCUMENT_SDPA  # noqa: E402
 from llamaft_trainer.tiny import build_tiny_llama  # noqa: E402
 from llamaft_trainer.train import token_loss_sum  # noqa: E402
 from transformers import AutoTokenizer, LlamaForCausalLM  # noqa: E402
@@ -39,8 +42,8 @@ MODES = {"bfd": {"packing": True, "packingStrategy": "bfd"},
          "padding": {"packing": False}}
 
 
-def batches(mode: str, tok: Any, root: Path, max_len: int, batch_size: int, steps: int) -> tuple[list[dict[str, torch.Tensor]], dict[str, Any]]:
-    spec = DatasetSpec.model_validate({"format": "samsum", "source": str(DATASET), "maxSeqLength": max_len,
+def batches(mode: str, source: Path, tok: Any, root: Path, max_len: int, batch_size: int, steps: int) -> tuple[list[dict[str, torch.Tensor]], dict[str, Any]]:
+    spec = DatasetSpec.model_validate({"format": "samsum", "source": str(source), "maxSeqLength": max_len,
                                        "validationSplit": 0.0, **MODES[mode]})
     store = d.build_store(spec, tok, 0, root)
     data = d.loaders(store, spec, int(tok.pad_token_id), batch_size, 0, rank=0, world=1)
@@ -62,6 +65,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--data", choices=("samsum-like", "samsum-tiny"), default="samsum-like",
+                        help="samsum-like: samsum's spread of dialogue lengths (bench/_samsum_like.py); "
+                             "samsum-tiny: the examples' 64-80-token dialogues")
     parser.add_argument("--smoke", action="store_true", help="tiny model, 2 steps, 2 rounds (tests)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -71,12 +77,14 @@ def main() -> None:
         steps, rounds = (2, 2) if args.smoke else (args.steps, args.rounds)
         model_dir = build_tiny_llama(root / "tiny-llama", DATASET, **size)  # type: ignore[arg-type]
         tok = AutoTokenizer.from_pretrained(model_dir)
-        model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        # The attention the trainer runs for `attnImplementation: sdpa` (model.attention_function).
+        model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=DOCUMENT_SDPA)
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        source = DATASET if args.data == "samsum-tiny" else samsum_like.write(root / "samsum-like.jsonl")
         data, infos = {}, {}
         for mode in MODES:
-            data[mode], infos[mode] = batches(mode, tok, root / "data", args.max_seq_length, args.batch_size, steps)
+            data[mode], infos[mode] = batches(mode, source, tok, root / "data", args.max_seq_length, args.batch_size, steps)
         tokens = dict.fromkeys(MODES, 0)
         seconds = dict.fromkeys(MODES, 0.0)
         for r in range(rounds):
@@ -93,7 +101,7 @@ def main() -> None:
                     tokens[mode] += real
                     seconds[mode] += time.perf_counter() - started
     rate = {m: tokens[m] / max(seconds[m], 1e-9) for m in MODES}
-    print(f"maxSeqLength {args.max_seq_length}, perDeviceBatchSize {args.batch_size}, {steps} micro-batches x "
+    print(f"{args.data}, maxSeqLength {args.max_seq_length}, perDeviceBatchSize {args.batch_size}, {steps} micro-batches x "
           f"{rounds - 1} counted rounds per mode")
     print("| mode | training sequences | block fill | real / computed tokens | computed tokens per micro-batch | real tokens/s |")
     print("| --- | --- | --- | --- | --- | --- |")

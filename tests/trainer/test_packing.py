@@ -27,8 +27,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from llamaft.api.spec import CheckpointingMode, DatasetSpec
+from llamaft_trainer import attention as attention_module
 from llamaft_trainer import data as d
 from llamaft_trainer import streaming
+from llamaft_trainer.attention import DOCUMENT_SDPA
 from llamaft_trainer.logline import read_events
 from llamaft_trainer.packing import bfd_layout, fill_ratio, flatten_layout
 from llamaft_trainer.runtime import Runtime
@@ -234,17 +236,20 @@ def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
                             vocab_size=512, chat_template="llama3")
 
 
-VARIANTS = ["plain", "loss-chunks", "lora", "dora", "chat", "activation-checkpointing"]
+per_example = attention_module._per_example
+VARIANTS = ["plain", "loss-chunks", "lora", "dora", "chat", "activation-checkpointing", "transformers-sdpa"]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_packed_examples_have_the_losses_and_gradients_they_have_alone(
-    variant: str, tiny_model: Path, chat_model: Path, tmp_path: Path,
+    variant: str, tiny_model: Path, chat_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """fp32, every training example of a small set: packed batches (2 blocks a batch, so a batch
     pads its shorter block) against each example alone; per-example losses 1e-5 relative, the
     summed gradient 1e-5 of each tensor's largest element, and in `plain` each packed example's
-    own gradient (backward of its loss alone) against its gradient alone."""
+    own gradient (backward of its loss alone) against its gradient alone. The model runs the
+    trainer's attention (model.attention_function: per example on CPU) but in
+    `transformers-sdpa`, transformers' SDPA with its block-diagonal mask."""
     source = head(CHAT_DATASET if variant == "chat" else DATASET, 14, tmp_path / "data.jsonl")
     extra = {"format": "chat", "trainOn": "all"} if variant == "chat" else {}  # all: a first token carries loss
     spec = dspec(source=str(source), validationSplit=0.0, maxSeqLength=384 if variant == "chat" else 256, **extra)
@@ -252,7 +257,10 @@ def test_packed_examples_have_the_losses_and_gradients_they_have_alone(
     tokenizer = AutoTokenizer.from_pretrained(path)
     part = d.build_store(spec, tokenizer, 0, tmp_path / "store").train
     torch.manual_seed(0)
-    model: torch.nn.Module = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    attention = "sdpa" if variant == "transformers-sdpa" else DOCUMENT_SDPA
+    split = []
+    monkeypatch.setattr(attention_module, "_per_example", lambda *a: split.append(1) or per_example(*a))
+    model: torch.nn.Module = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention)
     if variant in ("lora", "dora"):
         model = with_lora(model, dora=variant == "dora")
     if variant == "activation-checkpointing":
@@ -288,6 +296,7 @@ def test_packed_examples_have_the_losses_and_gradients_they_have_alone(
         alone_total, alone_targets = alone_total + float(loss.detach()), alone_targets + n
         alone_each[tuple(batch["input_ids"][0].tolist())] = float(loss)
     assert packed_targets == alone_targets, "every target once, none across an example boundary"
+    assert bool(split) == (attention == DOCUMENT_SDPA), "packed CPU batches attend per example"
     assert packed_total == pytest.approx(alone_total, rel=1e-5)
     if chunks == 1:
         assert packed_each.keys() == alone_each.keys(), "every example whole, in one block"

@@ -12,11 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from llamaft.api.spec import LoraSpec, MixedPrecision, ModelSpec
+from llamaft.api.spec import AttentionImplementation, LoraSpec, MixedPrecision, ModelSpec
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from llamaft_trainer.attention import DOCUMENT_SDPA
 from llamaft_trainer.downloads import hf_token, raise_hub_error, resolve
 from llamaft_trainer.errors import ConfigError
 from llamaft_trainer.runtime import Runtime
@@ -53,8 +54,16 @@ def master_dtype(precision: MixedPrecision) -> torch.dtype:
     return torch.bfloat16 if precision is MixedPrecision.PURE_BF16 else torch.float32
 
 
+def attention_function(spec: ModelSpec) -> str:
+    """transformers' attention implementation for the spec's: `sdpa` runs as attention.DOCUMENT_SDPA,
+    which is transformers' SDPA except that packed CPU batches attend per example."""
+    if spec.attn_implementation is AttentionImplementation.SDPA:
+        return DOCUMENT_SDPA
+    return spec.attn_implementation.value
+
+
 def build_meta_model(config: PretrainedConfig, spec: ModelSpec, dtype: torch.dtype) -> nn.Module:
-    config._attn_implementation = spec.attn_implementation.value
+    config._attn_implementation = attention_function(spec)
     with torch.device("meta"):
         model: nn.Module = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model
