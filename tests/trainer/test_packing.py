@@ -339,7 +339,7 @@ def test_a_resumed_streamed_bfd_epoch_gives_the_same_batches(tok: Any, tmp_path:
 
     def run(r: int, skip: int, idx: Path | None) -> list[dict[str, torch.Tensor]]:
         rt = Runtime(rank=r, local_rank=r, world_size=2, local_world_size=2, device=CPU)
-        return list(streaming.Stream(spec, tok, 2, 5, rt, idx).batches(epoch=2, skip=skip))
+        return list(streaming.BatchStream(spec, tok, 2, 5, rt, idx).batches(epoch=2, skip=skip))
 
     leader = run(0, 0, index)  # writes the window index (blocks per window)
     whole = run(1, 0, index)

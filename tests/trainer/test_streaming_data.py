@@ -38,8 +38,8 @@ def rank(r: int, world: int = 2) -> Runtime:
     return Runtime(rank=r, local_rank=r, world_size=world, local_world_size=world, device=torch.device("cpu"))
 
 
-def stream(s: DatasetSpec, tok: Any, r: int, index: Path | None = None, world: int = 2) -> streaming.Stream:
-    return streaming.Stream(s, tok, 2, 5, rank(r, world), index)
+def stream(s: DatasetSpec, tok: Any, r: int, index: Path | None = None, world: int = 2) -> streaming.BatchStream:
+    return streaming.BatchStream(s, tok, 2, 5, rank(r, world), index)
 
 
 def rows(batches: Any) -> list[list[int]]:

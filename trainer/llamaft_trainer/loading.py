@@ -497,7 +497,7 @@ def _from_leader(value: Any, rt: Runtime) -> Any:
 
 
 @dataclass
-class Stream:
+class WeightStream:
     """Fills the targets. After a failure it keeps taking part in every collective (broadcasts,
     FSDP1's unsharding) without reading, so that no rank hangs; the error is agreed on at the end."""
 
@@ -651,7 +651,7 @@ def load_weights(
         if kind == "error":
             raise ConfigError(str(detail))
         if kind == "stream":
-            stream = Stream(weights, items, dtypes, adapters, method, rt, dora)
+            stream = WeightStream(weights, items, dtypes, adapters, method, rt, dora)
             stream.fill(groups)
             message = _first_error(stream.error, rt)
             if message is not None:

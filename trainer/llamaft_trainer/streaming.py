@@ -55,7 +55,7 @@ def _first_window(source: RecordSource) -> int:
     return len(next(iter(source.batches(WINDOW)), []))
 
 
-class Stream:
+class BatchStream:
     """The training stream of one rank (see the module docstring)."""
 
     def __init__(self, spec: DatasetSpec, tok: PreTrainedTokenizerBase, batch_size: int, seed: int, rt: Runtime,
@@ -196,10 +196,10 @@ class Stream:
 
 def streaming_data(spec: DatasetSpec, tok: PreTrainedTokenizerBase, batch_size: int, seed: int, rt: Runtime,
                    index_root: Path | None = None) -> data_mod.Data:
-    """Data whose training batches come from a Stream; validation is the held-out head, in memory."""
+    """Data whose training batches come from a BatchStream; validation is the held-out head, in memory."""
     key = data_mod.store_key(spec, data_mod.Encoder(spec, tok), RecordSource(spec).fingerprint(), seed)
     index_path = index_root / f"stream-{key}" / "windows.json" if index_root is not None else None
-    stream = Stream(spec, tok, batch_size, seed, rt, index_path)
+    stream = BatchStream(spec, tok, batch_size, seed, rt, index_path)
     part = stream.validation()
     validation: Any = None
     val_loader = None
