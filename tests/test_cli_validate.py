@@ -86,7 +86,7 @@ def test_local_runs_write_to_this_machine_and_are_not_refused(tmp_path: Path, mo
     """A local directory without a claim is what `llamaft run --local` and `sweep --local` are for:
     the storage refusal is the cluster's (validate and a cluster sweep still refuse it)."""
     from llamaft import local
-    from llamaft.sweep import local as sweep_local
+    from llamaft.sweep import on_this_machine
 
     path = write(tmp_path, MINIMAL, "here.yaml", checkpointing={"directory": str(tmp_path / "ckpt")},
                  cluster={"workers": 1, "gpusPerWorker": 0})
@@ -98,7 +98,7 @@ def test_local_runs_write_to_this_machine_and_are_not_refused(tmp_path: Path, mo
         planned.append(sweep)
         raise KeyboardInterrupt  # planning passed: stop before anything runs
 
-    monkeypatch.setattr(sweep_local, "run", measured)
+    monkeypatch.setattr(on_this_machine, "run", measured)
     assert main(["sweep", str(path), "--local", "--workers", "1", "--max-steps", "1", "--output", str(tmp_path / "o")]) == 130
     assert [r.workers for r in planned[0].runs] == [1]
     assert main(["validate", str(path)]) == 1

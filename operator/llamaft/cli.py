@@ -260,10 +260,10 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         for note in plan.notes:
             print(f"llamaft sweep: note: {note}", flush=True)
         if args.local:
-            from llamaft.sweep import local
+            from llamaft.sweep import on_this_machine
 
             output = Path(args.output or Path("runs") / f"sweep-{plan.sweep}")
-            points = local.run(plan, output)
+            points = on_this_machine.run(plan, output)
             where = "local"
         else:
             from llamaft.sweep import cluster

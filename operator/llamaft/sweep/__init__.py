@@ -9,7 +9,7 @@ and scaling efficiency against ideal linear scaling are written (report.py, char
 
 Where the sizes run: on a cluster (cluster.py: the runs are created through the Kubernetes API
 and the operator runs them, one after another by default so they do not compete for GPUs, or all
-at once), or here (local.py: `llamaft run --local` per size, for the sizes this machine holds).
+at once), or here (on_this_machine.py: `llamaft run --local` per size, for the sizes this machine holds).
 """
 
 from __future__ import annotations
