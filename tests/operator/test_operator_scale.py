@@ -20,7 +20,7 @@ from llamaft.operator import daemon as daemon_module
 from llamaft.operator import handlers, specs, startup, state
 from llamaft.operator import step as step_module
 from llamaft.operator.kube import ForeignObject
-from llamaft.operator.metrics import FINETUNES
+from llamaft.operator.operator_metrics import FINETUNES
 from llamaft.operator.settings import OperatorSettings
 from llamaft.operator.step import Step
 from llamaft.render import objects

@@ -1,14 +1,9 @@
-"""The operator's own Prometheus metrics."""
+"""Not a module of its own: the operator's metrics are operator_metrics.py. This name stays only for
+step.py's `from llamaft.operator.metrics import RETRIES` (step.py is being reworked elsewhere);
+delete this file when that line imports from llamaft.operator.operator_metrics."""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from llamaft.operator.operator_metrics import RETRIES
 
-RECONCILES = Counter("llamaft_operator_reconciles_total", "Handler runs by handler and result", ["handler", "result"])
-RECONCILE_SECONDS = Histogram(
-    "llamaft_operator_reconcile_seconds", "Handler latency", ["handler"],
-    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-)
-FINETUNES = Gauge("llamaft_operator_finetunes", "LlamaFineTunes by phase", ["phase"])
-RENDEZVOUS_RESETS = Counter("llamaft_operator_rendezvous_resets_total", "Rendezvous resets by outcome", ["outcome"])
-RETRIES = Counter("llamaft_operator_retries_total", "Runs resubmitted after a recoverable failure", ["reason"])
+__all__ = ["RETRIES"]

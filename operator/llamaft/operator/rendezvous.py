@@ -17,7 +17,7 @@ from typing import Any
 
 from llamaft.api.spec import LlamaFineTuneSpec, RendezvousBackend
 from llamaft.operator.http import HttpClient, HttpError
-from llamaft.operator.metrics import RENDEZVOUS_RESETS
+from llamaft.operator.operator_metrics import RENDEZVOUS_RESETS
 from llamaft.operator.settings import OperatorSettings
 from llamaft.render import desired
 from llamaft.render.naming import Owner

@@ -14,7 +14,7 @@ from llamaft.api.spec import LlamaFineTuneSpec
 from llamaft.api.status import Phase
 from llamaft.operator.http import HttpClient
 from llamaft.operator.kube import Kube
-from llamaft.operator.metrics import FINETUNES
+from llamaft.operator.operator_metrics import FINETUNES
 from llamaft.operator.settings import OperatorSettings
 from llamaft.operator.specs import cached_spec
 from llamaft.operator.state import OperatorState, operator_state

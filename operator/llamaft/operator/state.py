@@ -27,7 +27,7 @@ from llamaft.api.status import TERMINAL_PHASES, Phase
 from llamaft.operator.evidence import PodEvidence
 from llamaft.operator.http import HttpClient
 from llamaft.operator.kube import Kube
-from llamaft.operator.metrics import FINETUNES, RECONCILE_SECONDS, RECONCILES
+from llamaft.operator.operator_metrics import FINETUNES, RECONCILE_SECONDS, RECONCILES
 from llamaft.operator.settings import OperatorSettings
 from llamaft.render.admission import CheckCache
 
