@@ -17,7 +17,7 @@ from tests.api.test_validation import base as api_base
 
 def base() -> dict[str, Any]:
     """tests.api's object, its results accepted as lost with the pod (checkpointing.discardWithPod):
-    the cases here are of other fields (where the results go: tests/operator/test_storage.py)."""
+    the cases here are of other fields (where the results go: tests/render/test_storage.py)."""
     obj = api_base()
     obj["spec"]["checkpointing"] = {"discardWithPod": True}
     return obj

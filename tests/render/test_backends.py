@@ -18,7 +18,7 @@ from llamaft.render.naming import Owner
 
 from tests.conftest import REPO
 from tests.operator.kubeflow_rules import crd_schema
-from tests.operator.test_trainjob import example, with_spec
+from tests.render.test_trainjob import example, with_spec
 
 UPSTREAM = REPO / "tests" / "fixtures" / "upstream"
 CRDS = {"PyTorchJob": (UPSTREAM / "kubeflow" / "kubeflow.org_pytorchjobs.yaml", "v1"),

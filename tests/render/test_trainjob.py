@@ -25,7 +25,7 @@ from llamaft.render.naming import Owner
 
 from tests.conftest import EXAMPLES, REFERENCE, REPO
 from tests.operator.kubeflow_rules import crd_schema
-from tests.operator.test_desired import specs as pytorchjob_specs
+from tests.render.test_desired import specs as pytorchjob_specs
 
 OWNER = Owner("llama2-7b-samsum", "team-a", "0f5e1c2a-1111-2222-3333-444455556666")
 TRAINER = REFERENCE / "kubeflow-trainer-v2.3"
