@@ -60,6 +60,8 @@ CLUSTER_FIELDS = ("efaDevicesPerWorker, elastic, env, gpuMemory, gpuModel, gpusP
 OVERRIDE_FIX = ("fix or remove it in podTemplateOverrides (merged into the worker pod template as a strategic merge "
                 "patch: containers, volumes and env by name)")
 TEMPLATE = "in the PyTorchJob ok-ffff-1, spec.pytorchReplicaSpecs.Worker.template"
+PREFERENCE = {"format": "preference", "source": "org/pairs"}
+DPO = {"epochs": 1, "method": "dpo"}
 
 # (case, object, the exact errors `validate_resource` raises)
 ADMISSION: list[tuple[str, dict[str, Any], list[str]]] = [
@@ -185,6 +187,37 @@ ADMISSION: list[tuple[str, dict[str, Any], list[str]]] = [
     # monitoring labels
     ("scrapeSelector with an invalid value", with_(("spec.monitoring", {"dcgm": {"scrapeSelector": {"release": "kube prometheus"}}})),
      [f"spec.monitoring.dcgm.scrapeSelector[release]: {LABEL_VALUE} (got 'kube prometheus')"]),
+    # preference tuning (issue 38)
+    ("dpo on samsum", with_(("spec.training", DPO)),
+     ["spec.dataset.format: training.method dpo learns from pairs of a chosen and a rejected completion: set "
+      "dataset.format: preference (records with prompt, chosen and rejected), or training.method: sft"]),
+    ("preference data with sft", with_(("spec.dataset", PREFERENCE)),
+     ["spec.training.method: dataset.format preference holds pairs for preference tuning, which training.method sft "
+      "cannot learn from: set training.method: dpo, or use a format of single responses (jsonl, chat) for sft"]),
+    ("dpo with packing", with_(("spec.dataset", {**PREFERENCE, "packing": True}), ("spec.training", DPO)),
+     ["spec.dataset.packing: training.method dpo never packs: a pair's chosen and rejected sequences are one example "
+      "and go through the model side by side, each padded on its own: set dataset.packing to false"]),
+    ("dpo settings with sft", with_(("spec.training", {"epochs": 1, "dpo": {"beta": 0.5}})),
+     ["spec.training.dpo: training.dpo configures preference tuning, but training.method is sft: set "
+      "training.method: dpo or remove training.dpo"]),
+    ("dpo beta 0", with_(("spec.dataset", PREFERENCE), ("spec.training", {**DPO, "dpo": {"beta": 0}})),
+     ["spec.training.dpo.beta: Input should be greater than 0 (got 0)"]),
+    ("dpo loss hinge", with_(("spec.dataset", PREFERENCE), ("spec.training", {**DPO, "dpo": {"loss": "hinge"}})),
+     ["spec.training.dpo.loss: 'hinge' is not one of: sigmoid, ipo"]),
+    ("dpo reference copy", with_(("spec.dataset", PREFERENCE), ("spec.training", {**DPO, "dpo": {"reference": "copy"}})),
+     ["spec.training.dpo.reference: 'copy' is not one of: precomputed, live"]),
+    ("method ppo", with_(("spec.training", {"epochs": 1, "method": "ppo"})),
+     ["spec.training.method: 'ppo' is not one of: sft, dpo"]),
+    ("preference with a promptTemplate", with_(("spec.dataset", {**PREFERENCE, "promptTemplate": "{q}"}), ("spec.training", DPO)),
+     ["spec.dataset.promptTemplate: format preference tokenizes each record's prompt, chosen and rejected as they are "
+      "(TRL's preference format), not through promptTemplate: remove promptTemplate"]),
+    ("preference with two prompt fields", with_(("spec.dataset", {**PREFERENCE, "fieldMapping": {"prompt": ["a", "b"]}}),
+                                                ("spec.training", DPO)),
+     ["spec.dataset.fieldMapping.prompt: format preference reads the prompt from one field: give fieldMapping.prompt "
+      "one name, e.g. [question] (default prompt)"]),
+    ("preference with trainOn", with_(("spec.dataset", {**PREFERENCE, "trainOn": "assistant"}), ("spec.training", DPO)),
+     ["spec.dataset.format: chatTemplate and trainOn apply to format chat only (chatTemplate also to format "
+      "preference): set format: chat or remove them"]),
     # metadata
     ("unknown metadata field", with_(("metadata.lables", {"a": "b"})),
      ["metadata.lables: unknown field; did you mean 'labels'? known fields: name, namespace, labels, annotations"]),

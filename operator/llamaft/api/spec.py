@@ -118,6 +118,7 @@ class DatasetFormat(ApiEnum):
     ALPACA = "alpaca"
     JSONL = "jsonl"
     CHAT = "chat"
+    PREFERENCE = "preference"
 
 
 class TrainOn(ApiEnum):
@@ -140,17 +141,24 @@ BUILTIN_CHAT_TEMPLATES = ("llama3", "llama2")
 
 
 class FieldMapping(ApiModel):
-    """Which record fields hold the prompt parts and the response (`jsonl` format)."""
+    """Which record fields hold the prompt parts and the response (`jsonl` format), the
+    conversation (`chat`), or the prompt and the two completions (`preference`)."""
 
     prompt: list[str] = Field(default_factory=list, max_length=16)
     """Fields placed in the prompt, in order, when no promptTemplate is given (default: the
-    format's own fields)."""
+    format's own fields). `preference` format: at most one, the field holding the prompt
+    (default `prompt`)."""
     response: str | None = Field(default=None, min_length=1, max_length=128)
     """Field whose text the model learns to produce; only these tokens carry loss (default:
     `summary` for samsum, `output` for alpaca and jsonl)."""
     messages: str = Field(default="messages", min_length=1, max_length=128)
     """`chat` format: the field holding the conversation, a list of `{role, content}` turns
     (roles `system`, `user`, `assistant`)."""
+    chosen: str = Field(default="chosen", min_length=1, max_length=128)
+    """`preference` format: the field holding the preferred completion (a string, or a list of
+    `{role, content}` turns when the prompt is one)."""
+    rejected: str = Field(default="rejected", min_length=1, max_length=128)
+    """`preference` format: the field holding the dispreferred completion (same form as chosen)."""
 
 
 class DatasetSpec(ApiModel):
@@ -164,10 +172,24 @@ class DatasetSpec(ApiModel):
             reason="FieldValueRequired",
         ),
         cel_rule(
-            "self.format == 'chat' || (!has(self.chatTemplate) && !has(self.trainOn))",
-            message="chatTemplate and trainOn apply to format chat only: set format: chat or remove them",
+            "self.format == 'chat' || ((self.format == 'preference' || !has(self.chatTemplate)) && !has(self.trainOn))",
+            message="chatTemplate and trainOn apply to format chat only (chatTemplate also to format preference): "
+            "set format: chat or remove them",
             field_path=".format",
             reason="FieldValueInvalid",
+        ),
+        cel_rule(
+            "self.format != 'preference' || !has(self.promptTemplate)",
+            message="format preference tokenizes each record's prompt, chosen and rejected as they are (TRL's "
+            "preference format), not through promptTemplate: remove promptTemplate",
+            field_path=".promptTemplate",
+            reason="FieldValueInvalid",
+        ),
+        cel_rule(
+            "self.format != 'preference' || size(self.fieldMapping.prompt) <= 1",
+            message="format preference reads the prompt from one field: give fieldMapping.prompt one name, "
+            "e.g. [question] (default prompt)",
+            field_path=".fieldMapping.prompt",
         ),
         cel_rule(
             "self.format != 'chat' || !has(self.promptTemplate)",
@@ -181,8 +203,10 @@ class DatasetSpec(ApiModel):
 
     format: DatasetFormat
     """`samsum` (dialogue -> summary), `alpaca` (instruction/input/output), `jsonl` (a prompt
-    template over record fields) or `chat` (a list of system/user/assistant turns per record,
-    rendered with the tokenizer's chat template)."""
+    template over record fields), `chat` (a list of system/user/assistant turns per record,
+    rendered with the tokenizer's chat template) or `preference` (a prompt, a chosen and a
+    rejected completion per record, each a string or a list of turns, for training.method dpo;
+    tokenized as TRL's DPOTrainer does)."""
     source: str = Field(min_length=1, max_length=1024)
     """A hub dataset id (read with `datasets`: JSON Lines, Parquet, CSV or Arrow files), a local
     path, `pvc://<claim>/<path>` or an fsspec URI to a JSON Lines file."""
@@ -192,8 +216,9 @@ class DatasetSpec(ApiModel):
     split: str = Field(default="train", min_length=1, max_length=64)
     """Split to read when `source` is a hub dataset."""
     chat_template: str | None = Field(default=None, min_length=1, max_length=65536)
-    """`chat` format: a Jinja chat template, or a built-in one by name (`llama3`, `llama2`), used
-    when the tokenizer has none or to override its own (default: the tokenizer's template)."""
+    """`chat` format (and `preference` records made of turns): a Jinja chat template, or a
+    built-in one by name (`llama3`, `llama2`), used when the tokenizer has none or to override its
+    own (default: the tokenizer's template)."""
     train_on: TrainOn | None = None
     """`chat` format: which tokens carry loss: `assistant` (every assistant turn, the default),
     `lastAssistant` (the final assistant turn only) or `all` (the whole conversation)."""
@@ -209,7 +234,8 @@ class DatasetSpec(ApiModel):
     max_seq_length: int = Field(default=2048, ge=16, le=131072)
     """Tokens per training sequence; must not exceed the model's max_position_embeddings."""
     packing: bool = False
-    """Pack several examples into each sequence (no padding waste) instead of padding each one."""
+    """Pack several examples into each sequence (no padding waste) instead of padding each one
+    (not with training.method dpo: a pair is never packed)."""
     packing_strategy: PackingStrategy = PackingStrategy.BFD
     """With `packing`: `bfd` places whole examples into sequences by best-fit decreasing (TRL's
     default) and each example attends only to itself (position ids restart per example, no label
@@ -275,6 +301,45 @@ class LoraSpec(ApiModel):
     any serving stack loads), or `both` (the merged model, the adapter in its `adapter/` folder)."""
 
 
+class TrainingMethod(ApiEnum):
+    """What the model learns from the data."""
+
+    SFT = "sft"
+    DPO = "dpo"
+
+
+class DpoLoss(ApiEnum):
+    """TRL's DPOTrainer loss types (`DPOConfig.loss_type`) llamaft implements."""
+
+    SIGMOID = "sigmoid"
+    IPO = "ipo"
+
+
+class DpoReference(ApiEnum):
+    """How full fine-tuning gets the reference model's log-probabilities."""
+
+    PRECOMPUTED = "precomputed"
+    LIVE = "live"
+
+
+class DpoSpec(ApiModel):
+    """Direct preference optimisation (DPO, or IPO) on pairs of a chosen and a rejected completion,
+    with TRL's DPOTrainer's definitions: the policy learns to raise the chosen completion's
+    log-probability relative to a frozen reference model more than the rejected one's."""
+
+    beta: float = Field(default=0.1, gt=0.0, le=1000.0)
+    """How far the policy may move from the reference (TRL's `beta`): the temperature of the
+    sigmoid loss, the regularisation strength tau of IPO (larger keeps closer to the reference)."""
+    loss: DpoLoss = DpoLoss.SIGMOID
+    """`sigmoid` (DPO: -log sigmoid(beta x the margin of the log-ratios)) or `ipo` (the squared
+    distance of the per-token log-ratio margin from 1/(2 beta), TRL's length-normalised IPO)."""
+    reference: DpoReference = DpoReference.PRECOMPUTED
+    """Full fine-tuning: `precomputed` (one pass of the initial model over the data before
+    training, stored with the token store, so no second model occupies GPU memory) or `live` (a
+    frozen sharded copy of the initial model runs beside the policy). With LoRA the reference is
+    the base model with the adapters disabled, whatever this says: no copy at all."""
+
+
 class TrainingSpec(ApiModel):
     """Optimisation: how long, how fast, how reproducible."""
 
@@ -288,6 +353,12 @@ class TrainingSpec(ApiModel):
             "!has(self.maxSteps) || self.warmupSteps <= self.maxSteps",
             message_expression="'warmupSteps ' + string(self.warmupSteps) + ' exceeds maxSteps ' + string(self.maxSteps) + ': the learning rate would never reach learningRate; lower warmupSteps'",
             field_path=".warmupSteps",
+        ),
+        cel_rule(
+            "self.method == 'dpo' || !has(self.dpo)",
+            message="training.dpo configures preference tuning, but training.method is sft: set training.method: dpo "
+            "or remove training.dpo",
+            field_path=".dpo",
         ),
     )
 
@@ -328,6 +399,11 @@ class TrainingSpec(ApiModel):
     error in bounded time instead of a job that holds its GPUs forever."""
     lora: LoraSpec | None = None
     """Optional LoRA; absent means full fine-tuning."""
+    method: TrainingMethod = TrainingMethod.SFT
+    """`sft` (next-token loss on the responses) or `dpo` (preference tuning on pairs of a chosen and
+    a rejected completion: needs dataset.format preference; settings in training.dpo)."""
+    dpo: DpoSpec | None = None
+    """Preference-tuning settings for method dpo (omitted: the defaults, beta 0.1, loss sigmoid)."""
 
 
 # ---------------------------------------------------------------------------------------- fsdp
@@ -1097,10 +1173,31 @@ STREAMING_STEPS_RULE = cel_rule(
 )
 
 
+DPO_DATA_RULE = cel_rule(
+    "self.training.method != 'dpo' || self.dataset.format == 'preference'",
+    message="training.method dpo learns from pairs of a chosen and a rejected completion: set dataset.format: "
+    "preference (records with prompt, chosen and rejected), or training.method: sft",
+    field_path=".dataset.format",
+)
+PREFERENCE_METHOD_RULE = cel_rule(
+    "self.dataset.format != 'preference' || self.training.method == 'dpo'",
+    message="dataset.format preference holds pairs for preference tuning, which training.method sft cannot learn "
+    "from: set training.method: dpo, or use a format of single responses (jsonl, chat) for sft",
+    field_path=".training.method",
+)
+DPO_PACKING_RULE = cel_rule(
+    "self.training.method != 'dpo' || !self.dataset.packing",
+    message="training.method dpo never packs: a pair's chosen and rejected sequences are one example and go through "
+    "the model side by side, each padded on its own: set dataset.packing to false",
+    field_path=".dataset.packing",
+)
+DPO_RULES = (DPO_DATA_RULE, PREFERENCE_METHOD_RULE, DPO_PACKING_RULE)
+
+
 class TrainingJobConfig(ApiModel):
     """The part of the spec the trainer reads (mounted into every worker as JSON)."""
 
-    model_config = api_config(STREAMING_STEPS_RULE, EVALUATION_FSDP2_RULE, DORA_FLOAT8_RULE)
+    model_config = api_config(STREAMING_STEPS_RULE, EVALUATION_FSDP2_RULE, DORA_FLOAT8_RULE, *DPO_RULES)
 
     model: ModelSpec
     """The pretrained model."""
@@ -1124,6 +1221,7 @@ class LlamaFineTuneSpec(TrainingJobConfig):
     model_config = api_config(
         HYBRID_GROUPS_RULE, HYBRID_DIVIDES_RULE, ELASTIC_HYBRID_RULE, LORA_FSDP1_RULE, HYBRID_WORLD_RULE,
         METRICS_PORT_RULE, IMMUTABLE_BACKEND, STREAMING_STEPS_RULE, EVALUATION_FSDP2_RULE, DORA_FLOAT8_RULE,
+        *DPO_RULES,
     )
 
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
