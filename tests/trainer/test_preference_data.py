@@ -171,3 +171,10 @@ def test_a_bad_record_names_the_file_and_line(tmp_path: Path, record: dict[str, 
 def test_conversations_need_a_chat_template(plain_tokenizer: PreTrainedTokenizerBase) -> None:
     with pytest.raises(ConfigError, match="has no chat template"):
         ours(plain_tokenizer, CHAT[:1])
+
+
+def test_the_single_sequence_encoder_refuses_pairs(plain_tokenizer: PreTrainedTokenizerBase) -> None:
+    from llamaft_trainer.data import Encoder
+
+    with pytest.raises(ConfigError, match="format preference holds pairs for training.method dpo"):
+        Encoder(spec(), plain_tokenizer)

@@ -165,6 +165,13 @@ class Encoder:
         self.max_len = spec.max_seq_length
         self.chat: Any = None
         self.formatter: Formatter | None = None
+        if spec.format is DatasetFormat.PREFERENCE:
+            # Pairs are tokenized by llamaft_trainer.preference, for the DPO loop; a single-sequence
+            # encoder would train on them as something they are not.
+            raise ConfigError(
+                "spec.dataset.format: format preference holds pairs for training.method dpo, which this trainer "
+                "reads with llamaft_trainer.preference, not as single sequences"
+            )
         if spec.format is DatasetFormat.CHAT:
             from llamaft_trainer import chat
 
