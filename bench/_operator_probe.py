@@ -27,9 +27,16 @@ from typing import Any
 
 import kopf
 from llamaft.operator import kube, specs, step
-from llamaft.render import desired
+from llamaft.render import desired, objects
 
 OUT = os.environ.get("LLAMAFT_PROBE_OUT")
+# The pure work timed per step, each name where it is looked up (module, name, label): specs
+# validates and checks, the step validates and plans, render builds the children and the job.
+TIMED: tuple[tuple[Any, str, str], ...] = (
+    (specs, "validate_spec", "validate_spec"), (specs, "checked_children", "checked_children"),
+    (step, "validated", "validated"), (step, "validate_spec", "validate_spec"), (step, "admission", "admission"),
+    (objects, "children", "render.children"), (desired, "pytorch_job", "render.pytorch_job"),
+)
 _local = threading.local()
 _lines: list[str] = []
 _lines_lock = threading.Lock()
@@ -104,12 +111,8 @@ def _install() -> None:
     for name, member in list(vars(kube.Kube).items()):
         if callable(member) and not name.startswith("_"):
             setattr(kube.Kube, name, _timed(f"api.{name}", member))
-    # Each name where it is looked up: specs validates and checks, the step validates and plans.
-    for module, names in ((specs, ("validate_spec", "checked_children")), (step, ("validated", "validate_spec", "admission"))):
-        for name in names:
-            setattr(module, name, _timed(name, getattr(module, name)))
-    for name in ("children", "pytorch_job"):
-        setattr(desired, name, _timed(f"render.{name}", getattr(desired, name)))
+    for module, name, label in TIMED:
+        setattr(module, name, _timed(label, getattr(module, name)))
     kopf.event = _timed("kopf.event", kopf.event)  # type: ignore[assignment]
     from kopf._cogs.clients import watching
 
