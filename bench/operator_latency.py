@@ -292,6 +292,9 @@ def main() -> None:
         # on the first create (about a second), which is not the operator's latency.
         cluster.create("warm-up", tiny_spec())
         while "warm-up" not in watch.seen:
+            if operator.proc.poll() is not None:  # type: ignore[union-attr]
+                tail = operator.log_path.read_text(errors="replace").splitlines()[-15:]
+                sys.exit("the operator exited before its first fine-tune:\n" + "\n".join(tail))
             time.sleep(0.1)
         settle(proc, emulator_proc)
         memory = Path(f"{probe}.mem")
