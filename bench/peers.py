@@ -64,6 +64,7 @@ other load changes both sides' figures a lot (the load average is printed at the
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import shutil
@@ -166,7 +167,15 @@ def ensure_venv(venv: Path = VENV) -> Path:
     """The peer venv's python, made when missing or when its versions differ from the pins:
     python -m venv, torch by pip (its pinned CPU build lies on local disk, where only pip looks),
     the rest by uv when the project's venv has it (.ci/setup installs it: seconds where pip takes
-    a minute or more, byte-compiled as pip would), else by pip."""
+    a minute or more, byte-compiled as pip would), else by pip. Under an exclusive lock beside the
+    venv: the tests that need it run in parallel, and two installs into one venv break it."""
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.with_name(venv.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _ensure_venv(venv)
+
+
+def _ensure_venv(venv: Path) -> Path:
     python = venv / "bin" / "python"
     if python.exists() and _matches(_installed(python)):
         return python

@@ -3,7 +3,6 @@ batches agree (the HF side runs in .venv-peers, which the bench creates on first
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -12,29 +11,14 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.peer_venv import PEERS, peer_python
 from tests.trainer.conftest import trainer_env
-
-PEERS = REPO / "bench" / "peers.py"
-
-
-def _peer_python() -> Path:
-    """.venv-peers' python, made now if missing (minutes, once); skip when it cannot be made."""
-    spec = importlib.util.spec_from_file_location("bench_peers", PEERS)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    try:
-        python: Path = module.ensure_venv()
-    except module.VenvError as exc:
-        pytest.skip(f".venv-peers cannot be created here (no package index?): {exc}")
-    return python
 
 
 @pytest.mark.slow
 def test_peers_one_pair(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    python = _peer_python()
+    python = peer_python()
     out = tmp_path / "peers.json"
     proc = subprocess.run(
         [sys.executable, str(PEERS), "--steps", "8", "--rounds", "1", "--pairs", "1p1t", "--hf-python", str(python),
