@@ -12,8 +12,8 @@ did (or 137 if the kubelet's own SIGKILL comes first). The trainer therefore get
 min(terminationGracePeriodSeconds, torchrun's shutdown timeout) from the signal to its end.
 
 Only the signal handler runs asynchronously, and it only records the time: the train loop adds
-the flag to the all-reduce it already does after every optimizer step, so every rank sees the
-same sum and stops after the same step. A rank that stops alone would leave the others blocked in
+the flag to the all-reduce of its reads of the device (train.py: every logging step, and at least
+every STOP_CHECK_SECONDS of training), so every rank sees the same sum and stops after the same step. A rank that stops alone would leave the others blocked in
 the next collective, and a save that some ranks skip deadlocks DCP, so the save decision is agreed
 on too (the least time left anywhere against the slowest save anywhere).
 """

@@ -15,9 +15,24 @@ batch (every micro-step on every rank) divided by its number of target tokens, s
 strategy, world size or accumulation split gives the same loss and gradients as one process on
 the same batch. FSDP averages gradients over ranks, so each rank scales by world_size / tokens.
 
-Stopping on SIGTERM (preemption.py): the stop flag rides on the all-reduce every step already does,
-so all ranks stop after the same step; the step's eval runs, then the save happens where a
-scheduled checkpoint would (a resumed run continues exactly as from any other checkpoint).
+Host synchronisation (as torchtitan): a step reads nothing back from the device. Its figures (the
+loss sum, the token counts, the grad norm) stay in device tensors until a read point: a logging
+step, a checkpoint, a stop check and the end. There one all-reduce and one `.tolist()` settle every
+step since the last read (`Trainer._read`), so the log line, the progress and the run record carry
+the same per-step figures as if each step had been read at once. What a step needs from the other
+ranks before its backward (the global target-token count, the loss's denominator) is counted on the
+host from the CPU batches and all-reduced as a device tensor that the loss uses on the device. On a
+GPU, tensors go to the device from pinned memory, asynchronously (`to_device`): a plain
+`.to(device)` from pageable memory synchronises the stream.
+
+Stopping on SIGTERM (preemption.py): a signal only sets a flag; the ranks agree on it inside the
+read (the flag rides on its all-reduce), so all of them stop after the same step; the save happens
+where a scheduled checkpoint would (a resumed run continues exactly as from any other checkpoint).
+The reads with a stop signal come at least every STOP_CHECK_SECONDS of training (the step time
+measured between reads, the same number on every rank), so the stop comes within that much
+training, plus a step, after the signal, instead of after the step it arrived in: long steps are
+checked every step, short ones every so many steps, and the sync costs at most one device queue
+drain per STOP_CHECK_SECONDS.
 """
 
 from __future__ import annotations
@@ -54,6 +69,11 @@ from llamaft_trainer.preemption import (
 )
 from llamaft_trainer.runtime import Runtime
 from llamaft_trainer.termination import RunRecord
+
+STOP_CHECK_SECONDS = 1.0
+"""With a stop signal: the most training time between two reads, where the ranks agree on it
+(see the module docstring). Deterministic: the next check's step comes from figures every rank
+shares."""
 
 
 def lr_factor(kind: SchedulerType, step: int, warmup: int, total: int) -> float:
@@ -113,26 +133,42 @@ def build_scaler(cfg: TrainingJobConfig, rt: Runtime) -> Any | None:
     return ShardedGradScaler(device=rt.device.type)
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device` without stalling the host: from a CPU tensor to a GPU through pinned memory,
+    asynchronously (torch's blocking copy from pageable memory synchronises the stream, i.e. waits
+    for everything queued on the device); a plain `.to` otherwise."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def target_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """The number of target tokens (next-token labels that count) of a CPU batch: host data."""
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
 def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device,
                    chunks: int = 1) -> tuple[torch.Tensor, int]:
-    """Sum of next-token cross-entropy over target tokens, and their count. `chunks` > 1: the LM
-    head and the loss over that many slices of the sequence (training.lossChunks, loss.py)."""
-    input_ids = batch["input_ids"].to(device)
-    labels = batch["labels"].to(device)
+    """Sum of next-token cross-entropy over target tokens, and their count (from the batch as
+    given, before it goes to the device: no read back). `chunks` > 1: the LM head and the loss over
+    that many slices of the sequence (training.lossChunks, loss.py)."""
+    count = target_tokens(batch)
+    input_ids = to_device(batch["input_ids"], device)
+    labels = to_device(batch["labels"], device)
     # Packed examples (data.PackedExamples) carry position ids restarting per example and go to the
     # model with no attention mask: transformers then masks each example from the others.
-    positions = batch["position_ids"].to(device) if "position_ids" in batch else None
-    attention_mask = None if positions is not None else batch["attention_mask"].to(device)
+    positions = to_device(batch["position_ids"], device) if "position_ids" in batch else None
+    attention_mask = None if positions is not None else to_device(batch["attention_mask"], device)
     if chunks > 1:
         from llamaft_trainer.loss import chunked_token_loss_sum
 
         loss = chunked_token_loss_sum(model, input_ids, attention_mask, labels, chunks, position_ids=positions)
-        return loss, int((labels[:, 1:] != IGNORE_INDEX).sum())
+        return loss, count
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
     logits = out.logits[:, :-1, :].float()
     targets = labels[:, 1:]
     loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss, int((targets != IGNORE_INDEX).sum())
+    return loss, count
 
 
 def stop_agreed(stop: StopSignal | None, device: torch.device) -> bool:
@@ -154,9 +190,10 @@ def _all_reduce_max(value: float, device: torch.device) -> float:
 
 
 def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any, cfg: TrainingJobConfig,
-                   timers: profiling.PhaseTimers | None = None) -> float:
+                   timers: profiling.PhaseTimers | None = None) -> torch.Tensor:
     """Unscale (fp16), clip to training.maxGradNorm, step, zero the gradients, and with float8
-    all-gather precompute the float8 weights' scales; the global grad norm.
+    all-gather precompute the float8 weights' scales; the global grad norm, a tensor on the device
+    (not read here). fp16's scaler reads its inf check on the host in `step` (torch's GradScaler).
     (bench/plan_accuracy.py replays the trainer's step with this and `micro_step_sync`.)"""
     if scaler is not None:
         scaler.unscale_(optimizer)
@@ -184,16 +221,17 @@ def micro_step_sync(model: nn.Module, last: bool, plan: ShardingPlan) -> Any:
     return contextlib.nullcontext()
 
 
-def clip_gradients(model: nn.Module, max_norm: float, cfg: TrainingJobConfig) -> float:
-    """Clip to `max_norm` (0: no clipping) and return the global norm before clipping."""
+def clip_gradients(model: nn.Module, max_norm: float, cfg: TrainingJobConfig) -> torch.Tensor:
+    """Clip to `max_norm` (0: no clipping) and return the global norm before clipping, as a tensor
+    (on the device: clipping scales by it there, nothing is read back)."""
     limit = max_norm if max_norm > 0 else float("inf")
     if cfg.fsdp.implementation is FsdpImplementation.FSDP1:
-        return float(model.clip_grad_norm_(limit))  # type: ignore[operator]
+        return torch.as_tensor(model.clip_grad_norm_(limit))  # type: ignore[operator]
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, limit, foreach=True)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
-    return float(norm)
+    return norm
 
 
 def evaluate(model: nn.Module, data: Data, rt: Runtime, loss_chunks: int = 1) -> float | None:
@@ -202,15 +240,17 @@ def evaluate(model: nn.Module, data: Data, rt: Runtime, loss_chunks: int = 1) ->
     if data.validation_loader is None:
         return None
     model.eval()
-    loss_sum, tokens = 0.0, 0
+    loss_sum, tokens = torch.zeros((), dtype=torch.float64, device=rt.device), 0
     with torch.no_grad():
         for batch in data.validation_loader:
             loss, n = token_loss_sum(model, batch, rt.device, loss_chunks)
-            loss_sum += float(loss)
+            loss_sum += loss  # summed in float64 on the device, read once below
             tokens += n
     model.train()
-    total_loss, total_tokens = _all_reduce_sum([loss_sum, float(tokens)], rt.device)
-    return total_loss / max(total_tokens, 1.0)
+    totals = torch.stack([loss_sum, to_device(torch.tensor(float(tokens), dtype=torch.float64), rt.device)])
+    dist.all_reduce(totals)
+    total_loss, total_tokens = totals.tolist()
+    return float(total_loss) / max(float(total_tokens), 1.0)
 
 
 def _micro_batches(data: Data, state: TrainState, accum: int) -> Iterator[list[dict[str, torch.Tensor]]]:
@@ -232,6 +272,22 @@ def _micro_batches(data: Data, state: TrainState, accum: int) -> Iterator[list[d
             )
         state.epoch += 1
         state.batches_in_epoch = 0
+
+
+@dataclass
+class StepFigures:
+    """One optimizer step's figures as the step leaves them, on the device until the loop reads
+    them (`Trainer._read`)."""
+
+    step: int
+    loss_sum: torch.Tensor
+    """This rank's sum of token losses over the step's micro-batches (float64, 0-d)."""
+    counts: torch.Tensor
+    """[target tokens, real tokens] of the step over every rank (float64, all-reduced)."""
+    grad_norm: torch.Tensor
+    lr: float
+    seconds: float = 0.0
+    """The step's wall time on the host."""
 
 
 @dataclass
@@ -265,7 +321,7 @@ class Trainer:
         stop: StopSignal | None = None, evaluator: Evaluator | None = None, peak_flops: float | None = None,
     ) -> None:
         """`state`/`scaler`: as a resume restored them (the checkpointer's run state; new ones when
-        not given). `stop`: SIGTERM, agreed on by all ranks every step."""
+        not given). `stop`: SIGTERM, agreed on by all ranks at the loop's reads (module docstring)."""
         self.s, self.cfg, self.rt = session, session.cfg, session.rt
         self.model, self.optimizer, self.scheduler, self.data = session.model, session.optimizer, session.scheduler, session.data
         self.state = state if state is not None else TrainState()
@@ -276,6 +332,11 @@ class Trainer:
         self.result = LoopResult(self.state)
         self.timers: profiling.PhaseTimers | None = None
         """The phase timers of the running loop (LLAMAFT_PHASE_TIMERS=1), None when off."""
+        self._pending: list[StepFigures] = []
+        """The steps since the last read, their figures still on the device."""
+        self._last_read = time.perf_counter()
+        self._next_stop_check = 0
+        """With a stop signal, the step after which the ranks next agree on it at the latest."""
 
     # ------------------------------------------------------------------ the loop
     def train(self, stop_after: int | None = None) -> LoopResult:
@@ -293,15 +354,24 @@ class Trainer:
         timers = self.timers = profiling.start(self.model)  # LLAMAFT_PHASE_TIMERS=1: a `phases` event per step (None: off)
         groups = _micro_batches(self.data, state, tc.gradient_accumulation_steps)
         started, first_step = time.perf_counter(), state.step
+        self._pending, self._last_read, self._next_stop_check = [], started, state.step + 1
         while state.step < steps and (stop_after is None or state.step < stop_after):
             step_start = time.perf_counter()
-            step_loss, grad_norm, lr, tokens, stop_votes = self._step(next(groups))
-            elapsed = time.perf_counter() - step_start
+            figures = self._step(next(groups))
+            elapsed = figures.seconds = time.perf_counter() - step_start
+            record.step = state.step
             if timers is not None:
                 log_json("phases", step=state.step, rank=rt.rank, world_size=rt.world_size, **timers.end_step(elapsed))
-            self._account(step_loss, grad_norm, tokens, elapsed, first_step)
-            if state.step % tc.log_interval == 0 or state.step == steps:
-                self._log_step(step_loss, grad_norm, lr, tokens, elapsed, (time.perf_counter() - started) / max(state.step - first_step, 1))
+            # Every condition below is the same on every rank: so are the reads (collectives).
+            logging = state.step % tc.log_interval == 0 or state.step == steps
+            saving = self.checkpointer is not None and (state.step % self.cfg.checkpointing.every_n_steps == 0 or state.step == steps)
+            last = state.step >= steps or (stop_after is not None and state.step >= stop_after)
+            stop_votes = 0.0
+            if logging or saving or last or (self.stop is not None and state.step >= self._next_stop_check):
+                stop_votes, (step_loss, grad_norm, tokens) = self._read(first_step)
+                if logging:
+                    self._log_step(step_loss, grad_norm, figures.lr, tokens, elapsed,
+                                   (time.perf_counter() - started) / max(state.step - first_step, 1))
             faults.after_step(state.step, rt.rank)  # test-only (LLAMAFT_TEST_FAULT); a no-op otherwise
             if tc.eval_interval and state.step % tc.eval_interval == 0 and state.step < steps:
                 self._eval()
@@ -310,7 +380,7 @@ class Trainer:
             if self.stop is not None and stop_votes > 0:
                 result.stopped = self._save_on_stop(self.stop)
                 return result
-            if self.checkpointer is not None and (state.step % self.cfg.checkpointing.every_n_steps == 0 or state.step == steps):
+            if saving:
                 self._save()
         if state.step >= steps:
             self._eval()
@@ -320,48 +390,76 @@ class Trainer:
             self._report_completed()
         return result
 
-    def _step(self, group: list[dict[str, torch.Tensor]]) -> tuple[float, float, float, int, float]:
-        """One optimizer step over a group of micro-batches: (loss, grad norm, learning rate, real
-        tokens, stop votes), every value the same on every rank."""
+    def _step(self, group: list[dict[str, torch.Tensor]]) -> StepFigures:
+        """One optimizer step over a group of micro-batches, with no read back from the device:
+        its figures, every value the same on every rank once read."""
         rt, state, scaler, tc = self.rt, self.state, self.scaler, self.cfg.training
         accum = len(group)
         with profiling.phase(self.timers, "data"):
-            local_tokens = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in group)
+            # Counted on the host from the CPU batches: the target tokens (the loss's denominator)
+            # and the real tokens (padding, per-batch when packing is off, is neither work nor progress).
+            local = [float(sum(target_tokens(b) for b in group)), float(sum(int(b["attention_mask"].sum()) for b in group))]
         with profiling.phase(self.timers, "sync"):
-            (global_tokens,) = _all_reduce_sum([float(local_tokens)], rt.device)
-        scale = rt.world_size / max(global_tokens, 1.0)
-        loss_sum = 0.0
+            counts = to_device(torch.tensor(local, dtype=torch.float64), rt.device)
+            dist.all_reduce(counts)
+        # On the device: world_size / the global target tokens (FSDP averages gradients over ranks).
+        global_targets = counts[0].clamp(min=1.0)
+        scale = torch.full_like(global_targets, float(rt.world_size)) / global_targets
+        loss_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
         for index, batch in enumerate(group):
             with micro_step_sync(self.model, index == accum - 1, self.s.plan):
                 with profiling.phase(self.timers, "forward"):
                     loss, _ = token_loss_sum(self.model, batch, rt.device, tc.loss_chunks)
-                    scaled = loss * scale
+                    scaled = loss * scale.to(loss.dtype)
                 with profiling.phase(self.timers, "backward"):
                     (scaler.scale(scaled) if scaler is not None else scaled).backward()
-            loss_sum += float(loss.detach())
+            loss_sum += loss.detach()
         with profiling.phase(self.timers, "optimizer"):
             grad_norm = optimizer_step(self.model, self.optimizer, scaler, self.cfg, self.timers)
             lr = float(self.scheduler.get_last_lr()[0])
             self.scheduler.step()
         state.step += 1
         state.batches_in_epoch += accum
-        # Real tokens only: padding (per-batch, when packing is off) is neither work nor progress.
-        seq_tokens = sum(int(b["attention_mask"].sum()) for b in group)
-        # The stop flag rides along: every rank gets the same sum, so all stop after this step.
-        stop_vote = 1.0 if self.stop is not None and self.stop.requested else 0.0
-        with profiling.phase(self.timers, "sync"):
-            (loss_total, tokens_total, stop_votes) = _all_reduce_sum([loss_sum, float(seq_tokens), stop_vote], rt.device)
-        return loss_total / max(global_tokens, 1.0), grad_norm, lr, int(tokens_total), stop_votes
+        figures = StepFigures(state.step, loss_sum, counts, grad_norm, lr)
+        self._pending.append(figures)
+        return figures
 
-    def _account(self, step_loss: float, grad_norm: float, tokens: int, elapsed: float, first_step: int) -> None:
+    def _read(self, first_step: int) -> tuple[float, tuple[float, float, int]]:
+        """The loop's read of the device (a collective: every rank at the same step): one
+        all-reduce of the pending steps' loss sums with the stop flag and the seconds since the
+        last read, then one `.tolist()` of everything. Accounts for each pending step, in order,
+        as if it had been read at once, and sets when the next stop check is due at the latest.
+        Returns the stop votes (> 0: some rank got the signal) and the newest step's loss, grad
+        norm and real tokens."""
+        rt, pending = self.rt, self._pending
+        assert pending, "a read follows a step"
+        now = time.perf_counter()
+        vote = 1.0 if self.stop is not None and self.stop.requested else 0.0
+        shared = to_device(torch.tensor([vote, now - self._last_read], dtype=torch.float64), rt.device)
+        reduced = torch.cat([torch.stack([f.loss_sum for f in pending]), shared])
+        dist.all_reduce(reduced)
+        norms = torch.stack([f.grad_norm.to(device=rt.device, dtype=torch.float64) for f in pending])
+        values = torch.cat([reduced, torch.stack([f.counts for f in pending]).flatten(), norms]).tolist()
+        n = len(pending)
+        loss_totals, (votes, seconds), counts, grad_norms = values[:n], values[n:n + 2], values[n + 2:3 * n + 2], values[3 * n + 2:]
+        for i, f in enumerate(pending):
+            targets, real = counts[2 * i], counts[2 * i + 1]
+            newest = (loss_totals[i] / max(targets, 1.0), grad_norms[i], int(real))
+            self._account(f.step, *newest, f.seconds, first_step)
+        seconds_per_step = seconds / rt.world_size / n
+        self._next_stop_check = self.state.step + max(1, int(STOP_CHECK_SECONDS / seconds_per_step) if seconds_per_step > 0 else 1)
+        self._pending, self._last_read = [], time.perf_counter()
+        return float(votes), newest
+
+    def _account(self, step: int, step_loss: float, grad_norm: float, tokens: int, elapsed: float, first_step: int) -> None:
         state, record = self.state, self.record
         state.tokens_seen += tokens
         self.result.losses.append(step_loss)
         self.result.grad_norms.append(grad_norm)
-        record.step, record.loss = state.step, step_loss
+        record.loss = step_loss
         record.tokens += tokens
         record.train_seconds += elapsed
-        if state.step - first_step > 1:
+        if step - first_step > 1:
             record.steady_steps += 1
             record.steady_tokens += tokens
             record.steady_seconds += elapsed
