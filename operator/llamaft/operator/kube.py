@@ -8,6 +8,8 @@ Objects are plain dicts (as the pure functions build them).
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from typing import Any, cast
 
 from kubernetes import client
@@ -74,6 +76,37 @@ then a serialization back to the plain dict the operator works on (most of a rea
 
 def _json(response: Any) -> Obj:
     return cast(Obj, json.loads(response.data))
+
+
+def refresh_at_most_every(seconds: float, hook: Callable[[Any], None] | None,
+                          clock: Callable[[], float] = time.monotonic) -> Callable[[Any], None] | None:
+    """The kubernetes client's credential refresh, run at most once per `seconds`. Its loaders'
+    hook (incluster_config.py and kube_config.py `_set_config`) runs before every request and
+    sets the configuration's host, CA and token again each time; setting `host` looks the proxies
+    up in the whole environment (urllib's getproxies_environment), and a pod's environment holds
+    a variable per Service of its namespace. The loaders refresh a token well before it is due
+    (in-cluster: the token file every minute; a kubeconfig token 5 minutes before its expiry), so
+    looking every `seconds` (well under both) changes nothing but the cost."""
+    if hook is None:
+        return None
+    due = [clock()]
+
+    def refresh(configuration: Any) -> None:
+        now = clock()
+        if now >= due[0]:
+            hook(configuration)
+            due[0] = now + seconds
+
+    return refresh
+
+
+def throttle_credential_refresh(seconds: float = 30.0) -> None:
+    """Wrap the default configuration's refresh hook (see refresh_at_most_every); call once the
+    credentials are loaded, before any client is made from the default configuration."""
+    configuration = client.Configuration.get_default_copy()
+    hook = refresh_at_most_every(seconds, configuration.refresh_api_key_hook)
+    configuration.refresh_api_key_hook = hook  # type: ignore[assignment]  # the client types it as None only
+    client.Configuration.set_default(configuration)
 
 
 class Kube:

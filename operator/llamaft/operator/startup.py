@@ -13,7 +13,7 @@ import kopf
 from llamaft.api.spec import LlamaFineTuneSpec
 from llamaft.api.status import Phase
 from llamaft.operator.http import HttpClient
-from llamaft.operator.kube import Kube
+from llamaft.operator.kube import Kube, throttle_credential_refresh
 from llamaft.operator.operator_metrics import FINETUNES
 from llamaft.operator.settings import OperatorSettings
 from llamaft.operator.specs import cached_spec
@@ -97,5 +97,6 @@ def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
         config.load_incluster_config()  # type: ignore[no-untyped-call]
     except config.ConfigException:
         config.load_kube_config()  # type: ignore[no-untyped-call]
+    throttle_credential_refresh()
     operator_state(memo).kube = Kube()
     return kopf.login_with_kubeconfig(**kwargs) or kopf.login_with_service_account(**kwargs)
