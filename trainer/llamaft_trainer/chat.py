@@ -119,22 +119,16 @@ def resolve_template(spec: DatasetSpec, tokenizer: Any) -> str:
     )
 
 
-def conversation(record: dict[str, Any], field: str, where: str) -> list[dict[str, str]]:
-    """The record's turns as plain `{role, content}` dicts, checked; `where` names the record
-    (`data.jsonl line 5`) in every error, so that a person can find and fix it."""
-    hint = "each turn is {\"role\": \"system\"|\"user\"|\"assistant\", \"content\": \"...\"}"
-    if field not in record:
-        raise ConfigError(
-            f"spec.dataset: {where} has no field {field!r} (it has {sorted(record)}): the conversation, a list "
-            f"of turns ({hint}); set spec.dataset.fieldMapping.messages to the field that holds it"
-        )
-    turns = record[field]
-    if not isinstance(turns, list):
-        raise ConfigError(f"spec.dataset: {where}: field {field!r} is a {type(turns).__name__}, not a list of turns ({hint})")
+TURN_HINT = 'each turn is {"role": "system"|"user"|"assistant", "content": "..."}'
+
+
+def checked_turns(turns: list[Any], field: str, where: str) -> list[dict[str, str]]:
+    """The turns of a record's field as {role, content} strings; an error names `where`, the
+    field and the turn. Used by the chat format and by preference records given as turns."""
     out: list[dict[str, str]] = []
     for number, turn in enumerate(turns, start=1):
         if not isinstance(turn, dict):
-            raise ConfigError(f"spec.dataset: {where}: turn {number} of {field!r} is a {type(turn).__name__}, not an object ({hint})")
+            raise ConfigError(f"spec.dataset: {where}: turn {number} of {field!r} is a {type(turn).__name__}, not an object ({TURN_HINT})")
         role = turn.get("role")
         if role not in ROLES:
             said = "has no role" if role is None else f"has role {role!r}"
@@ -144,6 +138,22 @@ def conversation(record: dict[str, Any], field: str, where: str) -> list[dict[st
             said = "has no content" if content is None else f"has content of type {type(content).__name__}"
             raise ConfigError(f"spec.dataset: {where}: turn {number} ({role}) of {field!r} {said}; content must be a string")
         out.append({"role": role, "content": content})
+    return out
+
+
+def conversation(record: dict[str, Any], field: str, where: str) -> list[dict[str, str]]:
+    """The record's turns as plain `{role, content}` dicts, checked; `where` names the record
+    (`data.jsonl line 5`) in every error, so that a person can find and fix it."""
+    hint = TURN_HINT
+    if field not in record:
+        raise ConfigError(
+            f"spec.dataset: {where} has no field {field!r} (it has {sorted(record)}): the conversation, a list "
+            f"of turns ({hint}); set spec.dataset.fieldMapping.messages to the field that holds it"
+        )
+    turns = record[field]
+    if not isinstance(turns, list):
+        raise ConfigError(f"spec.dataset: {where}: field {field!r} is a {type(turns).__name__}, not a list of turns ({hint})")
+    out = checked_turns(turns, field, where)
     if not any(t["role"] == "assistant" for t in out):
         raise ConfigError(
             f"spec.dataset: {where}: the conversation in {field!r} has no assistant turn, so nothing in it carries "

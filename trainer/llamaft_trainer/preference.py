@@ -37,12 +37,17 @@ from typing import Any
 import jinja2
 from llamaft.api.spec import DatasetSpec, FieldMapping
 
-from llamaft_trainer.chat import BUILTIN_TEMPLATES, ROLES, compile_template, resolve_template
+from llamaft_trainer.chat import (
+    BUILTIN_TEMPLATES,
+    TURN_HINT,
+    checked_turns,
+    compile_template,
+    resolve_template,
+)
 from llamaft_trainer.errors import ConfigError
 
 Text = str | list[dict[str, str]]
 """A prompt or completion: a string, or a list of `{role, content}` turns."""
-TURN_HINT = 'each turn is {"role": "system"|"user"|"assistant", "content": "..."}'
 
 
 @dataclass(frozen=True)
@@ -75,20 +80,7 @@ def field_names(mapping: FieldMapping) -> tuple[str, str, str]:
 def _turns(value: list[Any], field: str, where: str) -> list[dict[str, str]]:
     if not value:
         raise ConfigError(f"spec.dataset: {where}: field {field!r} is an empty list; give at least one turn ({TURN_HINT})")
-    out: list[dict[str, str]] = []
-    for number, turn in enumerate(value, start=1):
-        if not isinstance(turn, dict):
-            raise ConfigError(f"spec.dataset: {where}: turn {number} of {field!r} is a {type(turn).__name__}, not an object ({TURN_HINT})")
-        role = turn.get("role")
-        if role not in ROLES:
-            said = "has no role" if role is None else f"has role {role!r}"
-            raise ConfigError(f"spec.dataset: {where}: turn {number} of {field!r} {said}; the roles are {', '.join(ROLES)}")
-        content = turn.get("content")
-        if not isinstance(content, str):
-            said = "has no content" if content is None else f"has content of type {type(content).__name__}"
-            raise ConfigError(f"spec.dataset: {where}: turn {number} ({role}) of {field!r} {said}; content must be a string")
-        out.append({"role": role, "content": content})
-    return out
+    return checked_turns(value, field, where)
 
 
 def preference_record(record: dict[str, Any], mapping: FieldMapping, where: str) -> PreferenceRecord:
