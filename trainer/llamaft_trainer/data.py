@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -289,7 +289,20 @@ def check_sequence_length(spec: DatasetSpec, max_positions: int | None) -> None:
 
 
 # ----------------------------------------------------------------------------- the store
-def store_key(spec: DatasetSpec, encoder: Encoder, fingerprint: str, seed: int) -> str:
+class StoreEncoder(Protocol):
+    """What build_store needs of an encoder: Encoder (single sequences) or
+    preference_data.PairEncoder (pairs, format preference, which inputs.build_data passes)."""
+
+    def identity(self) -> dict[str, Any]: ...
+
+    def encode(self, numbered: Sequence[Numbered]) -> store_mod.Part: ...
+
+
+EncoderFactory = Callable[[DatasetSpec, PreTrainedTokenizerBase], StoreEncoder]
+"""Builds a store's encoder: Encoder, or preference_data.PairEncoder for format preference."""
+
+
+def store_key(spec: DatasetSpec, encoder: StoreEncoder, fingerprint: str, seed: int) -> str:
     """Everything that changes the stored tokens; another value builds another store."""
     fields = spec.model_dump(
         by_alias=True, include={"format", "source", "revision", "split", "prompt_template", "field_mapping",
@@ -355,7 +368,8 @@ class _Shard:
     """(batch index, message) of the first bad record it met."""
 
 
-def build_store(spec: DatasetSpec, tok: PreTrainedTokenizerBase, seed: int, root: Path, team: Team = Team()) -> store_mod.Store:
+def build_store(spec: DatasetSpec, tok: PreTrainedTokenizerBase, seed: int, root: Path, team: Team = Team(),
+                make_encoder: EncoderFactory = Encoder) -> store_mod.Store:
     """The store of this dataset under `root`: reused when complete, else built by `team` (this
     process alone by default). Every member makes the same calls to `team.gather`, whatever the
     outcome, so members never wait on each other at different points."""
@@ -363,7 +377,7 @@ def build_store(spec: DatasetSpec, tok: PreTrainedTokenizerBase, seed: int, root
     plan: Any = None
     if team.me == 0:
         try:
-            encoder = Encoder(spec, tok)
+            encoder = make_encoder(spec, tok)
             key = store_key(spec, encoder, source.fingerprint(), seed)
             exists = store_mod.open_store(root / key) is not None
             plan = (key, 0 if exists else source.count(), exists)
@@ -379,7 +393,7 @@ def build_store(spec: DatasetSpec, tok: PreTrainedTokenizerBase, seed: int, root
     if not exists:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            shard = _encode_shard(source, Encoder(spec, tok), validation_mask(n, spec.validation_split, seed), path, team)
+            shard = _encode_shard(source, make_encoder(spec, tok), validation_mask(n, spec.validation_split, seed), path, team)
         except Exception as exc:
             shard = _failure(exc)
     shards: list[_Shard | _Failure | None] = team.gather(shard)
@@ -414,7 +428,7 @@ def build_store(spec: DatasetSpec, tok: PreTrainedTokenizerBase, seed: int, root
     return found
 
 
-def _encode_shard(source: RecordSource, encoder: Encoder, held_out: np.ndarray[Any, Any], path: Path, team: Team) -> _Shard:
+def _encode_shard(source: RecordSource, encoder: StoreEncoder, held_out: np.ndarray[Any, Any], path: Path, team: Team) -> _Shard:
     folder = path.with_name(f".{path.name}.shard-{team.me}-{os.getpid()}-{time.monotonic_ns()}")
     parts = {name: store_mod.PartWriter(folder / name) for name in store_mod.PARTS}
     shard = _Shard(str(folder))
@@ -510,13 +524,14 @@ def store_root(checkpoint_directory: str) -> tuple[Path, bool]:
     return CACHE_ROOT / "data", os.environ.get("LLAMAFT_CACHE_SHARED") == "1"
 
 
-def prepared_store(spec: DatasetSpec, tok: PreTrainedTokenizerBase, seed: int, rt: Runtime, root: Path, shared: bool) -> store_mod.Store:
+def prepared_store(spec: DatasetSpec, tok: PreTrainedTokenizerBase, seed: int, rt: Runtime, root: Path, shared: bool,
+                   make_encoder: EncoderFactory = Encoder) -> store_mod.Store:
     """The store, built once: by every rank together when `root` is shared (each tokenizes every
     world-size-th batch, rank 0 merges), else by the ranks of each node for that node; the others'
     wait is bounded by BUILD_TIMEOUT, not the collective timeout. A bad record is every rank's
     ConfigError, the first in file order."""
     if rt.world_size == 1 or not dist.is_initialized():
-        return build_store(spec, tok, seed, root)
+        return build_store(spec, tok, seed, root, make_encoder=make_encoder)
     group = dist.new_group(backend="gloo", timeout=BUILD_TIMEOUT)
     first = 0 if shared else rt.rank - rt.local_rank  # torchrun numbers a node's ranks contiguously
     size = rt.world_size if shared else rt.local_world_size
@@ -527,7 +542,7 @@ def prepared_store(spec: DatasetSpec, tok: PreTrainedTokenizerBase, seed: int, r
         return everyone[first:first + size]
 
     try:
-        return build_store(spec, tok, seed, root, Team(rt.rank - first, size, rt.local_world_size, gather))
+        return build_store(spec, tok, seed, root, Team(rt.rank - first, size, rt.local_world_size, gather), make_encoder)
     finally:
         dist.destroy_process_group(group)
 

@@ -1,15 +1,17 @@
 """The run's data, as `dataset.streaming` says: the token store's loaders (data.py: built once,
-reused by later attempts) or a stream tokenized while training (streaming.py, built on data.py's
-encoder and batches). Above both, so neither imports the other."""
+reused by later attempts; preference_data.py's pairs for format preference) or a stream tokenized
+while training (streaming.py, built on data.py's encoder and batches). Above both, so neither imports the other."""
 
 from __future__ import annotations
 
 import time
 
-from llamaft.api.spec import DatasetSpec
+from llamaft.api.spec import DatasetFormat, DatasetSpec
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from llamaft_trainer.data import Data, loaders, prepared_store, store_root
+from llamaft_trainer.errors import ConfigError
+from llamaft_trainer.preference_data import PairEncoder, pair_loaders
 from llamaft_trainer.runtime import Runtime
 from llamaft_trainer.streaming import streaming_data
 
@@ -20,10 +22,20 @@ def build_data(
     """The run's data: from the token store (built once, reused by later attempts), or a stream."""
     pad_id = int(tok.pad_token_id)
     root, shared = store_root(checkpoint_directory)
+    pairs = spec.format is DatasetFormat.PREFERENCE
+    if pairs and spec.streaming:
+        raise ConfigError(
+            "spec.dataset.streaming: format preference is read into the token store (once per run); streaming "
+            "preference pairs is not supported yet: set dataset.streaming: false"
+        )
     if spec.streaming:
         return streaming_data(spec, tok, batch_size, seed, rt, root if shared or rt.world_size == 1 else None)
     started = time.perf_counter()
-    store = prepared_store(spec, tok, seed, rt, root, shared)
-    data = loaders(store, spec, pad_id, batch_size, seed, rt.rank, rt.world_size)
+    if pairs:
+        store = prepared_store(spec, tok, seed, rt, root, shared, PairEncoder)
+        data: Data = pair_loaders(store, spec, pad_id, batch_size, seed, rt.rank, rt.world_size)
+    else:
+        store = prepared_store(spec, tok, seed, rt, root, shared)
+        data = loaders(store, spec, pad_id, batch_size, seed, rt.rank, rt.world_size)
     data.info["data_seconds"] = round(time.perf_counter() - started, 3)
     return data

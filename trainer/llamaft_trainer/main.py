@@ -30,12 +30,21 @@ from typing import Any
 import torch
 from llamaft.api.documents import parse_documents
 from llamaft.api.sharding import ShardingPlan, Wrapper
-from llamaft.api.spec import LoraExport, TrainingJobConfig
+from llamaft.api.spec import LoraExport, TrainingJobConfig, TrainingMethod
 from llamaft.api.validation import SpecInvalid, validate_resource
 from torch import nn
 
 from llamaft_trainer import data as data_step
-from llamaft_trainer import elastic, float8, inputs, kubeflow_progress, loading, termination, tracking
+from llamaft_trainer import (
+    dpo_step,
+    elastic,
+    float8,
+    inputs,
+    kubeflow_progress,
+    loading,
+    termination,
+    tracking,
+)
 from llamaft_trainer import model as model_step
 from llamaft_trainer.checkpoint import Checkpointer, RunState, TrainState
 from llamaft_trainer.errors import EXIT_CONFIG_ERROR, EXIT_FAILURE, ConfigError
@@ -135,6 +144,8 @@ def _phase(rt: Runtime, phase: str, stop: StopSignal | None = None) -> None:
 def setup(cfg: TrainingJobConfig, rt: Runtime, stop: StopSignal | None = None) -> Session:
     """The session of a run. `stop`: a stop signal the ranks check for at each start-up phase."""
     torch.manual_seed(cfg.training.seed)
+    if cfg.training.method is TrainingMethod.DPO:
+        dpo_step.check(cfg)  # what the DPO loop cannot do yet, on every rank before any collective
     tracking.check(cfg)  # on every rank, before any collective: rank 0 alone must not fail later
     float8.check_device(cfg.fsdp, rt.device)  # likewise: each rank its own GPU
     _phase(rt, "loading the tokenizer and preparing the data", stop)
@@ -147,6 +158,9 @@ def setup(cfg: TrainingJobConfig, rt: Runtime, stop: StopSignal | None = None) -
     plan = sharding_plan(cfg.fsdp, rt)
     _phase(rt, "loading the model", stop)
     model, n_params = build_model(cfg, rt, model_config, plan)
+    if cfg.training.method is TrainingMethod.DPO:
+        _phase(rt, "scoring the pairs with the reference model", stop)
+    dpo = dpo_step.prepare(cfg, rt, model, data)  # None for SFT; the initial model's pass, before any resume
     optimizer = build_optimizer(model, cfg)
     per_epoch = data.batches_per_epoch
     if per_epoch is None and cfg.training.max_steps is None:
@@ -154,7 +168,7 @@ def setup(cfg: TrainingJobConfig, rt: Runtime, stop: StopSignal | None = None) -
     steps = total_steps(cfg, per_epoch or 0)
     scheduler = build_scheduler(optimizer, cfg, steps)
     fpt = flops_per_token(model_config, n_params, cfg.dataset.max_seq_length)
-    return Session(cfg, rt, model, tokenizer, model_config, data, optimizer, scheduler, steps, fpt, n_params, plan)
+    return Session(cfg, rt, model, tokenizer, model_config, data, optimizer, scheduler, steps, fpt, n_params, plan, dpo)
 
 
 def run(

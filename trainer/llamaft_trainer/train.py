@@ -288,6 +288,8 @@ class StepFigures:
     lr: float
     seconds: float = 0.0
     """The step's wall time on the host."""
+    extra: torch.Tensor | None = None
+    """training.method dpo: this rank's DpoMetrics sums of the step (fp64, on the device)."""
 
 
 @dataclass
@@ -307,6 +309,8 @@ class Session:
     n_params: int
     plan: ShardingPlan
     """The sharding plan the model was parallelized by, and the loop syncs gradients by."""
+    dpo: Any = None
+    """training.method dpo: its micro-step (dpo_step.DpoMethod); None for SFT."""
 
 
 class Trainer:
@@ -337,6 +341,8 @@ class Trainer:
         self._last_read = time.perf_counter()
         self._next_stop_check = 0
         """With a stop signal, the step after which the ranks next agree on it at the latest."""
+        self._method_metrics: dict[str, float] = {}
+        """training.method dpo: TRL's metrics of the step last read (dpo_step.metric_means)."""
 
     # ------------------------------------------------------------------ the loop
     def train(self, stop_after: int | None = None) -> LoopResult:
@@ -398,7 +404,9 @@ class Trainer:
         with profiling.phase(self.timers, "data"):
             # Counted on the host from the CPU batches: the target tokens (the loss's denominator)
             # and the real tokens (padding, per-batch when packing is off, is neither work nor progress).
-            local = [float(sum(target_tokens(b) for b in group)), float(sum(int(b["attention_mask"].sum()) for b in group))]
+            # DPO: the step's pairs are the denominator (dpo_step), as target tokens are SFT's.
+            units = dpo.pairs if (dpo := self.s.dpo) is not None else target_tokens
+            local = [float(sum(units(b) for b in group)), float(sum(int(b["attention_mask"].sum()) for b in group))]
         with profiling.phase(self.timers, "sync"):
             counts = to_device(torch.tensor(local, dtype=torch.float64), rt.device)
             dist.all_reduce(counts)
@@ -406,10 +414,15 @@ class Trainer:
         global_targets = counts[0].clamp(min=1.0)
         scale = torch.full_like(global_targets, float(rt.world_size)) / global_targets
         loss_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
+        extra: torch.Tensor | None = None
         for index, batch in enumerate(group):
             with micro_step_sync(self.model, index == accum - 1, self.s.plan):
                 with profiling.phase(self.timers, "forward"):
-                    loss, _ = token_loss_sum(self.model, batch, rt.device, tc.loss_chunks)
+                    if dpo is not None:
+                        loss, metrics = dpo.micro_step(self.model, batch, rt.device)
+                        extra = metrics if extra is None else extra + metrics
+                    else:
+                        loss, _ = token_loss_sum(self.model, batch, rt.device, tc.loss_chunks)
                     scaled = loss * scale.to(loss.dtype)
                 with profiling.phase(self.timers, "backward"):
                     (scaler.scale(scaled) if scaler is not None else scaled).backward()
@@ -420,7 +433,7 @@ class Trainer:
             self.scheduler.step()
         state.step += 1
         state.batches_in_epoch += accum
-        figures = StepFigures(state.step, loss_sum, counts, grad_norm, lr)
+        figures = StepFigures(state.step, loss_sum, counts, grad_norm, lr, extra=extra)
         self._pending.append(figures)
         return figures
 
@@ -436,11 +449,18 @@ class Trainer:
         now = time.perf_counter()
         vote = 1.0 if self.stop is not None and self.stop.requested else 0.0
         shared = to_device(torch.tensor([vote, now - self._last_read], dtype=torch.float64), rt.device)
-        reduced = torch.cat([torch.stack([f.loss_sum for f in pending]), shared])
+        extra = pending[-1].extra  # DPO: the newest step's metric sums, read with its loss
+        reduced = torch.cat([torch.stack([f.loss_sum for f in pending]), shared, *([extra] if extra is not None else [])])
         dist.all_reduce(reduced)
         norms = torch.stack([f.grad_norm.to(device=rt.device, dtype=torch.float64) for f in pending])
         values = torch.cat([reduced, torch.stack([f.counts for f in pending]).flatten(), norms]).tolist()
         n = len(pending)
+        if extra is not None:
+            from llamaft_trainer.dpo_step import metric_means
+
+            k = int(extra.numel())
+            self._method_metrics = metric_means(values[n + 2:n + 2 + k])
+            values = values[:n + 2] + values[n + 2 + k:]
         loss_totals, (votes, seconds), counts, grad_norms = values[:n], values[n:n + 2], values[n + 2:3 * n + 2], values[3 * n + 2:]
         for i, f in enumerate(pending):
             targets, real = counts[2 * i], counts[2 * i + 1]
@@ -475,6 +495,7 @@ class Trainer:
             "tokens_per_second": round(tps, 2), "tokens_per_second_per_device": round(tps / rt.world_size, 2),
             "mfu": round(mfu, 5) if mfu is not None else None, "peak_memory_bytes": peak_memory_bytes(rt.device),
             "eta_seconds": int(seconds_per_step * (steps - state.step)), "step_seconds": round(elapsed, 4),
+            **{name: round(value, 6) for name, value in self._method_metrics.items()},
         }
         if rt.is_leader:
             log_json("step", **metrics)
@@ -539,6 +560,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def _eval(self) -> None:
+        if self.s.dpo is not None:
+            self._eval_dpo()
+            return
         eval_loss = evaluate(self.model, self.data, self.rt, self.cfg.training.loss_chunks)
         if eval_loss is None:
             return
@@ -556,6 +580,20 @@ class Trainer:
                 log_json("generations", **report)
                 if progress is not None:
                     progress.record_generations(report)
+
+    def _eval_dpo(self) -> None:
+        """DPO's loss and TRL's metrics on the held-out pairs (dpo_step.evaluate)."""
+        from llamaft_trainer.dpo_step import evaluate as evaluate_pairs
+
+        report = evaluate_pairs(self.s.dpo, self.model, self.data, self.rt)
+        if report is None:
+            return
+        self.result.eval_losses.append(report["eval_loss"])
+        self.record.eval_loss = report["eval_loss"]
+        if self.rt.is_leader:
+            log_json("eval", step=self.state.step, **{k: round(v, 6) for k, v in report.items()})
+        if self.progress is not None:
+            self.progress.update(evalLoss=report["eval_loss"])
 
 
 def _least_time_left(stop: StopSignal, device: torch.device) -> float:
