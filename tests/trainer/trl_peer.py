@@ -11,6 +11,10 @@ Reads one JSON object on stdin:
   collated examples with precomputed reference log-probabilities (`precompute_ref_log_probs`), the
   policy being the saved model with TRL's fused LM head: the loss, the logged metrics, and the
   per-row summed log-probabilities.
+* `{"do": "train", "model": DIR, "records": [...], "max_length": N, "beta": B, "loss": ..., "lr": LR,
+  "steps": S, "batch_size": N}`: TRL's DPOTrainer itself trained for S steps (AdamW, constant lr,
+  clip 1.0, no weight decay, fp32 (bf16=False: TrainingArguments defaults to bf16 autocast, on CPU too), the precomputed reference, one batch of `batch_size` pairs per
+  step, a log every step): its logged loss and metrics per step.
 
 `_prepare_dataset` and `_compute_loss` are called unbound on a stand-in for the trainer that
 holds just the attributes they read (a single process: gather is the identity), so the code that
@@ -77,9 +81,34 @@ def loss(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def train(job: dict[str, Any]) -> dict[str, Any]:
+    from transformers import TrainerCallback
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(job["model"])
+    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32)
+    args = _config(
+        job["max_length"], per_device_train_batch_size=job["batch_size"], max_steps=job["steps"],
+        learning_rate=job["lr"], lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0,
+        beta=job["beta"], loss_type=[job["loss"]], precompute_ref_log_probs=True, logging_steps=1,
+        optim="adamw_torch", save_strategy="no", bf16=False, disable_tqdm=True, seed=0, gradient_accumulation_steps=1,
+    )
+    steps: list[dict[str, Any]] = []
+
+    class Keep(TrainerCallback):  # type: ignore[misc]
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+            if logs and "loss" in logs:
+                steps.append({"step": state.global_step, **logs})
+
+    trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(job["records"]),
+                         processing_class=tokenizer, callbacks=[Keep()])
+    trainer.train()
+    return {"steps": steps}
+
+
 def main() -> None:
     job = json.load(sys.stdin)
-    result = {"tokenize": tokenize, "loss": loss}[job["do"]](job)
+    result = {"tokenize": tokenize, "loss": loss, "train": train}[job["do"]](job)
     print(json.dumps(result))
 
 

@@ -183,6 +183,16 @@ def _score(model: nn.Module, pairs: PreferencePairs, collate: PairCollate, rt: R
     return values.cpu().numpy()
 
 
+def reshard(model: nn.Module) -> None:
+    """FSDP2 leaves the root's parameters unsharded after a forward that no backward follows: shard
+    them again, so the optimizer (built next) and the checkpoint see the sharded parameters."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def _read(path: Path, n: int) -> np.ndarray[Any, Any] | None:
     try:
         values = np.fromfile(path, dtype=np.float32)
@@ -225,6 +235,7 @@ def precompute_reference(cfg: TrainingJobConfig, rt: Runtime, model: nn.Module, 
             collate.reference = values
     finally:
         model.train(was_training)
+        reshard(model)
     if not reused and dist.is_initialized():
         dist.barrier()  # the files are complete before any rank could stop and a retry read them
     report = {"path": str(folder), "reused": reused, "pairs": sum(len(p) for _, p, _ in parts),
