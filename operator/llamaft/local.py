@@ -242,11 +242,16 @@ def format_event(event: dict[str, Any]) -> str | None:
     kind = event.get("event")
     if kind == "step":
         eta = event.get("eta_seconds")
+        accuracy = event.get("rewards/accuracies")  # training.method dpo
         return (
             f"step {event['step']:>5}/{event['total_steps']} | epoch {event['epoch']} | loss {event['loss']:.4f} | "
-            f"lr {event['lr']:.2e} | {event['tokens_per_second']:,.0f} tok/s | eta {eta}s"
+            + (f"reward acc {accuracy:.3f} | " if accuracy is not None else "")
+            + f"lr {event['lr']:.2e} | {event['tokens_per_second']:,.0f} tok/s | eta {eta}s"
         )
     if kind == "eval":
+        if "perplexity" not in event:  # training.method dpo: the held-out pairs' reward accuracy
+            return (f"eval  step {event['step']}: loss {event['eval_loss']:.4f}, "
+                    f"reward accuracy {event.get('eval_rewards/accuracies', float('nan')):.3f}")
         return f"eval  step {event['step']}: loss {event['eval_loss']:.4f}, perplexity {event['perplexity']:.2f}"
     if kind == "setup":
         return (
