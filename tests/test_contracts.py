@@ -146,6 +146,14 @@ def test_a_report_the_operator_cannot_read_is_no_report() -> None:
 
 
 # ------------------------------------------------------------------------------ /progress
+DPO_STEP = {"rewards/chosen": 0.5, "rewards/rejected": 0.25, "rewards/accuracies": 0.75, "rewards/margins": 0.25,
+            "logps/chosen": -12.0, "logps/rejected": -20.0}
+"""A DPO step event's TRL metrics (train.py adds them to the step's figures)."""
+DPO_EVAL = {"eval_loss": 0.5, "eval_rewards/chosen": 0.75, "eval_rewards/rejected": 0.25, "eval_rewards/accuracies": 0.875,
+            "eval_rewards/margins": 0.5, "eval_logps/chosen": -11.0, "eval_logps/rejected": -21.0}
+"""dpo_step.evaluate's report."""
+
+
 @pytest.fixture
 def served(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, str]]:
     """The trainer's real metrics.Progress, serving /progress on a local port."""
@@ -173,8 +181,9 @@ def test_the_progress_document_is_the_model_and_the_operator_reads_it(served: tu
     progress.update(phase="Training", totalSteps=20)
     progress.record_step({"step": 10, "epoch": 1, "loss": 1.5, "lr": 1e-5, "grad_norm": 1.0, "tokens_per_second": 900.0,
                           "tokens_per_second_per_device": 450.0, "mfu": 0.4, "peak_memory_bytes": 1, "tokens": 64,
-                          "eta_seconds": 30})
+                          "eta_seconds": 30, **DPO_STEP})
     progress.record_eval(10, 1.75, 5.75)
+    progress.record_dpo_eval(10, DPO_EVAL)
     progress.record_generations({"step": 10, "samples": 2, "rouge1": 0.5, "rouge2": 0.25, "rougeL": 0.4,
                                  "generations": [{"prompt": "p", "reference": "r", "generated": "g"}]})
     progress.update(tracking={"mlflowRunId": "r1", "mlflowExperimentId": "7", "wandbRunId": "w1",
@@ -193,11 +202,45 @@ def test_the_progress_document_is_the_model_and_the_operator_reads_it(served: tu
                              [], read_progress(doc), read_status({"phase": "Creating"}), generation=1,
                              now="2026-01-01T00:00:00Z").status
     assert status["progress"] == {"epoch": 1, "step": 10, "totalSteps": 20, "stepOfTotal": "10/20", "loss": 1.5,
-                                  "evalLoss": 1.75, "tokensPerSecond": 900.0, "mfu": 0.4, "etaSeconds": 30,
-                                  "updatedAt": doc["updatedAt"]}
+                                  "evalLoss": 0.5, "tokensPerSecond": 900.0, "mfu": 0.4, "etaSeconds": 30,
+                                  "rewardAccuracy": 0.75, "rewardMargin": 0.25, "evalRewardAccuracy": 0.875,
+                                  "evalRewardMargin": 0.5, "updatedAt": doc["updatedAt"]}
     assert status["leaderPod"] == "ft-1-worker-0" and status["exportPath"] == "/ckpt/export"
     assert status["tracking"] == {**doc["tracking"], "warning": "mlflow: reachable again"}
     assert status["evaluation"] == doc["evaluation"]
+
+
+def test_an_sft_run_sends_no_dpo_key_and_documents_with_and_without_them_round_trip(served: tuple[Any, str]) -> None:
+    """The DPO fields (rewardAccuracy, rewardMargin, evalRewardAccuracy, evalRewardMargin) are
+    optional: an SFT run's document has none of them (an older trainer's neither) and still reads
+    back, into a status without them; a DPO run's reads back with them."""
+    progress, url = served
+    progress.record_step({"step": 3, "epoch": 0, "loss": 2.0, "lr": 1e-5, "grad_norm": 1.0, "tokens_per_second": 9.0,
+                          "tokens_per_second_per_device": 9.0, "mfu": None, "peak_memory_bytes": 1, "tokens": 8,
+                          "eta_seconds": 3})
+    progress.record_eval(3, 2.5, 12.2)
+    sft = fetch(url)
+    dpo_keys = {"rewardAccuracy", "rewardMargin", "evalRewardAccuracy", "evalRewardMargin"}
+    assert not dpo_keys & set(sft)
+    parsed = read_progress(sft)
+    assert parsed == ProgressDocument.model_validate(sft, strict=True) and parsed.reward_accuracy is None
+    assert ProgressDocument.model_validate(parsed.model_dump(by_alias=True, exclude_unset=True)) == parsed
+    assert not dpo_keys & set(parsed.status_progress().to_k8s())
+
+    progress.record_step({"step": 4, "epoch": 0, "loss": 0.6, "lr": 1e-5, "grad_norm": 1.0, "tokens_per_second": 9.0,
+                          "tokens_per_second_per_device": 9.0, "mfu": None, "peak_memory_bytes": 1, "tokens": 8,
+                          "eta_seconds": 2, **DPO_STEP})
+    progress.record_dpo_eval(4, DPO_EVAL)
+    dpo = fetch(url)
+    assert {k: dpo[k] for k in dpo_keys} == {"rewardAccuracy": 0.75, "rewardMargin": 0.25, "evalRewardAccuracy": 0.875,
+                                             "evalRewardMargin": 0.5}
+    parsed = read_progress(dpo)
+    assert parsed is not None and parsed == ProgressDocument.model_validate(dpo, strict=True)
+    assert ProgressDocument.model_validate(parsed.model_dump(by_alias=True, exclude_unset=True)) == parsed
+    assert parsed.status_progress().reward_accuracy == 0.75 and parsed.status_progress().eval_reward_margin == 0.5
+    # A garbled value of a new field is that field absent, the rest of the document kept.
+    garbled = read_progress({**dpo, "rewardAccuracy": "most"})
+    assert garbled is not None and garbled.reward_accuracy is None and garbled.reward_margin == 0.25
 
 
 def test_the_progress_writer_refuses_a_key_the_model_lacks(served: tuple[Any, str]) -> None:

@@ -129,7 +129,8 @@ def test_printer_columns() -> None:
     assert [n for n, c in columns.items() if "priority" not in c] == [
         "Phase", "Workers", "GPUs", "Step", "Loss", "Tokens/s", "Restarts", "Queue", "Age"
     ]
-    assert [n for n, c in columns.items() if c.get("priority") == 1] == ["Backend", "Model", "Strategy", "Precision", "Eval-Loss", "ROUGE-L"]
+    assert [n for n, c in columns.items() if c.get("priority") == 1] == [
+        "Backend", "Model", "Strategy", "Precision", "Eval-Loss", "ROUGE-L", "RewardAcc"]
     status = _schema()["properties"]["status"]["properties"]
     for column in columns.values():
         parts = column["jsonPath"].strip(".").split(".")

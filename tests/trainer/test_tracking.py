@@ -191,3 +191,50 @@ def test_params_are_the_whole_spec_when_the_operator_mounts_it(tmp_path: Path) -
     assert "cluster.workers" not in part and part["training.maxSteps"] == "5"
     (tmp_path / "bad.json").write_text("{not json")
     assert tracking.whole_spec(str(tmp_path / "bad.json")) is None
+
+
+DPO_STEP = {"rewards/chosen": 0.5, "rewards/rejected": -0.25, "rewards/accuracies": 0.75, "rewards/margins": 0.75,
+            "logps/chosen": -12.0, "logps/rejected": -20.0}
+DPO_EVAL = {"eval_loss": 0.5, "eval_rewards/chosen": 0.25, "eval_rewards/rejected": -0.5, "eval_rewards/accuracies": 0.875,
+            "eval_rewards/margins": 0.75, "eval_logps/chosen": -11.0, "eval_logps/rejected": -21.0}
+
+
+def test_dpo_rewards_and_logps_reach_every_tracker_under_trls_names(
+    tmp_path: Path, mlflow_server: MlflowServer, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A DPO run's step and eval events (train.py's figures, dpo_step.evaluate's report) through
+    the trainer's own path (metrics.Progress -> Tracker): TRL's names under train/ and eval/, as
+    transformers' trackers log DPOTrainer's; an SFT step logs no reward."""
+    from llamaft_trainer.metrics import Progress
+
+    monkeypatch.setenv("LLAMAFT_RUN_NAME", "dpo-run")
+    cfg = config(tmp_path, mlflow_server.url, "dpo")
+    infos: list[dict[str, str]] = []
+    tracker = tracking.start(cfg, 1, 0, lambda message: None, infos.append)
+    assert tracker is not None
+    progress = Progress()
+    progress.trackers.append(tracker)
+    progress.record_step({**step_metrics(1, 0.69), "tokens": 64})  # an SFT-shaped step: no reward keys
+    progress.record_step({**step_metrics(2, 0.6), "tokens": 64, **DPO_STEP})
+    progress.record_dpo_eval(2, DPO_EVAL)
+    tracker.close("FINISHED")
+    info = infos[-1]
+    train = {f"train/{k}": v for k, v in DPO_STEP.items()}
+    evals = {f"eval/{k.removeprefix('eval_')}": v for k, v in DPO_EVAL.items()}
+    assert "eval/rewards/accuracies" in evals and "eval/perplexity" not in evals
+
+    [run] = mlflow_server.runs("dpo")
+    for name, value in {**train, **evals}.items():
+        assert mlflow_server.history(run["info"]["run_id"], name) == [(2, value)], name
+    assert mlflow_server.history(run["info"]["run_id"], "train/loss") == [(1, 0.69), (2, 0.6)]
+
+    scalars = tensorboard_scalars(Path(info["tensorboardDirectory"]))
+    for name, value in {**train, **evals}.items():
+        assert scalars[name] == [(2, value)], name
+    assert "eval/perplexity" not in scalars
+
+    [wandb_run] = wandb_offline_runs(tmp_path / "ckpt" / "wandb")
+    history = wandb_run["history"]
+    assert not any(k.startswith("train/rewards") for k in history[1])
+    # W&B keeps a name with slashes as nested keys: "train/rewards/chosen" reads back joined by "/".
+    assert {k: v for k, v in history[2].items() if k in train or k in evals} == {**train, **evals}

@@ -67,7 +67,7 @@ def trainer_status(doc: Mapping[str, Any], now: datetime | None = None) -> dict[
         status["estimatedRemainingSeconds"] = max(0, min(INT32_MAX, int(eta)))
     metrics = []
     for name, key in (("loss", "loss"), ("eval_loss", "evalLoss"), ("tokens_per_second", "tokensPerSecond"),
-                      ("mfu", "mfu")):
+                      ("mfu", "mfu"), ("reward_accuracy", "rewardAccuracy"), ("eval_reward_accuracy", "evalRewardAccuracy")):
         value = doc.get(key)
         if isinstance(value, int | float) and not isinstance(value, bool):
             metrics.append({"name": name, "value": _number(value)})

@@ -5,6 +5,7 @@ every worker serves, on the spec's monitoring.metricsPort,
   GET /metrics   Prometheus text (llamaft_train_* gauges and counters)
   GET /progress  JSON llamaft.api.contracts.ProgressDocument: {"rank", "pod", "phase", "step",
                  "totalSteps", "epoch", "loss", "evalLoss", "tokensPerSecond", "mfu", "etaSeconds",
+                 "rewardAccuracy", "rewardMargin", "evalRewardAccuracy", "evalRewardMargin" (DPO),
                  "exportPath", "tracking", "trackingWarning", "evaluation", "updatedAt"}, the keys set so far
 and prints every logged step as one JSON line {"event": "step", ...} on stdout.
 """
@@ -71,6 +72,23 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+REWARD_GAUGES = {
+    "rewards/accuracies": ("llamaft_train_reward_accuracy", "DPO: share of the last logged step's pairs whose chosen "
+                           "reward exceeds the rejected one's (TRL's rewards/accuracies, 0-1)"),
+    "rewards/margins": ("llamaft_train_reward_margin", "DPO: mean chosen minus rejected reward of the last logged step "
+                        "(TRL's rewards/margins)"),
+    "rewards/chosen": ("llamaft_train_reward_chosen", "DPO: mean beta * (policy - reference) log-probability of the "
+                       "last logged step's chosen completions (TRL's rewards/chosen)"),
+    "rewards/rejected": ("llamaft_train_reward_rejected", "DPO: mean beta * (policy - reference) log-probability of "
+                         "the last logged step's rejected completions (TRL's rewards/rejected)"),
+    "eval_rewards/accuracies": ("llamaft_train_eval_reward_accuracy", "DPO: reward accuracy over the held-out pairs "
+                                "at the last eval (TRL's eval_rewards/accuracies, 0-1)"),
+    "eval_rewards/margins": ("llamaft_train_eval_reward_margin", "DPO: mean reward margin over the held-out pairs at "
+                             "the last eval (TRL's eval_rewards/margins)"),
+}
+"""DPO's figures (step event or eval report key) -> their gauge and its help text."""
+
+
 class Progress:
     """What the leader publishes: Prometheus gauges plus the JSON progress document."""
 
@@ -91,6 +109,9 @@ class Progress:
         self.mfu = Gauge("llamaft_train_mfu", "Model FLOPs utilisation (0-1)", registry=self.registry)
         self.memory = Gauge("llamaft_train_peak_memory_bytes", "Peak memory of rank 0", registry=self.registry)
         self.tokens = Counter("llamaft_train_tokens", "Tokens trained on", registry=self.registry)
+        self._rewards: dict[str, Gauge] = {}
+        """DPO's gauges (REWARD_GAUGES), each registered when its first value comes: an SFT run has
+        none, and an eval's before the first eval."""
         self.last_progress = Gauge(
             "llamaft_train_last_progress_timestamp_seconds", "Unix time of the last step", registry=self.registry
         )
@@ -142,6 +163,9 @@ class Progress:
             phase="Training", step=m["step"], epoch=m["epoch"], loss=m["loss"],
             tokensPerSecond=m["tokens_per_second"], mfu=m.get("mfu"), etaSeconds=m.get("eta_seconds"),
         )
+        if m.get("rewards/accuracies") is not None:  # a DPO step (dpo.METRIC_NAMES)
+            self._set_rewards(m)
+            self.update(rewardAccuracy=m["rewards/accuracies"], rewardMargin=m["rewards/margins"])
         for tracker in self.trackers:
             tracker.step(m)
 
@@ -157,6 +181,25 @@ class Progress:
         self.update(evalLoss=loss)
         for tracker in self.trackers:
             tracker.eval(step, loss, perplexity)
+
+    def record_dpo_eval(self, step: int, report: dict[str, float]) -> None:
+        """A DPO eval (dpo_step.evaluate's report: `eval_loss` and `eval_rewards/...`,
+        `eval_logps/...`, TRL's names): no perplexity, the rewards in the document too."""
+        self.eval_loss.set(report["eval_loss"])
+        self._set_rewards(report)
+        self.update(evalLoss=report["eval_loss"], evalRewardAccuracy=report["eval_rewards/accuracies"],
+                    evalRewardMargin=report["eval_rewards/margins"])
+        for tracker in self.trackers:
+            tracker.eval_metrics(step, report)
+
+    def _set_rewards(self, figures: dict[str, Any]) -> None:
+        """Set the DPO gauges the figures have (REWARD_GAUGES), each registered the first time."""
+        for key, (name, text) in REWARD_GAUGES.items():
+            if figures.get(key) is None:
+                continue
+            if key not in self._rewards:
+                self._rewards[key] = Gauge(name, text, registry=self.registry)
+            self._rewards[key].set(figures[key])
 
     def serve(self, port: int) -> ThreadingHTTPServer:
         progress = self

@@ -49,8 +49,13 @@ STEP_METRICS = {
     "tokens_per_second": "train/tokens_per_second", "tokens_per_second_per_device": "train/tokens_per_second_per_device",
     "mfu": "train/mfu", "peak_memory_bytes": "train/peak_memory_bytes", "step_seconds": "train/step_seconds",
     "epoch": "train/epoch",
+    # DPO (training.method dpo): TRL's names, under train/ as transformers' trackers log them.
+    "rewards/chosen": "train/rewards/chosen", "rewards/rejected": "train/rewards/rejected",
+    "rewards/accuracies": "train/rewards/accuracies", "rewards/margins": "train/rewards/margins",
+    "logps/chosen": "train/logps/chosen", "logps/rejected": "train/logps/rejected",
 }
-"""The step event's fields a tracker gets, under the names it shows them."""
+"""The step event's fields a tracker gets, under the names it shows them (a field the event
+lacks, as an SFT step lacks the rewards, is not logged)."""
 
 
 @dataclass(frozen=True)
@@ -286,6 +291,13 @@ class Tracker:
 
     def eval(self, step: int, loss: float, perplexity: float) -> None:
         self._put(("metrics", (step, {"eval/loss": float(loss), "eval/perplexity": float(perplexity)})))
+
+    def eval_metrics(self, step: int, report: dict[str, float]) -> None:
+        """An eval event's `eval_*` figures (DPO's `eval_loss`, `eval_rewards/accuracies` ...)
+        under `eval/` (`eval/loss`, `eval/rewards/accuracies`), as transformers' trackers name them."""
+        values = {f"eval/{k.removeprefix('eval_')}": float(v) for k, v in report.items()
+                  if k.startswith("eval_") and v is not None}
+        self._put(("metrics", (step, values)))
 
     def generations(self, report: dict[str, Any]) -> None:
         """An evaluation's task scores (metrics `eval/rouge1` ...) and its generations (text)."""

@@ -593,7 +593,7 @@ class Trainer:
         if self.rt.is_leader:
             log_json("eval", step=self.state.step, **{k: round(v, 6) for k, v in report.items()})
         if self.progress is not None:
-            self.progress.update(evalLoss=report["eval_loss"])
+            self.progress.record_dpo_eval(self.state.step, report)
 
 
 def _least_time_left(stop: StopSignal, device: torch.device) -> float:

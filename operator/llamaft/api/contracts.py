@@ -142,6 +142,14 @@ class ProgressDocument(_Document):
     tokens_per_second: float | None = None
     mfu: float | None = None
     eta_seconds: int | None = None
+    reward_accuracy: float | None = None
+    """DPO only (absent for SFT): the last logged step's rewards/accuracies (status.progress)."""
+    reward_margin: float | None = None
+    """DPO only: the last logged step's rewards/margins."""
+    eval_reward_accuracy: float | None = None
+    """DPO only: the last eval's eval_rewards/accuracies over the held-out pairs."""
+    eval_reward_margin: float | None = None
+    """DPO only: the last eval's eval_rewards/margins."""
     export_path: str | None = None
     tracking: TrackingInfo | None = None
     tracking_warning: str | None = None
@@ -157,7 +165,9 @@ class ProgressDocument(_Document):
             epoch=self.epoch, step=self.step, total_steps=self.total_steps,
             step_of_total=f"{self.step}/{self.total_steps}" if self.step is not None and self.total_steps is not None else None,
             loss=self.loss, eval_loss=self.eval_loss, tokens_per_second=self.tokens_per_second, mfu=self.mfu,
-            eta_seconds=self.eta_seconds, updated_at=self.updated_at,
+            eta_seconds=self.eta_seconds, reward_accuracy=self.reward_accuracy, reward_margin=self.reward_margin,
+            eval_reward_accuracy=self.eval_reward_accuracy, eval_reward_margin=self.eval_reward_margin,
+            updated_at=self.updated_at,
         )
 
 

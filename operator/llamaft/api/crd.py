@@ -193,6 +193,7 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Precision", "type": "string", "jsonPath": ".spec.fsdp.mixedPrecision", "priority": 1},
     {"name": "Eval-Loss", "type": "number", "jsonPath": ".status.progress.evalLoss", "priority": 1},
     {"name": "ROUGE-L", "type": "number", "jsonPath": ".status.evaluation.rougeL", "priority": 1},
+    {"name": "RewardAcc", "type": "number", "jsonPath": ".status.progress.rewardAccuracy", "priority": 1},
 ]
 
 

@@ -84,6 +84,15 @@ class Progress(ApiModel):
     """Model FLOPs utilisation (0-1)."""
     eta_seconds: int | None = None
     """Estimated seconds to the last step."""
+    reward_accuracy: float | None = None
+    """DPO (training.method dpo): the share of the last logged step's pairs whose chosen
+    completion's reward exceeds the rejected one's (0-1, TRL's rewards/accuracies)."""
+    reward_margin: float | None = None
+    """DPO: the last logged step's mean chosen minus rejected reward (TRL's rewards/margins)."""
+    eval_reward_accuracy: float | None = None
+    """DPO: reward accuracy over the held-out pairs at the last eval (eval_rewards/accuracies)."""
+    eval_reward_margin: float | None = None
+    """DPO: mean reward margin over the held-out pairs at the last eval (eval_rewards/margins)."""
     updated_at: str | None = None
     """When the trainer reported this (RFC 3339)."""
 
