@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from llamaft.api.status import read_status
 from llamaft.api.validation import validate_spec
 from llamaft.operator import daemon, failures, lifecycle
 from llamaft.operator.evidence import PodEvidence, selector_matches
@@ -152,8 +153,8 @@ def test_the_step_records_the_eviction_of_a_pod_already_gone(suspended: bool) ->
     daemon.wake_for_child(memo, "DELETED", evicted, evicted["metadata"])
     step = Step(memo, "default", "x", logger=None)
     spec = validate_spec(tiny_spec())
-    status = {"phase": "Running", "attempt": 1, "jobName": JOB, "backend": "PyTorchJob",
-              "attemptStartTime": "2026-12-03T10:00:00Z"}
+    status = read_status({"phase": "Running", "attempt": 1, "jobName": JOB, "backend": "PyTorchJob",
+                          "attemptStartTime": "2026-12-03T10:00:00Z"})
     obs = step._observe({"metadata": {"name": "x", "namespace": "default", "uid": owner.uid, "generation": 1}},
                         owner, spec, status, 1, 1)
     names = [p["metadata"]["name"] for p in obs.pods]

@@ -428,3 +428,26 @@ def test_the_spec_change_table(row: str, event: lifecycle.SpecChanged, want: dic
     if "attempt" in want:
         assert d.status["attempt"] == want["attempt"] and d.status["phase"] == "Restarting" and d.status["retryAfter"] is None
         assert "restarting from the latest checkpoint as attempt" in d.status["message"], row
+
+
+# ------------------------------------------------------------------------------ one look, one patch
+@pytest.mark.parametrize(("row", "state", "want"), ROWS, ids=[r[0] for r in ROWS])
+def test_a_decision_asks_observe_once_and_its_patch_is_its_typed_change(
+    row: str, state: dict[str, Any], want: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """lifecycle consults observe from one place (`_look`), at most once per decision, and the
+    status a decision writes is its typed change's merge patch, nothing added on the way."""
+    from llamaft.operator import observe
+
+    looks: list[object] = []
+    real = observe.observe
+
+    def counted(*args: Any, **kwargs: Any) -> observe.Observation:
+        looks.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(observe, "observe", counted)
+    d = decide(observed(**state))
+    assert len(looks) <= 1, row
+    assert d.status == d.change.merge_patch() and set(d.status) == {
+        str(observe.StatusChange.model_fields[name].alias) for name in d.change.model_fields_set}, row

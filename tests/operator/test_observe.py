@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from llamaft.api.contracts import read_progress
-from llamaft.api.status import read_status
+from llamaft.api.status import Phase, Progress, as_written, read_status
 from llamaft.operator import observe
 
 NOW = "2026-11-29T20:00:00Z"
@@ -35,6 +35,27 @@ def test_conditions_keep_transition_time_until_status_changes() -> None:
     assert flipped[0]["lastTransitionTime"] == "t3"
 
 
+def test_the_typed_and_the_stored_condition_updates_agree() -> None:
+    """with_condition (a typed status) and set_condition (a status as stored) follow one rule."""
+    stored = observe.set_condition([{"type": "Zeta", "status": "True", "custom": 1}], "Running", "True", "R", "m", 1, "t1")
+    typed = observe.with_condition([], "Running", "True", "R", "m", 1, "t1")
+    assert stored[0] == as_written(typed[0]) == {"type": "Running", "status": "True", "reason": "R", "message": "m",
+                                                  "lastTransitionTime": "t1", "observedGeneration": 1}
+    assert stored[1] == {"type": "Zeta", "status": "True", "custom": 1}, "an entry as stored stays as it was"
+    again = observe.with_condition(typed, "Running", "True", "R2", "m2", None, "t2")
+    assert as_written(again[0]) == {"type": "Running", "status": "True", "reason": "R2", "message": "m2", "lastTransitionTime": "t1"}
+
+
+def test_a_status_change_patches_what_it_assigns_and_removes_what_it_sets_to_none() -> None:
+    change = observe.StatusChange(phase=Phase.RESTARTING)
+    change.retry_after = None
+    change.progress = Progress(step=3)
+    change.take(observe.StatusChange(attempt=2, leader_pod=None))
+    assert change.merge_patch() == {"phase": "Restarting", "attempt": 2, "retryAfter": None, "leaderPod": None,
+                                    "progress": {"step": 3}}
+    assert observe.StatusChange().merge_patch() == {}
+
+
 def test_closed_rendezvous_is_found_in_job_conditions_or_termination_messages() -> None:
     """failures.classify finds it (observe.closed_rendezvous, which only this test called, is gone)."""
     from llamaft.operator import failures
@@ -60,7 +81,9 @@ def test_observe_status_progress_leader_and_events() -> None:
     s = obs.status
     assert s["phase"] == "Running" and s["workers"] == {"active": 2, "succeeded": 0, "failed": 0}
     assert s["progress"]["stepOfTotal"] == "10/100" and s["progress"]["loss"] == 1.5 and s["leaderPod"] == "ft-1-worker-0"
-    assert s["observedGeneration"] == 3 and s["startTime"] == NOW
+    assert s["startTime"] == NOW and s["conditions"][0]["observedGeneration"] == 3
+    assert "observedGeneration" not in s, "Step writes the reconciled generation, once, for every patch"
+    assert obs.phase == "Running" and obs.live is not None and obs.live.step == 10
     assert [(e.type, e.reason) for e in obs.events] == [("Normal", "Running")]
     same = observe.observe(job(("Running", "True", "PyTorchJobRunning")), [], None, read_status(s), generation=3, now=NOW)
     assert same.events == [] and same.status["progress"]["step"] == 10  # progress survives a missed poll

@@ -235,17 +235,17 @@ def test_a_sync_asks_a_bounded_number_of_pods_and_finds_the_leader_in_turn() -> 
     step.http = http  # type: ignore[assignment]
     spec = specs.cached_spec(step.memo, tiny_spec())
     assert not isinstance(spec, SpecInvalid)
-    status: dict[str, Any] = {}
+    leader: str | None = None
     found, syncs = None, 0
     while found is None and syncs < 20:
         syncs += 1
         before = http.asked
-        found = step._leader_progress(pods(32), spec, status)
+        found = step._leader_progress(pods(32), spec, leader)
         assert http.asked - before <= step_module.PROGRESS_REQUESTS_PER_SYNC
     assert found is not None and found.pod == "pod-10.0.0.13" and syncs <= 32 // step_module.PROGRESS_REQUESTS_PER_SYNC
-    status["leaderPod"] = found.pod
+    leader = found.pod
     before = http.asked
-    assert step._leader_progress(pods(32), spec, status) == found
+    assert step._leader_progress(pods(32), spec, leader) == found
     assert http.asked - before == 1, "the steady state: one request to the known leader"
 
 
@@ -255,7 +255,7 @@ def test_replica_zero_is_asked_first() -> None:
     step.http = http  # type: ignore[assignment]
     spec = specs.cached_spec(step.memo, tiny_spec())
     assert not isinstance(spec, SpecInvalid)
-    assert step._leader_progress(list(reversed(pods(8))), spec, {}) is not None and http.asked == 1
+    assert step._leader_progress(list(reversed(pods(8))), spec, None) is not None and http.asked == 1
 
 
 # ------------------------------------------------------------------------------ gauge, watch

@@ -1,10 +1,13 @@
 """(observed state) -> decision: the run lifecycle as one pure function.
 
 The kopf handlers gather what is true now (the LlamaFineTune's status, the current attempt's
-PyTorchJob and pods, the leader's live progress, GPU health, the clock) into `Observed`; `decide`
-returns what to do (`Decision`: jobs to delete, the attempt to start, the status to write, events,
-when to look again) and the handlers carry it out. Nothing here talks to the API or reads a clock,
-so every path is a row in a table test (tests/operator/test_lifecycle.py).
+PyTorchJob and pods, the leader's live progress, GPU health, the clock) into `Observed`, typed;
+`decide` asks `observe` once what the job, its pods and the leader's document say (`_look`: an
+`observe.Observation`), applies the rules below to it and returns what to do (`Decision`: jobs to
+delete, the attempt to start, the status fields to set as a typed `observe.StatusChange`, events,
+when to look again); the handlers carry it out and write `StatusChange.merge_patch()`. Nothing here
+talks to the API or reads a clock, so every path is a row in a table test
+(tests/operator/test_lifecycle.py).
 
 The rules, in order:
 1. A finished run (Succeeded, or Failed after it started) is final: nothing regresses its status
@@ -40,16 +43,16 @@ from llamaft.api.resource import MAX_ATTEMPTS
 from llamaft.api.spec import LlamaFineTuneSpec
 from llamaft.api.status import (
     TERMINAL_PHASES,
-    Condition,
     FailureRecord,
     LlamaFineTuneStatus,
+    PerformanceStatus,
     Phase,
-    as_written,
+    Progress,
     read_status,
 )
 from llamaft.operator import failures, observe
 from llamaft.operator.failures import Failure
-from llamaft.operator.observe import Event
+from llamaft.operator.observe import Event, Observation, StatusChange
 
 Obj = Mapping[str, Any]
 MAX_FAILURE_HISTORY = 20
@@ -95,8 +98,8 @@ class Observed:
 
 @dataclass
 class Decision:
-    status: dict[str, Any] = field(default_factory=dict)
-    """Merge patch for .status."""
+    change: StatusChange = field(default_factory=StatusChange)
+    """The status fields this decision sets (`status` is their merge patch)."""
     delete_jobs: list[str] = field(default_factory=list)
     start_attempt: int | None = None
     """Create this attempt's job (after resetting its rendezvous)."""
@@ -108,6 +111,11 @@ class Decision:
     reset_rendezvous: list[int] = field(default_factory=list)
     """Attempts whose rendezvous state to remove (Kueue suspended the job: when it admits it again
     the training operator recreates the pods, which must not meet a closed rendezvous)."""
+
+    @property
+    def status(self) -> dict[str, Any]:
+        """Merge patch for .status (StatusChange.merge_patch)."""
+        return self.change.merge_patch()
 
 
 def iso(t: datetime) -> str:
@@ -130,21 +138,15 @@ def backoff(retries_used: int, base_s: float) -> float:
     return float(min(base_s * 2 ** (retries_used - 1), MAX_BACKOFF_SECONDS))
 
 
-def _written(conditions: Sequence[Condition]) -> list[dict[str, Any]]:
-    return [as_written(c) for c in conditions]
+def _look(obs: Observed) -> Observation:
+    """What the job, its pods and the leader's document say (`observe.observe`): the one place
+    the lifecycle asks `observe`, once per decision, before any rule."""
+    return observe.observe(obs.job, obs.pods, obs.progress, obs.status, generation=obs.generation, now=iso(obs.now))
 
 
-def _conditions(status: LlamaFineTuneStatus, updates: Sequence[tuple[str, bool, str, str]], generation: int | None,
-                now: str) -> list[dict[str, Any]]:
-    conditions = _written(status.conditions)
-    for type_, ok, reason, message in updates:
-        conditions = observe.set_condition(conditions, type_, "True" if ok else "False", reason, message, generation, now)
-    return conditions
-
-
-def _last_step(obs: Observed) -> int | None:
-    if obs.progress is not None and obs.progress.step is not None:
-        return obs.progress.step
+def _last_step(obs: Observed, seen: Observation) -> int | None:
+    if seen.live is not None and seen.live.step is not None:
+        return seen.live.step
     return obs.status.progress.step
 
 
@@ -180,13 +182,16 @@ def _job_failed(job: Obj | None) -> bool:
                for c in (job or {}).get("status", {}).get("conditions", []) or [])
 
 
-def _progress_with_report(previous: Mapping[str, Any], report: SucceededReport | None, now: str) -> dict[str, Any]:
-    progress = dict(previous)
-    if report is not None:
-        progress.update(report.status_progress(now).to_k8s())
-    if progress.get("step") is not None and progress.get("totalSteps") is not None:
-        progress["stepOfTotal"] = f"{progress['step']}/{progress['totalSteps']}"
-    return progress
+def _overlay(base: Progress, top: Progress | None) -> Progress:
+    """`base` with every field `top` has (not None): a newer report over what status knew."""
+    return base if top is None else base.model_copy(update=top.model_dump(exclude_none=True))
+
+
+def _with_step_of_total(progress: Progress) -> Progress:
+    """stepOfTotal from the step and the total, when both are known."""
+    if progress.step is None or progress.total_steps is None:
+        return progress
+    return progress.model_copy(update={"step_of_total": f"{progress.step}/{progress.total_steps}"})
 
 
 def decide(obs: Observed) -> Decision:
@@ -203,8 +208,8 @@ def decide(obs: Observed) -> Decision:
             return will_not_fit(obs, obs.capacity_refusal)  # rule 7
     else:
         _record_attempt(obs, attempt, d)
-        d = _with_job(obs, attempt, d)
-    if d.status.get("phase") == Phase.QUEUED.value and phase is not Phase.QUEUED and st.attempt:
+        d = _with_job(obs, _look(obs), attempt, d)
+    if d.change.phase is Phase.QUEUED and phase is not Phase.QUEUED and st.attempt:
         d.reset_rendezvous = [st.attempt]  # rule 8
     return d
 
@@ -215,15 +220,16 @@ def _record_attempt(obs: Observed, attempt: int, d: Decision) -> None:
         # The job exists but the step that created it never wrote its status (the operator died in
         # between, e.g. a leader killed mid-step): record the attempt now, or a later spec change
         # would take the run for never started.
-        d.status.update(attempt=attempt, jobName=obs.job_name, attemptStartTime=st.attempt_start_time or iso(obs.now),
-                        retriesUsed=st.retries_used)
+        c = d.change
+        c.attempt, c.job_name = attempt, obs.job_name
+        c.attempt_start_time, c.retries_used = st.attempt_start_time or iso(obs.now), st.retries_used
 
 
 def _no_job(obs: Observed, attempt: int, d: Decision) -> Decision:
-    st, now = obs.status, iso(obs.now)
+    st, now, c = obs.status, iso(obs.now), d.change
     if obs.job_deleting:
-        d.status.update(phase=st.phase.value if "phase" in st.model_fields_set else Phase.CREATING.value,
-                        message=f"waiting for the earlier {obs.job_kind} {obs.job_name} to be deleted")
+        c.phase = st.phase if "phase" in st.model_fields_set else Phase.CREATING
+        c.message = f"waiting for the earlier {obs.job_kind} {obs.job_name} to be deleted"
         d.requeue_after = 1.0
         return d
     retry_at = parse_time(st.retry_after)
@@ -232,15 +238,13 @@ def _no_job(obs: Observed, attempt: int, d: Decision) -> Decision:
         return d
     d.start_attempt = attempt
     first = st.attempt == 0
-    d.status.update(
-        attempt=attempt, jobName=obs.job_name, retryAfter=None, attemptStartTime=now, lastProgressTime=None,
-        retriesUsed=st.retries_used,  # written, so `kubectl get` shows Restarts 0
-    )
+    c.attempt, c.job_name, c.retry_after, c.attempt_start_time, c.last_progress_time = attempt, obs.job_name, None, now, None
+    c.retries_used = st.retries_used  # written, so `kubectl get` shows Restarts 0
     if first or st.phase in (Phase.PENDING, Phase.CREATING):
-        d.status.update(phase=Phase.CREATING.value, message=f"creating {obs.job_kind} {obs.job_name}")
+        c.phase, c.message = Phase.CREATING, f"creating {obs.job_kind} {obs.job_name}"
     else:
-        d.status.update(phase=Phase.RESTARTING.value,
-                        message=f"resubmitted as attempt {attempt}: {obs.job_kind} {obs.job_name} resumes from the newest checkpoint")
+        c.phase = Phase.RESTARTING
+        c.message = f"resubmitted as attempt {attempt}: {obs.job_kind} {obs.job_name} resumes from the newest checkpoint"
     return d
 
 
@@ -263,109 +267,107 @@ def _stalled(obs: Observed, progress_step: int | None, last_progress: datetime |
                    pod=obs.status.leader_pod, step=progress_step)
 
 
-def _with_job(obs: Observed, attempt: int, d: Decision) -> Decision:
-    st, now, generation = obs.status, iso(obs.now), st_generation(obs)
+def _progress_clock(obs: Observed, seen: Observation, d: Decision) -> datetime | None:
+    """When the step last advanced, as the operator saw it: now, when the live step differs from
+    the one status knew (or no advance was seen yet)."""
+    last_progress = parse_time(obs.status.last_progress_time)
+    live_step = seen.live.step if seen.live is not None else None
+    if live_step is not None and (last_progress is None or live_step != obs.status.progress.step):
+        d.change.last_progress_time = iso(obs.now)
+        return obs.now
+    return last_progress
+
+
+def _with_job(obs: Observed, seen: Observation, attempt: int, d: Decision) -> Decision:
+    st, now = obs.status, iso(obs.now)
     report = _final_report(obs.pods)
     if report is not None or (_job_succeeded(obs.job) and _all_pods_ended(obs.pods)):
-        return _succeeded(obs, d, report)  # rule 4
+        return _succeeded(obs, seen, d, report)  # rule 4
     if _job_succeeded(obs.job):
         if obs.now - (_succeeded_since(obs.job) or obs.now) < timedelta(seconds=SUCCESS_REPORT_WAIT_SECONDS):
             d.requeue_after = 1.0
-            d.status["message"] = f"{obs.job_kind} {obs.job_name} succeeded: waiting for the leader's final report"
+            d.change.message = f"{obs.job_kind} {obs.job_name} succeeded: waiting for the leader's final report"
             return d
-        return _succeeded(obs, d, None)
-    queued = _queued(obs)
+        return _succeeded(obs, seen, d, None)
+    queued = _queued(obs, seen)
     # A suspended job is not failing: the user suspended it, or Kueue holds it (not admitted yet,
     # or preempted: Kueue suspends the job and its pods go).
     suspended = obs.spec.run_policy.suspend or queued
     failure = None
-    last_step = _last_step(obs)
-    progress_doc = obs.progress
-    # Progress clock: the operator's own observation of the step changing.
-    last_progress = parse_time(st.last_progress_time)
-    live_step = progress_doc.step if progress_doc is not None else None
-    known_step = st.progress.step
-    if live_step is not None and (last_progress is None or live_step != known_step):
-        last_progress = obs.now
-        d.status["lastProgressTime"] = now
+    last_step = _last_step(obs, seen)
+    last_progress = _progress_clock(obs, seen, d)
     if not suspended:
         failure = failures.classify(obs.job, obs.pods, last_step) or obs.gpu
-        job_phase, _, _ = observe.job_phase(obs.job)
-        if failure is None and job_phase is Phase.RUNNING:
+        if failure is None and seen.phase is Phase.RUNNING:
             failure = _stalled(obs, last_step, last_progress)
     if failure is not None:
-        return _failed_attempt(obs, attempt, d, failure)  # rule 5
-    o = observe.observe(obs.job, obs.pods, progress_doc, st, generation=generation, now=now)
-    d.status.update({k: v for k, v in o.status.items() if k != "observedGeneration"})
-    if o.status["phase"] == Phase.CREATING.value and st.phase is Phase.RESTARTING:
-        d.status["phase"] = Phase.RESTARTING.value  # the new attempt's job exists; its pods are not running yet
-        d.status["message"] = st.message
-    d.events += o.events
+        return _failed_attempt(obs, seen, attempt, d, failure)  # rule 5
+    c = d.change
+    c.take(seen.change)
+    if seen.phase is Phase.CREATING and st.phase is Phase.RESTARTING:
+        c.phase, c.message = Phase.RESTARTING, st.message  # the new attempt's job exists; its pods are not running yet
+    d.events += seen.events
     queue = obs.spec.scheduling.queue_name
     if queue:
-        d.status["queue"] = queue
-        d.status["conditions"] = _queued_condition(obs, queued, queue, d.status.get("conditions", _written(st.conditions)), now)
+        c.queue = queue
+        _queued_condition(obs, queued, queue, c, now)
     if queued:
         assert queue is not None
-        d.status.update(phase=Phase.QUEUED.value, message=f"waiting for Kueue to admit {obs.job_kind} {obs.job_name} "
-                        f"(LocalQueue {queue}); it stays suspended until then",
-                        attemptStartTime=now)  # the startup grace counts from admission, not from queueing
+        c.phase = Phase.QUEUED
+        c.message = (f"waiting for Kueue to admit {obs.job_kind} {obs.job_name} (LocalQueue {queue}); it stays suspended "
+                     "until then")
+        c.attempt_start_time = now  # the startup grace counts from admission, not from queueing
         d.events = [e for e in d.events if e.reason != "Suspended"]
         if st.phase is not Phase.QUEUED:
             d.events.append(Event("Normal", "Queued", f"{obs.job_kind} {obs.job_name} waits in Kueue LocalQueue {queue}"))
     return d
 
 
-def _queued(obs: Observed) -> bool:
+def _queued(obs: Observed, seen: Observation) -> bool:
     """Kueue holds the job: it has a queue, it is suspended, and not by the user."""
     if not obs.spec.scheduling.queue_name or obs.spec.run_policy.suspend:
         return False
-    return observe.job_phase(obs.job)[0] is Phase.SUSPENDED
+    return seen.phase is Phase.SUSPENDED
 
 
-def _queued_condition(obs: Observed, queued: bool, queue: str, conditions: Sequence[Mapping[str, Any]],
-                      now: str) -> list[dict[str, Any]]:
+def _queued_condition(obs: Observed, queued: bool, queue: str, c: StatusChange, now: str) -> None:
+    """Queued: True while Kueue holds the job, False once it admitted it (absent before)."""
+    conditions = c.conditions if c.conditions is not None else obs.status.conditions
     if queued:
-        return observe.set_condition([dict(c) for c in conditions], "Queued", "True", "WaitingForAdmission",
-                                     f"suspended by Kueue until LocalQueue {queue} admits it", obs.generation, now)
-    if any(c.get("type") == "Queued" for c in conditions):
-        return observe.set_condition([dict(c) for c in conditions], "Queued", "False", "Admitted",
-                                     f"admitted by Kueue from LocalQueue {queue}", obs.generation, now)
-    return [dict(c) for c in conditions]
+        c.set_conditions(conditions, [("Queued", True, "WaitingForAdmission",
+                                       f"suspended by Kueue until LocalQueue {queue} admits it")], obs.generation, now)
+    elif any(cond.type == "Queued" for cond in conditions):
+        c.set_conditions(conditions, [("Queued", False, "Admitted", f"admitted by Kueue from LocalQueue {queue}")],
+                         obs.generation, now)
+    else:
+        c.conditions = list(conditions)
 
 
-def st_generation(obs: Observed) -> int | None:
-    return obs.generation
-
-
-def _succeeded(obs: Observed, d: Decision, report: SucceededReport | None) -> Decision:
-    st, now = obs.status, iso(obs.now)
-    o = observe.observe(obs.job, obs.pods, obs.progress, st, generation=st_generation(obs),
-                        now=now)
-    progress = _progress_with_report(o.status.get("progress", {}), report, now)
-    message = f"{obs.job_kind} {obs.job_name} succeeded" + (f" at step {progress['step']}" if progress.get("step") is not None else "")
-    d.status.update({k: v for k, v in o.status.items() if k not in ("observedGeneration", "conditions", "phase", "message")})
-    d.status.update(
-        phase=Phase.SUCCEEDED.value, message=message, progress=progress,
-        completionTime=(obs.job or {}).get("status", {}).get("completionTime") or now,
-        conditions=_conditions(st, [("Running", False, "NotRunning", ""), ("Succeeded", True, "Succeeded", message),
-                                    ("Failed", False, "NotFailed", "")], st_generation(obs), now),
-    )
+def _succeeded(obs: Observed, seen: Observation, d: Decision, report: SucceededReport | None) -> Decision:
+    st, now, c = obs.status, iso(obs.now), d.change
+    progress = _with_step_of_total(_overlay(seen.change.progress or Progress(),
+                                            report.status_progress(now) if report is not None else None))
+    message = f"{obs.job_kind} {obs.job_name} succeeded" + (f" at step {progress.step}" if progress.step is not None else "")
+    c.take(seen.change)
+    c.phase, c.message, c.progress = Phase.SUCCEEDED, message, progress
+    c.completion_time = (obs.job or {}).get("status", {}).get("completionTime") or now
+    c.set_conditions(st.conditions, [("Running", False, "NotRunning", ""), ("Succeeded", True, "Succeeded", message),
+                                     ("Failed", False, "NotFailed", "")], obs.generation, now)
     if report is not None and report.export_path:
-        d.status["exportPath"] = report.export_path
+        c.export_path = report.export_path
     performance = performance_status(report)
     if performance is not None:
-        d.status["performance"] = performance
+        c.performance = performance
     d.events.append(Event("Normal", "Succeeded", message))
     return d
 
 
-def performance_status(report: SucceededReport | None) -> dict[str, Any] | None:
+def performance_status(report: SucceededReport | None) -> PerformanceStatus | None:
     """status.performance from the trainer's final report (None: it has none, or not a valid one:
     contracts.read_termination drops a `performance` that does not validate)."""
-    if report is None or report.performance is None:
+    if report is None or report.performance is None or not report.performance.to_k8s():
         return None
-    return report.performance.to_k8s() or None
+    return PerformanceStatus.model_validate(report.performance.to_k8s())
 
 
 def _repeated(history: Sequence[FailureRecord], failure: Failure, attempt: int, limit: int) -> bool:
@@ -380,45 +382,43 @@ def _repeated(history: Sequence[FailureRecord], failure: Failure, attempt: int, 
     return True
 
 
-def _failed_attempt(obs: Observed, attempt: int, d: Decision, failure: Failure) -> Decision:
-    st, now, policy = obs.status, iso(obs.now), obs.spec.run_policy
+def _record(failure: Failure, attempt: int, now: str) -> FailureRecord:
+    """status.failures' entry for this failure: the fields it knows."""
+    known = {"attempt": attempt, "reason": failure.reason, "retryable": failure.retryable, "message": failure.message,
+             "node": failure.node, "pod": failure.pod, "exit_code": failure.exit_code, "step": failure.step, "time": now}
+    return FailureRecord(**{k: v for k, v in known.items() if v is not None})
+
+
+def _verdict(obs: Observed, attempt: int, failure: Failure) -> tuple[str, str] | None:
+    """(why not, event reason) when this failure ends the run; None: it is retried."""
+    st, policy = obs.status, obs.spec.run_policy
+    if not failure.retryable:
+        return f"{failure.reason} is permanent", failure.reason
+    if _repeated(st.failures, failure, attempt, policy.repeated_failure_limit):
+        return f"{failure.reason} at step {failure.step} in {policy.repeated_failure_limit} consecutive attempts", "RepeatedFailure"
+    if st.retries_used >= policy.retry_budget:
+        return f"the retry budget ({policy.retry_budget}) is used up", "RetryBudgetExhausted"
+    if attempt >= MAX_ATTEMPTS:
+        return f"attempt {attempt} is the last one a LlamaFineTune may use", "TooManyAttempts"
+    return None
+
+
+def _failed_attempt(obs: Observed, seen: Observation, attempt: int, d: Decision, failure: Failure) -> Decision:
+    st, now, policy, c = obs.status, iso(obs.now), obs.spec.run_policy, d.change
     used, budget = st.retries_used, policy.retry_budget
-    history = st.failures
-    record: dict[str, Any] = {
-        "attempt": attempt, "reason": failure.reason, "retryable": failure.retryable, "message": failure.message,
-        "node": failure.node, "pod": failure.pod, "exitCode": failure.exit_code, "step": failure.step, "time": now,
-    }
-    d.status["failures"] = ([as_written(f) for f in history] + [{k: v for k, v in record.items() if v is not None}])[
-        -MAX_FAILURE_HISTORY:]
+    c.failures = [*st.failures, _record(failure, attempt, now)][-MAX_FAILURE_HISTORY:]
     excluded = list(st.excluded_nodes)
     if failure.node and failure.node not in excluded:
-        excluded = (excluded + [failure.node])[-MAX_EXCLUDED_NODES:]
-        d.status["excludedNodes"] = excluded
+        c.excluded_nodes = (excluded + [failure.node])[-MAX_EXCLUDED_NODES:]
         d.events.append(Event("Warning", "NodeExcluded", f"later attempts avoid node {failure.node}: {failure.reason}"))
-    progress = _progress_with_report(as_written(st.progress), None, now)
-    if obs.progress is not None:
-        progress = observe.progress_status(obs.progress, progress)
-    d.status["progress"] = progress
-    verdict: str | None = None
-    if not failure.retryable:
-        verdict = f"{failure.reason} is permanent"
-        event_reason = failure.reason
-    elif _repeated(history, failure, attempt, policy.repeated_failure_limit):
-        verdict = f"{failure.reason} at step {failure.step} in {policy.repeated_failure_limit} consecutive attempts"
-        event_reason = "RepeatedFailure"
-    elif used >= budget:
-        verdict = f"the retry budget ({budget}) is used up"
-        event_reason = "RetryBudgetExhausted"
-    elif attempt >= MAX_ATTEMPTS:
-        verdict = f"attempt {attempt} is the last one a LlamaFineTune may use"
-        event_reason = "TooManyAttempts"
+    c.progress = _overlay(_with_step_of_total(st.progress), seen.live)
+    verdict = _verdict(obs, attempt, failure)
     if verdict is not None:
-        message = f"attempt {attempt} failed ({failure.reason}): {failure.message}; not retrying: {verdict}"
-        d.status.update(
-            phase=Phase.FAILED.value, message=message[:2000], completionTime=now, retryAfter=None,
-            conditions=_conditions(st, [("Running", False, "NotRunning", ""), ("Failed", True, failure.reason, message[:2000])],
-                                   st_generation(obs), now),
-        )
+        why, event_reason = verdict
+        message = f"attempt {attempt} failed ({failure.reason}): {failure.message}; not retrying: {why}"
+        c.phase, c.message, c.completion_time, c.retry_after = Phase.FAILED, message[:2000], now, None
+        c.set_conditions(st.conditions, [("Running", False, "NotRunning", ""), ("Failed", True, failure.reason, message[:2000])],
+                         obs.generation, now)
         if not _job_failed(obs.job):
             # The training operator has not failed the job (a stall, an XID, one pod's evidence):
             # its pods may still hold GPUs, so the job goes. A Failed job stays for `kubectl logs`
@@ -430,21 +430,17 @@ def _failed_attempt(obs: Observed, attempt: int, d: Decision, failure: Failure) 
     nxt = attempt + 1
     d.retry = failure
     d.delete_jobs.append(obs.job_name)
-    d.status.update(
-        attempt=nxt, retriesUsed=used + 1, lastProgressTime=None, leaderPod=None,
-        phase=Phase.RESTARTING.value,
-        conditions=_conditions(st, [("Running", False, failure.reason, failure.message[:2000])], st_generation(obs), now),
-    )
+    c.attempt, c.retries_used, c.last_progress_time, c.leader_pod, c.phase = nxt, used + 1, None, None, Phase.RESTARTING
+    c.set_conditions(st.conditions, [("Running", False, failure.reason, failure.message[:2000])], obs.generation, now)
     when = "now" if delay == 0 else f"in {delay:.0f}s"
-    message = (f"attempt {attempt} failed ({failure.reason}): {failure.message[:600]}; restarting from the newest "
-               f"checkpoint as attempt {nxt} {when} ({used + 1}/{budget} retries)")
-    d.status["message"] = message
-    d.events.append(Event("Warning", failure.reason, message))
+    c.message = (f"attempt {attempt} failed ({failure.reason}): {failure.message[:600]}; restarting from the newest "
+                 f"checkpoint as attempt {nxt} {when} ({used + 1}/{budget} retries)")
+    d.events.append(Event("Warning", failure.reason, c.message))
     if delay == 0:
         d.start_attempt = nxt
-        d.status.update(retryAfter=None, attemptStartTime=now)
+        c.retry_after, c.attempt_start_time = None, now
     else:
-        d.status["retryAfter"] = iso(obs.now + timedelta(seconds=delay))
+        c.retry_after = iso(obs.now + timedelta(seconds=delay))
         d.requeue_after = delay
     return d
 
@@ -453,12 +449,10 @@ def refused(obs: Observed, reason: str, message: str) -> Decision:
     """The attempt cannot be created at all (the capacity planner refuses it, or the API server
     rejects a child as invalid): Failed with the reason, never an endless retry loop."""
     now = iso(obs.now)
-    d = Decision()
-    d.delete_jobs = list(obs.stale_jobs)
-    d.status.update(
-        phase=Phase.FAILED.value, message=message[:2000], completionTime=now, retryAfter=None,
-        conditions=_conditions(obs.status, [("Failed", True, reason, message[:2000])], obs.generation, now),
-    )
+    d = Decision(delete_jobs=list(obs.stale_jobs))
+    c = d.change
+    c.phase, c.message, c.completion_time, c.retry_after = Phase.FAILED, message[:2000], now, None
+    c.set_conditions(obs.status.conditions, [("Failed", True, reason, message[:2000])], obs.generation, now)
     if obs.status.phase is not Phase.FAILED:
         d.events.append(Event("Warning", reason, message[:1000]))
     return d
@@ -528,8 +522,8 @@ class SpecChanged:
 class SpecDecision:
     """What a spec change does; the update handler carries it out in this order."""
 
-    status: dict[str, Any] = field(default_factory=dict)
-    """Merge patch for .status (observedGeneration at least, unless `wake` hands over to the lifecycle)."""
+    change: StatusChange = field(default_factory=StatusChange)
+    """The status fields it sets (observedGeneration at least, unless `wake` hands over to the lifecycle)."""
     reset_rendezvous: list[int] = field(default_factory=list)
     """Attempts whose rendezvous state to remove first (resumed pods must not meet a closed one)."""
     suspend: bool | None = None
@@ -543,6 +537,11 @@ class SpecDecision:
     wake: bool = False
     """The lifecycle looks now (it starts a never-started run, applies changed children, creates
     the restarted attempt)."""
+
+    @property
+    def status(self) -> dict[str, Any]:
+        """Merge patch for .status (StatusChange.merge_patch)."""
+        return self.change.merge_patch()
 
 
 def decide_spec_change(change: SpecChanged) -> SpecDecision:
@@ -558,16 +557,14 @@ def decide_spec_change(change: SpecChanged) -> SpecDecision:
             d.wake = True
             return d
         attempt = 1  # started, but the step that created the job never wrote the status
-    observed = {"observedGeneration": change.generation}
+    d.change.observed_generation = change.generation
     if st.phase in TERMINAL_PHASES:
-        d.status = observed
         d.events.append(Event("Normal", "Finished", f"the run has {st.phase.value.lower()}: spec changes do not start it "
                               "again; create a new LlamaFineTune (or delete and re-apply this one)"))
         return d
     job_name = d.job_name = change.job_name
     changed, spec, kind = change.changed, change.spec, change.job_kind
     if not changed:
-        d.status = observed
         return d
     if all(in_place(path) for path in changed) and (("cluster", "workers") not in changed or change.scalable):
         if ("runPolicy", "suspend") in changed:
@@ -582,12 +579,12 @@ def decide_spec_change(change: SpecChanged) -> SpecDecision:
             d.events.append(Event("Normal", "Scaled", f"elastic workers -> {spec.cluster.workers}"))
         if any(path[:2] == ("monitoring", "dcgm") for path in changed):
             d.events.append(Event("Normal", "MonitoringChanged", "monitoring applied in place; training continues"))
-        d.status, d.wake = observed, True
+        d.wake = True
         return d
     fields = ", ".join(".".join(c) for c in sorted(changed))
     message = f"{fields} changed: restarting from the latest checkpoint as attempt {attempt + 1}"
-    d.status = {"attempt": attempt + 1, "phase": Phase.RESTARTING.value, "retryAfter": None, "lastProgressTime": None,
-                "message": message, **observed}
+    c = d.change
+    c.attempt, c.phase, c.retry_after, c.last_progress_time, c.message = attempt + 1, Phase.RESTARTING, None, None, message
     d.delete_job, d.wake = job_name, True
     d.events.append(Event("Normal", "SpecChanged", message))
     return d

@@ -23,7 +23,7 @@ from typing import Any
 
 import kopf
 
-from llamaft.api.status import TERMINAL_PHASES, Phase
+from llamaft.api.status import TERMINAL_PHASES, LlamaFineTuneStatus, Phase
 from llamaft.operator.evidence import PodEvidence
 from llamaft.operator.http import HttpClient
 from llamaft.operator.kube import Kube
@@ -216,6 +216,6 @@ def record_phase(memo: Mapping[str, Any], namespace: str, name: str, phase: str 
         FINETUNES.labels(phase).inc()
 
 
-def condition_is(status: Mapping[str, Any], type_: str, value: str, generation: int | None) -> bool:
-    return any(c.get("type") == type_ and c.get("status") == value and c.get("observedGeneration") == generation
-               for c in status.get("conditions", []) or [])
+def condition_is(status: LlamaFineTuneStatus, type_: str, value: str, generation: int | None) -> bool:
+    """The status has this condition at this value, computed from this generation."""
+    return any(c.type == type_ and c.status == value and c.observed_generation == generation for c in status.conditions)

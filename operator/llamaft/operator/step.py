@@ -14,13 +14,14 @@ from kubernetes.client.exceptions import ApiException
 
 from llamaft.api.contracts import ProgressDocument, read_progress
 from llamaft.api.spec import Backend, LlamaFineTuneSpec, PreflightMode
-from llamaft.api.status import Phase, read_status
+from llamaft.api.status import TERMINAL_PHASES, Condition, LlamaFineTuneStatus, Phase, read_status
 from llamaft.api.validation import SpecInvalid, validate_spec
 from llamaft.operator import failures, gpu_health, lifecycle, observe, rendezvous
 from llamaft.operator.children import ChildReconciler, adopted
 from llamaft.operator.http import HttpClient, HttpError
 from llamaft.operator.kube import owned_by
 from llamaft.operator.metrics import RETRIES
+from llamaft.operator.observe import StatusChange
 from llamaft.operator.specs import invalid_message, validated
 from llamaft.operator.state import (
     TERMINAL,
@@ -77,29 +78,26 @@ class Step(ChildReconciler):
             return self._run(obj)
 
     def _run(self, obj: Obj) -> float | None:
-        meta, status = obj["metadata"], dict(obj.get("status") or {})
+        meta = obj["metadata"]
+        status = read_status(obj.get("status"))  # the one read of the stored status; a step works on this copy
         generation = meta.get("generation")
         owner = Owner(self.name, self.namespace, meta.get("uid", ""))
-        attempt = int(status.get("attempt") or 0)
-        if status.get("phase") in TERMINAL and attempt > 0:
+        attempt = status.attempt
+        if status.phase in TERMINAL_PHASES and attempt > 0:
             return None  # finished runs are final and not polled
-        backend = status.get("backend") or self._resolve_backend(obj, status, generation)
+        backend = status.backend or self._resolve_backend(obj, status, generation)
         if backend is None:
             return 30.0
-        self.job_kind = status["backend"] = str(backend)
+        self.job_kind = str(backend)
         self.backend = backend_for(self.job_kind)
         parsed = validated(self.memo, obj, backend=self.job_kind)
         if isinstance(parsed, SpecInvalid):
             self._invalid(obj, status, parsed, generation)
             return None
-        patch: Obj = {}
         if not condition_is(status, "Valid", "True", generation):
-            status["conditions"] = observe.set_condition(
-                list(status.get("conditions", [])), "Valid", "True", "SpecValid", "the spec passed schema and CEL validation",
-                generation, lifecycle.iso(now()))
+            _set_condition(status, "Valid", "True", "SpecValid", "the spec passed schema and CEL validation", generation)
         capacity = self._capacity(obj, parsed, status, generation)
-        status["conditions"] = observe.set_condition(
-            list(status.get("conditions", [])), "SharedCache", *desired.cache_condition(parsed), generation, lifecycle.iso(now()))
+        _set_condition(status, "SharedCache", *desired.cache_condition(parsed), generation)
         try:
             obs = self._observe(obj, owner, parsed, status, max(attempt, 1), generation,
                                 capacity.message if capacity is not None and capacity.refuse else None)
@@ -114,23 +112,16 @@ class Step(ChildReconciler):
         for job_name in decision.delete_jobs:
             if self.kube.delete_job(self.namespace, job_name, self.job_kind):
                 self.logger.info(f"deleted {self.job_kind} {job_name}")
-        patch.update(decision.status)
-        if patch.get("attempt") and not status.get("rendezvousId") and decision.start_attempt is None:
-            # An attempt recorded after the fact (lifecycle.decide): the rest of what _start_attempt writes.
-            patch.update(rendezvousId=owner.rendezvous_id(int(patch["attempt"])),
-                         totalGpus=parsed.cluster.workers * parsed.cluster.gpus_per_worker)
-        if obs.job is not None and decision.start_attempt is None and patch.get("phase", status.get("phase")) not in TERMINAL:
+        patch = self._patch(decision, status, owner, parsed)
+        if obs.job is not None and decision.start_attempt is None and _phase_after(patch, status) not in TERMINAL:
             self._suspend_as_specified(obj, owner, parsed, obs.job, max(attempt, int(patch.get("attempt") or 0)))
         if decision.reset_rendezvous:
             try:
                 self._reset(obj, owner, parsed, decision.reset_rendezvous)
             except rendezvous.RendezvousResetError as exc:
                 self.logger.warning(f"rendezvous reset while queued failed: {exc}")
-        # Conditions this step set before deciding (Valid, GPUHealthy) live in `status`.
-        patch.setdefault("conditions", status.get("conditions", []))
-        patch["backend"] = self.job_kind
         requeue = decision.requeue_after
-        if decision.start_attempt is None and attempt > 0 and patch.get("phase", status.get("phase")) not in TERMINAL:
+        if decision.start_attempt is None and attempt > 0 and _phase_after(patch, status) not in TERMINAL:
             requeue = min(filter(None, (requeue, self._reconcile_children(obj, owner, parsed, patch))), default=None)
         if decision.start_attempt is not None:
             try:
@@ -151,10 +142,24 @@ class Step(ChildReconciler):
             self.kube.patch_finetune_status(self.namespace, self.name, changes)
         for event in decision.events:
             self.event(obj, event.type, event.reason, event.message)
-        if patch.get("phase", status.get("phase")) in TERMINAL:
+        if _phase_after(patch, status) in TERMINAL:
             return None
         interval = self.settings.sync_interval_s
         return min(requeue, interval) if requeue is not None else interval
+
+    def _patch(self, decision: lifecycle.Decision, status: LlamaFineTuneStatus, owner: Owner,
+               spec: LlamaFineTuneSpec) -> Obj:
+        """The decision's status change, with what this step adds, as the merge patch the acting
+        below completes (children's conditions, the created attempt) and writes."""
+        change = decision.change
+        if change.attempt and not status.rendezvous_id and decision.start_attempt is None:
+            # An attempt recorded after the fact (lifecycle.decide): the rest of what _start_attempt writes.
+            change.rendezvous_id = owner.rendezvous_id(change.attempt)
+            change.total_gpus = spec.cluster.workers * spec.cluster.gpus_per_worker
+        if change.conditions is None:
+            change.conditions = status.conditions  # those this step set before deciding (Valid, GPUHealthy, ...)
+        change.backend = self.job_kind
+        return change.merge_patch()
 
     def _suspend_as_specified(self, obj: Obj, owner: Owner, spec: LlamaFineTuneSpec, job: Mapping[str, Any],
                               attempt: int) -> None:
@@ -172,7 +177,7 @@ class Step(ChildReconciler):
         self.event(obj, "Normal", "Suspended" if wanted else "Resumed",
                    f"{self.job_kind} {name} {'suspended' if wanted else 'resumed'} (as spec.runPolicy.suspend says)")
 
-    def _resolve_backend(self, obj: Obj, status: Obj, generation: int | None) -> str | None:
+    def _resolve_backend(self, obj: Obj, status: LlamaFineTuneStatus, generation: int | None) -> str | None:
         """spec.backend, with `auto` resolved to the job kind the cluster serves: TrainJob (Kubeflow
         Trainer v2, the maintained line) when it is served and the spec is one a TrainJob can carry
         out (trainjob.unsupported is empty), else PyTorchJob (the legacy training operator v1.9)
@@ -193,12 +198,14 @@ class Step(ChildReconciler):
                       f"{BACKENDS['TrainJob'].install_hint}; the run starts once one of them is there")
         return None
 
-    def _missing(self, obj: Obj, status: Obj, generation: int | None, message: str) -> None:
-        if status.get("message") != message:
-            self.kube.patch_finetune_status(self.namespace, self.name, {"message": message, "observedGeneration": generation})
+    def _missing(self, obj: Obj, status: LlamaFineTuneStatus, generation: int | None, message: str) -> None:
+        if status.message != message:
+            change = StatusChange(message=message, observed_generation=generation)
+            self.kube.patch_finetune_status(self.namespace, self.name, change.merge_patch())
             self.event(obj, "Warning", "TrainingOperatorMissing", message)
 
-    def _capacity(self, obj: Obj, spec: LlamaFineTuneSpec, status: Obj, generation: int | None) -> Admission | None:
+    def _capacity(self, obj: Obj, spec: LlamaFineTuneSpec, status: LlamaFineTuneStatus,
+                  generation: int | None) -> Admission | None:
         """The capacity planner's verdict (once per generation): the CapacityFits condition, a
         Warning event when it will not fit, and, with spec.preflight Enforce, no job at all."""
         if spec.preflight is PreflightMode.OFF:
@@ -212,34 +219,31 @@ class Step(ChildReconciler):
         # The condition goes into every status written (a step that failed before writing must
         # not lose it); the event only when the verdict is new.
         value = {True: "True", False: "False", None: "Unknown"}[verdict.fits]
-        before = next((c for c in status.get("conditions", []) if c.get("type") == "CapacityFits"), None)
-        status["conditions"] = observe.set_condition(list(status.get("conditions", [])), "CapacityFits", value, verdict.reason,
-                                                     verdict.message[:2000], generation, lifecycle.iso(now()))
-        if verdict.fits is False and (before is None or before.get("message") != verdict.message[:2000]):
+        before = _condition(status, "CapacityFits")
+        _set_condition(status, "CapacityFits", value, verdict.reason, verdict.message[:2000], generation)
+        if verdict.fits is False and (before is None or before.message != verdict.message[:2000]):
             self.event(obj, "Warning", verdict.reason, verdict.message[:1000])
         return verdict
 
-    def _invalid(self, obj: Obj, status: Obj, exc: SpecInvalid, generation: int | None) -> None:
+    def _invalid(self, obj: Obj, status: LlamaFineTuneStatus, exc: SpecInvalid, generation: int | None) -> None:
         if condition_is(status, "Valid", "False", generation):
             return  # already reported for this generation
-        message = invalid_message(exc)
-        conditions = observe.set_condition(list(status.get("conditions", [])), "Valid", "False", "InvalidSpec", message,
-                                           generation, lifecycle.iso(now()))
-        patch: Obj = {"conditions": conditions, "observedGeneration": generation}
-        if int(status.get("attempt") or 0) == 0:
+        _set_condition(status, "Valid", "False", "InvalidSpec", invalid_message(exc), generation)
+        change = StatusChange(conditions=status.conditions, observed_generation=generation)
+        if status.attempt == 0:
             # Never started: nothing runs, so the run is Failed until a valid spec arrives.
-            patch.update(phase=Phase.FAILED.value, message="invalid spec: see the Valid condition and events")
-        self.kube.patch_finetune_status(self.namespace, self.name, patch)
+            change.phase, change.message = Phase.FAILED, "invalid spec: see the Valid condition and events"
+        self.kube.patch_finetune_status(self.namespace, self.name, change.merge_patch())
         for error in exc.errors:
             self.event(obj, "Warning", "InvalidSpec", str(error))
 
-    def _observe(self, obj: Obj, owner: Owner, spec: LlamaFineTuneSpec, status: Obj, attempt: int,
+    def _observe(self, obj: Obj, owner: Owner, spec: LlamaFineTuneSpec, status: LlamaFineTuneStatus, attempt: int,
                  generation: int | None, capacity_refusal: str | None = None) -> lifecycle.Observed:
         job_name = owner.job_name(attempt)
         kind = self.job_kind
         jobs = self.kube.list_jobs(self.namespace, f"{LABEL_FINETUNE}={self.name}", kind)
         current = next((j for j in jobs if j["metadata"]["name"] == job_name), None)
-        if current is None and status.get("jobName") == job_name:
+        if current is None and status.job_name == job_name:
             # Recorded as created but not among the labelled ones (its labels edited away): by
             # name. A job not recorded yet is found by the list (a predecessor's carries our label
             # too, under its own name), so creating an attempt costs no extra GET.
@@ -258,21 +262,20 @@ class Step(ChildReconciler):
                 pods = operator_state(self.memo).evidence.recall((self.namespace, self.name), selector, job, listed)
             job = dict(backend.view(job, listed))
         job_phase, _, _ = observe.job_phase(job)
-        progress = self._leader_progress(listed, spec, status) if job_phase in (Phase.RUNNING, Phase.RESTARTING) else None
+        progress = self._leader_progress(listed, spec, status.leader_pod) if job_phase in (Phase.RUNNING, Phase.RESTARTING) else None
         gpu = self._gpu(obj, owner, job_name, status, job_phase is Phase.RUNNING, progress)
         return lifecycle.Observed(
-            spec=spec, status=read_status(status), now=now(), job_name=job_name, job=job, job_kind=kind, job_deleting=deleting,
+            spec=spec, status=status, now=now(), job_name=job_name, job=job, job_kind=kind, job_deleting=deleting,
             stale_jobs=stale, pods=pods, progress=progress, gpu=gpu, retry_backoff_s=self.settings.retry_backoff_s,
             generation=generation, capacity_refusal=capacity_refusal,
         )
 
-    def _leader_progress(self, pods: list[Obj], spec: LlamaFineTuneSpec, status: Obj) -> ProgressDocument | None:
+    def _leader_progress(self, pods: list[Obj], spec: LlamaFineTuneSpec, leader: str | None) -> ProgressDocument | None:
         """The leader's /progress in at most PROGRESS_REQUESTS_PER_SYNC requests, whatever the
-        number of pods: the pod known to run global rank 0 (status.leaderPod) is asked; while it is
+        number of pods: the pod known to run global rank 0 (`leader`, status.leaderPod) is asked; while it is
         not known (or no longer says rank 0) the other running pods are asked in turn, replica 0
         first, each sync going on from where the last one stopped. One request per sync in the
         steady state; the leader of an N-pod job is found within N/2 syncs at worst."""
-        leader = status.get("leaderPod")
         running = [p for p in pods if p.get("status", {}).get("phase") == "Running" and p.get("status", {}).get("podIP")]
         known = [p for p in running if p["metadata"]["name"] == leader]
         others = sorted((p for p in running if p["metadata"]["name"] != leader), key=_replica_order)
@@ -296,7 +299,7 @@ class Step(ChildReconciler):
         finally:
             self.own.progress_cursor = cursor
 
-    def _gpu(self, obj: Obj, owner: Owner, job_name: str, status: Obj, running: bool,
+    def _gpu(self, obj: Obj, owner: Owner, job_name: str, status: LlamaFineTuneStatus, running: bool,
              progress: ProgressDocument | None) -> failures.Failure | None:
         """GPUHealthy from Prometheus (when configured); a hardware XID on one of the current
         attempt's GPUs is a failure of the attempt."""
@@ -309,17 +312,16 @@ class Step(ChildReconciler):
                                        running)
         except RuntimeError as exc:  # HttpError, or Prometheus refused the query
             health = gpu_health.Health(True, "MetricsUnavailable", f"cannot query {url}: {exc}")
-        before = next((c for c in status.get("conditions", []) if c.get("type") == "GPUHealthy"), None)
-        status["conditions"] = observe.set_condition(
-            list(status.get("conditions", [])), "GPUHealthy", "True" if health.healthy else "False", health.reason,
-            health.message, obj["metadata"].get("generation"), lifecycle.iso(now()))
-        if not health.healthy and (before is None or before.get("status") != "False" or before.get("reason") != health.reason):
+        before = _condition(status, "GPUHealthy")
+        _set_condition(status, "GPUHealthy", "True" if health.healthy else "False", health.reason, health.message,
+                       obj["metadata"].get("generation"))
+        if not health.healthy and (before is None or before.status != "False" or before.reason != health.reason):
             self.event(obj, "Warning", health.reason, health.message)
         return failures.gpu_failure(None if health.healthy else health.reason, health.message, health.nodes,
                                     progress.step if progress is not None else None)
 
     # ---------------------------------------------------------------------- starting an attempt
-    def _start_attempt(self, obj: Obj, owner: Owner, spec: LlamaFineTuneSpec, attempt: int, status: Obj,
+    def _start_attempt(self, obj: Obj, owner: Owner, spec: LlamaFineTuneSpec, attempt: int, status: LlamaFineTuneStatus,
                        patch: Obj) -> float | None:
         """Ensure the attempt's children exist and its rendezvous is clean, then create its job.
         Returns a requeue delay when something it needs is not ready yet."""
@@ -338,7 +340,7 @@ class Step(ChildReconciler):
         except rendezvous.RendezvousResetError as exc:
             self._condition(obj, patch, "RendezvousReady", False, "RendezvousResetFailed", str(exc))
             return 5.0
-        excluded = patch.get("excludedNodes", status.get("excludedNodes")) or []
+        excluded = patch.get("excludedNodes", status.excluded_nodes) or []
         rendered = self.backend.render(owner, spec, attempt, excluded)
         job = adopted(rendered, obj)
         created = k.create_job(ns, job)
@@ -356,6 +358,23 @@ class Step(ChildReconciler):
     def _reset(self, obj: Obj, owner: Owner, spec: LlamaFineTuneSpec, attempts: list[int]) -> None:
         rendezvous.reset_attempts(self.settings, self.http, owner, spec, attempts,
                          lambda reason, message: self.event(obj, "Normal", reason, message))
+
+def _condition(status: LlamaFineTuneStatus, type_: str) -> Condition | None:
+    return next((c for c in status.conditions if c.type == type_), None)
+
+
+def _set_condition(status: LlamaFineTuneStatus, type_: str, value: str, reason: str, message: str,
+                   generation: int | None) -> None:
+    """A condition this step decides itself (before the lifecycle decides), on its copy of the
+    status: the lifecycle builds on it, and the patch carries it."""
+    status.conditions = observe.with_condition(status.conditions, type_, value, reason, message, generation,
+                                               lifecycle.iso(now()))
+
+
+def _phase_after(patch: Obj, status: LlamaFineTuneStatus) -> str:
+    """The phase once the patch is written."""
+    return str(patch.get("phase", status.phase.value))
+
 
 def api_message(exc: ApiException) -> str:
     """The API server's own message (e.g. the field a 422 names), not the client's dump."""
