@@ -20,8 +20,8 @@ from llamaft.operator import failures, gpu_health, lifecycle, observe, rendezvou
 from llamaft.operator.children import ChildReconciler, adopted
 from llamaft.operator.http import HttpClient, HttpError
 from llamaft.operator.kube import owned_by
-from llamaft.operator.metrics import RETRIES
 from llamaft.operator.observe import StatusChange
+from llamaft.operator.operator_metrics import RETRIES
 from llamaft.operator.specs import invalid_message, validated
 from llamaft.operator.state import (
     TERMINAL,
