@@ -39,7 +39,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from llamaft.api.spec import DpoLoss, DpoReference, DpoSpec, TrainingJobConfig, TrainingMethod
+from llamaft.api.spec import (
+    DpoLoss,
+    DpoSpec,
+    TrainingJobConfig,
+    TrainingMethod,
+    dpo_unsupported,
+)
 from torch import nn
 
 from llamaft_trainer.dpo import METRIC_NAMES, DpoMetrics, dpo_losses, sequence_logps, split_pairs
@@ -64,16 +70,11 @@ def uses_lora(cfg: TrainingJobConfig) -> bool:
 
 
 def check(cfg: TrainingJobConfig) -> None:
-    """What this trainer cannot do yet, refused on every rank before any collective."""
-    spec = cfg.training.dpo or DpoSpec()
-    if not uses_lora(cfg) and spec.reference is DpoReference.LIVE:
-        raise ConfigError(
-            "spec.training.dpo.reference: live (a frozen sharded copy of the initial model) is not supported by this "
-            "trainer yet; use reference: precomputed (one pass of the initial model before training, stored with the "
-            "token store), or LoRA, whose reference is the base model with the adapters disabled"
-        )
-    if cfg.dataset.streaming:
-        raise ConfigError("spec.dataset.streaming: training.method dpo reads its pairs from the token store; set streaming: false")
+    """What this trainer cannot do yet, refused on every rank before any collective (the words are
+    llamaft.api.spec.dpo_unsupported's, which the planner's capacity verdict gives too)."""
+    problem = dpo_unsupported(cfg.training, cfg.dataset)
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 @contextlib.contextmanager

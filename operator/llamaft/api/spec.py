@@ -406,6 +406,30 @@ class TrainingSpec(ApiModel):
     """Preference-tuning settings for method dpo (omitted: the defaults, beta 0.1, loss sigmoid)."""
 
 
+DPO_LIVE_REFERENCE_UNSUPPORTED = (
+    "spec.training.dpo.reference: live (a frozen sharded copy of the initial model) is not supported by this "
+    "trainer yet; use reference: precomputed (one pass of the initial model before training, stored with the "
+    "token store), or LoRA, whose reference is the base model with the adapters disabled"
+)
+DPO_STREAMING_UNSUPPORTED = (
+    "spec.dataset.streaming: training.method dpo reads its pairs from the token store; set streaming: false"
+)
+
+
+def dpo_unsupported(training: TrainingSpec, dataset: DatasetSpec) -> str | None:
+    """What the trainer cannot do yet for training.method dpo, in the words of its ConfigError
+    (llamaft_trainer.dpo_step.check raises it; the planner's capacity verdict refuses the spec with
+    it), or None. Valid under the API, so not an admission rule of its own."""
+    if training.method is not TrainingMethod.DPO:
+        return None
+    lora = training.lora is not None and training.lora.enabled
+    if not lora and (training.dpo or DpoSpec()).reference is DpoReference.LIVE:
+        return DPO_LIVE_REFERENCE_UNSUPPORTED
+    if dataset.streaming:
+        return DPO_STREAMING_UNSUPPORTED
+    return None
+
+
 # ---------------------------------------------------------------------------------------- fsdp
 class ShardingStrategy(ApiEnum):
     FULL_SHARD = "FULL_SHARD"

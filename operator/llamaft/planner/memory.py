@@ -40,6 +40,15 @@ What it follows (FSDP2, `fully_shard` per decoder layer plus the root, as parall
     each slice, and nothing vocabulary-wide is kept between them.
   * selective-op checkpointing: each layer keeps its input, the odd-numbered matmul outputs and
     the attention kernel's outputs (`op_sac_saved_bytes`); backward recomputes the rest.
+  * DPO (training.method dpo, dpo_step.py): perDeviceBatchSize counts pairs, and a micro-batch's
+    chosen and rejected sequences go through the policy in ONE forward, so activations and logits
+    are those of 2 x pairs sequences (`Setup.batch` counts sequences). The LM head runs over every
+    position (lossChunks does not slice it); log-softmax runs in fp32 on `lossChunks` slices, each
+    slice's output saved for backward (all of them by the end of forward: the whole fp32
+    log-softmax); the bf16 logits are freed once the log-probabilities are summed; backward
+    builds the logits' gradient slice by slice (a full-size gradient per slice, summed). The
+    reference costs no GPU memory at the peak: precomputed, it is read from disk; under LoRA it is
+    a no-grad forward (adapters off) before the policy's, with nothing saved.
   * optimizer step: AdamW's foreach implementation (the trainer asks for it on every device)
     allocates one temporary the size of the trainable shard (sqrt of exp_avg_sq).
   * CPU offload: parameters, gradients and optimizer state live in host memory (and the step runs
@@ -68,6 +77,7 @@ from llamaft.api.spec import (
     MixedPrecision,
     ShardingStrategy,
     TrainingJobConfig,
+    TrainingMethod,
     WrapPolicyType,
 )
 from llamaft.planner.shapes import LORA_MODULES, ModelShape
@@ -126,6 +136,9 @@ class Setup:
     in float8 (1 byte per element instead of the compute dtype's)."""
     loss_chunks: int = 1
     """training.lossChunks: the LM head and cross-entropy over this many slices of the sequence."""
+    dpo: bool = False
+    """training.method dpo: `batch` is 2 x perDeviceBatchSize sequences (a pair's chosen and
+    rejected in one forward) and the logits follow dpo.sequence_logps (module docstring)."""
     sync_between_micro_steps: bool = False
     """False: as train.py does today, gradient sync is off on all but the last micro-step, so FSDP2
     keeps unsharded gradients between micro-steps. True: a trainer that reduce-scatters every
@@ -151,18 +164,19 @@ def setup_from_spec(spec: LlamaFineTuneSpec | TrainingJobConfig, *, world_size: 
         raise ValueError("world_size and shard_size are needed for a TrainingJobConfig")
     lora = spec.training.lora if spec.training.lora is not None and spec.training.lora.enabled else None
     fsdp = spec.fsdp
+    dpo = spec.training.method is TrainingMethod.DPO
     return Setup(
         strategy=fsdp.sharding_strategy,
         world_size=world_size,
         shard_size=shard_size,
         precision=fsdp.mixed_precision,
-        batch=spec.training.per_device_batch_size,
+        batch=spec.training.per_device_batch_size * (2 if dpo else 1),
         seq=spec.dataset.max_seq_length,
         accumulation=spec.training.gradient_accumulation_steps,
         ac_mode=fsdp.activation_checkpointing.mode,
         ac_every=fsdp.activation_checkpointing.every_n_layers,
         attention=spec.model.attn_implementation,
-        packing=spec.dataset.packing,
+        packing=spec.dataset.packing and not dpo,
         lora_rank=lora.r if lora else None,
         lora_targets=tuple(lora.target_modules) if lora else (),
         lora_dropout=lora.dropout if lora else 0.0,
@@ -174,6 +188,7 @@ def setup_from_spec(spec: LlamaFineTuneSpec | TrainingJobConfig, *, world_size: 
         float8_all_gather=fsdp.float8.enabled and fsdp.float8.recipe is Float8Recipe.TENSORWISE
         and fsdp.float8.all_gather and fsdp.implementation is FsdpImplementation.FSDP2,
         loss_chunks=spec.training.loss_chunks,
+        dpo=dpo,
         sync_between_micro_steps=TRAINER_SYNCS_EVERY_MICRO_STEP,
     )
 
@@ -570,6 +585,11 @@ def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
     logit_tokens = setup.batch * -(-setup.seq // setup.loss_chunks) if chunked else tokens
     logits_c = c * vocab * logit_tokens
     logits_f = 4.0 * vocab * logit_tokens
+    # DPO: the LM head over every position; lossChunks slices only log-softmax (`part`, the largest)
+    full_c, full_f = c * vocab * tokens, 4.0 * vocab * tokens
+    part = 4.0 * vocab * setup.batch * -(-setup.seq // setup.loss_chunks)
+    if setup.dpo:
+        logits_c = full_c  # the logits' gradient, released after the LM head's backward as for SFT
     lm_head_trainable = not setup.lora
     embed_grad = c * shape.embedding_parameters if lm_head_trainable else 0.0
     head_grad = 0.0 if shape.tie_word_embeddings else embed_grad
@@ -624,21 +644,33 @@ def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
         tl.add("logits", logits_c, "forward:lm_head")
         if reshard:
             tl.sub("gathered_parameters", root_gathered)
-        if c != 4:
-            tl.add("logits", logits_f)
-        tl.add("logits", logits_f, "loss:cross-entropy forward")
-        # token_loss_sum returns: the bf16 logits and the fp32 copy are released
-        tl.sub("logits", logits_c + (logits_f if c != 4 else 0.0))
-        if chunked:
-            # a checkpointed slice keeps no log-softmax; backward recomputes one slice at a time
-            tl.sub("logits", logits_f)
-            tl.add("logits", logits_c + (logits_f if c != 4 else 0.0) + logits_f, "loss:slice recompute")
+        if setup.dpo:  # dpo.sequence_logps under autograd (module docstring)
+            copy = part if c != 4 else 0.0  # .float() of a bf16 slice; a view in fp32
+            tl.add("logits", full_f - part)  # the earlier slices' saved log-softmax outputs
+            tl.add("logits", copy + part, "loss:DPO log-softmax forward")
+            tl.sub("logits", copy + full_c)  # log-probabilities summed: the logits are no longer referenced
+            # backward, a slice at a time: the gathered gradient and log-softmax's (fp32), cast to the
+            # compute dtype, padded to the logits' full size and summed into the logits' gradient
+            slice_grad = full_c if chunked else 0.0
+            tl.add("logits", full_c + 2 * part + c * part / 4 + slice_grad, "loss:DPO log-softmax backward")
+            tl.sub("logits", 2 * part + c * part / 4 + slice_grad + full_f)
+            tl.mark("loss:logits gradient")
+        else:
+            if c != 4:
+                tl.add("logits", logits_f)
+            tl.add("logits", logits_f, "loss:cross-entropy forward")
+            # token_loss_sum returns: the bf16 logits and the fp32 copy are released
             tl.sub("logits", logits_c + (logits_f if c != 4 else 0.0))
-        # -------- backward: cross-entropy (saved log-softmax + two fp32 gradients)
-        tl.add("logits", 2 * logits_f, "loss:cross-entropy backward")
-        tl.sub("logits", 2 * logits_f)  # saved output and nll gradient released
-        tl.add("logits", logits_c, "loss:logits gradient")
-        tl.sub("logits", logits_f)
+            if chunked:
+                # a checkpointed slice keeps no log-softmax; backward recomputes one slice at a time
+                tl.sub("logits", logits_f)
+                tl.add("logits", logits_c + (logits_f if c != 4 else 0.0) + logits_f, "loss:slice recompute")
+                tl.sub("logits", logits_c + (logits_f if c != 4 else 0.0))
+            # -------- backward: cross-entropy (saved log-softmax + two fp32 gradients)
+            tl.add("logits", 2 * logits_f, "loss:cross-entropy backward")
+            tl.sub("logits", 2 * logits_f)  # saved output and nll gradient released
+            tl.add("logits", logits_c, "loss:logits gradient")
+            tl.sub("logits", logits_f)
         if reshard:
             tl.add("gathered_parameters", 2 * root_gathered, "backward:root all-gather")
             tl.sub("gathered_parameters", root_gathered)
@@ -731,7 +763,20 @@ def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
             f"({_gib(rd * trainable)} in the reduce dtype)"
         )
     logits_at_peak = tl.at_peak["logits"]
-    if not chunked and logits_at_peak >= LOGITS_NOTE_SHARE * tl.peak:
+    if setup.dpo:
+        notes.append(
+            f"DPO: perDeviceBatchSize {setup.batch // 2} pairs is a micro-batch of {setup.batch} sequences "
+            f"(chosen and rejected in one forward): activations and logits for {tokens:,} tokens"
+        )
+        if logits_at_peak >= LOGITS_NOTE_SHARE * tl.peak:
+            notes.append(
+                f"logits and log-softmax are {_gib(logits_at_peak)} of the {_gib(tl.peak)} peak (vocabulary "
+                f"{vocab:,} x {tokens:,} tokens per micro-batch): DPO runs the LM head over the whole sequence and "
+                f"keeps its fp32 log-softmax for backward whatever training.lossChunks says (which slices only the "
+                f"fp32 copy); a smaller perDeviceBatchSize with more gradientAccumulationSteps, or a shorter "
+                f"maxSeqLength, lowers it"
+            )
+    elif not chunked and logits_at_peak >= LOGITS_NOTE_SHARE * tl.peak:
         notes.append(
             f"logits and cross-entropy are {_gib(logits_at_peak)} of the {_gib(tl.peak)} peak (vocabulary "
             f"{vocab:,} x {tokens:,} tokens per micro-batch): training.lossChunks: N computes them one slice of "

@@ -15,6 +15,8 @@ from llamaft.api.spec import (
     LlamaFineTuneSpec,
     MixedPrecision,
     ShardingStrategy,
+    TrainingMethod,
+    dpo_unsupported,
 )
 from llamaft.planner.catalog import GiB, GpuModel, InstanceType, gpu_model, instance_type
 from llamaft.planner.memory import (
@@ -125,6 +127,12 @@ def resolve_gpu(spec: LlamaFineTuneSpec) -> GpuInfo:
     return GpuInfo(model, memory, inst, source or "unknown", tuple(warnings))
 
 
+def dpo_problem(spec: LlamaFineTuneSpec) -> str | None:
+    """What the trainer would refuse in a DPO spec (its ConfigError's words,
+    llamaft.api.spec.dpo_unsupported: `reference: live` without LoRA, streaming), or None."""
+    return dpo_unsupported(spec.training, spec.dataset)
+
+
 def float8_problem(spec: LlamaFineTuneSpec) -> str | None:
     """Why spec.fsdp.float8 cannot run on the spec's GPUs (no FP8 tensor cores), or None (float8
     off, the GPU has FP8, or the GPU is unknown: the trainer checks the device itself)."""
@@ -206,6 +214,10 @@ class Throughput:
     total_steps: int | None
     total_seconds: float | None
     steps_note: str
+    reference_seconds: float | None = None
+    """DPO, full fine-tuning, precomputed reference: the pass of the initial model over every pair
+    before the first step (included in total_seconds); None when no such pass or it cannot be told."""
+    reference_note: str = ""
 
     @property
     def effective_mfu(self) -> float:
@@ -214,7 +226,8 @@ class Throughput:
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in (
             "flops_per_token", "peak_flops_per_gpu", "gpus", "mfu_assumed", "recompute_factor", "tokens_per_step",
-            "tokens_per_second", "step_seconds", "total_steps", "total_seconds", "steps_note")}
+            "tokens_per_second", "step_seconds", "total_steps", "total_seconds", "steps_note", "reference_seconds",
+            "reference_note")}
         d["effective_mfu"] = self.effective_mfu
         return d
 
@@ -366,7 +379,13 @@ def flops_per_token(shape: ModelShape, seq: int) -> float:
 
 
 def recompute_factor(shape: ModelShape, setup: Setup) -> float:
-    """Checkpointed layers run their forward twice: 8/6 of their share of the model FLOPs."""
+    """Checkpointed layers run their forward twice: 8/6 of their share of the model FLOPs. DPO
+    under LoRA adds the reference's no-grad forward (adapters off) of every micro-batch: 2/6."""
+    reference = 2.0 / 6.0 if setup.dpo and setup.lora else 0.0
+    return reference + _recompute_factor(shape, setup)
+
+
+def _recompute_factor(shape: ModelShape, setup: Setup) -> float:
     if setup.ac_mode is CheckpointingMode.NONE:
         return 1.0
     layers = shape.num_layers
@@ -418,7 +437,39 @@ def throughput(spec: LlamaFineTuneSpec, shape: ModelShape, setup: Setup, gpu: Gp
     step_seconds = tokens_per_step / tps if tps else None
     steps, note = training_steps(spec, records, dataset_tokens)
     total = steps * step_seconds if steps is not None and step_seconds is not None else None
-    return Throughput(fpt, peak, gpus, mfu, factor, tokens_per_step, tps, step_seconds, steps, total, note)
+    reference, reference_note = reference_pass(spec, fpt, mfu * peak * gpus if peak else None, records)
+    if total is not None and reference is not None:
+        total += reference
+    return Throughput(fpt, peak, gpus, mfu, factor, tokens_per_step, tps, step_seconds, steps, total, note,
+                      reference, reference_note)
+
+
+def reference_pass(spec: LlamaFineTuneSpec, fpt: float, flops_per_second: float | None,
+                   records: int | None) -> tuple[float | None, str]:
+    """DPO's reference log-probabilities, timed: full fine-tuning with `reference: precomputed`
+    scores every pair (training and validation) once with the initial model before the first step
+    (dpo_step.precompute_reference: a no-grad forward, a third of a training step's FLOPs per
+    token, two sequences per pair of at most maxSeqLength); LoRA's reference is a forward per
+    micro-batch (recompute_factor). Seconds (None: no pass, or the pair count is unknown) and a note."""
+    if spec.training.method is not TrainingMethod.DPO:
+        return None, ""
+    if spec.training.lora is not None and spec.training.lora.enabled:
+        return None, ("DPO with LoRA: the reference is the base model with the adapters disabled, a no-grad forward "
+                      "of every micro-batch (x1.33 the step's FLOPs, in the recomputation factor); nothing before "
+                      "training, no second copy in memory")
+    if records is None:
+        records = KNOWN_DATASET_RECORDS.get(spec.dataset.source.lower())
+    if records is None:
+        return None, ("DPO, precomputed reference: before the first step one no-grad forward of the initial model scores "
+                      "every pair (no second copy in memory); its time depends on the pair count "
+                      "(llamaft plan --dataset-records N)")
+    tokens = records * 2 * spec.dataset.max_seq_length
+    if flops_per_second is None:
+        return None, f"DPO, precomputed reference: one no-grad forward over {records:,} pairs before the first step"
+    seconds = tokens * fpt / 3.0 / flops_per_second
+    return seconds, (f"DPO, precomputed reference: one no-grad forward of the initial model over {records:,} pairs "
+                     f"(2 sequences of at most {spec.dataset.max_seq_length} tokens each) before the first step, no "
+                     f"second copy in memory; stored with the token store, so a retry or resume skips it")
 
 
 # --------------------------------------------------------------------------------- fixes

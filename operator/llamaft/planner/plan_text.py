@@ -31,7 +31,8 @@ def _setup_line(plan: Plan) -> str:
     lora = f", LoRA r {s.lora_rank} on {', '.join(s.lora_targets)}" if s.lora else ", full fine-tuning"
     group = f" (shard groups of {s.shard_size})" if s.shard_size != s.world_size else ""
     return (f"  {s.strategy.value} over {s.world_size} rank(s){group}, {s.precision.value}{lora}, "
-            f"activation checkpointing {ac}, micro-batch {s.batch} x {s.seq} tokens, accumulation {s.accumulation}, "
+            f"activation checkpointing {ac}, micro-batch {s.batch} x {s.seq} tokens"
+            f"{f' ({s.batch // 2} DPO pairs: chosen + rejected)' if s.dpo else ''}, accumulation {s.accumulation}, "
             f"{s.attention.value}, {'packing' if s.packing else 'padding'}"
             f"{', CPU offload' if s.cpu_offload else ''}{', ' + spec.fsdp.implementation.value if spec.fsdp.implementation.value != 'fsdp2' else ''}")
 
@@ -107,12 +108,18 @@ def render_plan(name: str, plan: Plan, adm: Admission) -> str:
         lines.append(f"  {tp.gpus} GPU(s) x {tp.peak_flops_per_gpu / 1e12:,.0f} TFLOP/s bf16 peak -> about "
                      f"{tp.tokens_per_second:,.0f} tokens/s ({tp.tokens_per_second / max(tp.gpus, 1):,.0f} per GPU); "
                      f"{tp.tokens_per_step:,} tokens per optimizer step -> {tp.step_seconds:,.2f} s per step")
+        if tp.reference_seconds is not None:
+            lines.append(f"  + the DPO reference pass before training: about {_duration(tp.reference_seconds)}")
         if tp.total_seconds is not None and tp.total_steps is not None:
-            lines.append(f"  {tp.total_steps:,} steps ({tp.steps_note}) -> about {_duration(tp.total_seconds)}")
+            with_reference = " with the reference pass" if tp.reference_seconds is not None else ""
+            lines.append(f"  {tp.total_steps:,} steps ({tp.steps_note}) -> about {_duration(tp.total_seconds)}"
+                         f"{with_reference}")
         else:
             lines.append(f"  total: {tp.steps_note}")
     else:
         lines.append("  no estimate: the GPU's peak FLOP/s is unknown (CPU-only, or not in the catalog)")
+    if tp.reference_note:
+        lines.append(f"  {tp.reference_note}")
     if plan.notes:
         lines.append("")
         lines.append("Notes")

@@ -1,0 +1,116 @@
+"""`llamaft plan` and the capacity verdict for training.method dpo: two sequences per pair in one
+forward, DPO's logits, the reference (precomputed pass, LoRA's adapter-disabled forward, `live`
+refused in the trainer's words)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from llamaft.api.spec import (
+    DPO_LIVE_REFERENCE_UNSUPPORTED,
+    DPO_STREAMING_UNSUPPORTED,
+    MixedPrecision,
+    ShardingStrategy,
+)
+from llamaft.planner import (
+    DPO_UNSUPPORTED,
+    FITS,
+    admission,
+    build_plan,
+    estimate_memory,
+    resolve_shape,
+    setup_from_spec,
+)
+from llamaft.planner.memory import Setup
+from llamaft.planner.plan_text import render_plan
+
+from tests.planner.conftest import make_spec
+from tests.planner.test_memory import SMALL
+
+DPO = {"training.method": "dpo", "dataset.format": "preference", "dataset.source": "trl-lib/tldr-preference",
+       "dataset.packing": False, "dataset.maxSeqLength": 2048, "training.perDeviceBatchSize": 2}
+
+
+def dpo_spec(**overrides: Any) -> Any:
+    return make_spec(**{**DPO, **overrides})
+
+
+def setup(**kw: object) -> Setup:
+    base: dict[str, object] = {"strategy": ShardingStrategy.FULL_SHARD, "world_size": 1, "shard_size": 1,
+                               "precision": MixedPrecision.BF16, "batch": 4, "seq": 256, "device": "cpu", "packing": False}
+    base.update(kw)
+    return Setup(**base)  # type: ignore[arg-type]
+
+
+def test_a_pair_is_two_sequences_in_one_forward() -> None:
+    s = setup_from_spec(dpo_spec())
+    assert (s.dpo, s.batch, s.seq, s.packing) == (True, 4, 2048, False)
+    sft = setup_from_spec(make_spec(**{"training.perDeviceBatchSize": 2, "dataset.packing": False}))
+    assert (sft.dpo, sft.batch) == (False, 2)
+    # up to the LM head, DPO's forward over 2 pairs is SFT's over 4 sequences
+    dpo, four = estimate_memory(SMALL, setup(dpo=True)), estimate_memory(SMALL, setup())
+    assert dpo.phase_peaks["forward"] == four.phase_peaks["forward"]
+    assert dpo.notes[0].startswith("DPO: perDeviceBatchSize 2 pairs is a micro-batch of 4 sequences")
+
+
+def test_dpo_logits_by_hand() -> None:
+    """dpo.sequence_logps under autograd, bf16, one slice: at log-softmax's backward the saved fp32
+    output, the logits' bf16 gradient, two fp32 gradients and the bf16 cast: 2c more per element
+    than SFT's cross-entropy (12 bytes)."""
+    vocab, tokens, c = 2048, 4 * 256, 2
+    dpo, sft = estimate_memory(SMALL, setup(dpo=True)), estimate_memory(SMALL, setup())
+    assert dpo.phase_peaks["loss"] - sft.phase_peaks["loss"] == 2 * c * vocab * tokens
+    # lossChunks slices only log-softmax's fp32 input and gradients (a quarter each: 12 -> 3 bytes
+    # and the bf16 cast 2 -> 0.5), while each slice's gradient is padded to the logits' full size
+    # (+2) and the whole fp32 log-softmax stays saved: DPO gains less from it than SFT, whose LM
+    # head runs per slice
+    dpo4, sft4 = estimate_memory(SMALL, setup(dpo=True, loss_chunks=4)), estimate_memory(SMALL, setup(loss_chunks=4))
+    assert dpo.phase_peaks["loss"] - dpo4.phase_peaks["loss"] == 5.5 * vocab * tokens
+    assert sft.phase_peaks["loss"] - sft4.phase_peaks["loss"] > dpo.phase_peaks["loss"] - dpo4.phase_peaks["loss"]
+    assert dpo4.phase_peaks["loss"] - sft4.phase_peaks["loss"] >= 4 * vocab * tokens
+
+
+def test_the_precomputed_reference_is_a_pass_before_training_and_no_memory() -> None:
+    spec = dpo_spec(**{"training.maxSteps": 100})
+    shape = resolve_shape(spec.model.source)
+    plan = build_plan(spec, shape, dataset_records=10_000)
+    tp = plan.throughput
+    fpt = tp.flops_per_token
+    assert tp.reference_seconds == pytest.approx(10_000 * 2 * 2048 * fpt / 3 / (0.4 * 312e12 * 8))
+    assert tp.total_seconds == pytest.approx(100 * tp.step_seconds + tp.reference_seconds)
+    assert "before the first step" in tp.reference_note and "no second copy" in tp.reference_note
+    # no second model: the same memory as with LoRA's reference would be for full fine-tuning
+    assert plan.memory.parameters == build_plan(make_spec(), shape).memory.parameters
+    unknown = build_plan(spec, shape).throughput
+    assert unknown.reference_seconds is None and "--dataset-records" in unknown.reference_note
+    text = render_plan("dpo", plan, admission(spec))
+    assert "(2 DPO pairs: chosen + rejected)" in text and "the DPO reference pass before training" in text
+
+
+def test_loras_reference_is_a_forward_per_micro_batch() -> None:
+    lora = {"training.lora.enabled": True, "training.lora.r": 16, "training.lora.targetModules": ["q_proj", "v_proj"]}
+    spec = dpo_spec(**lora)
+    plan = build_plan(spec, resolve_shape(spec.model.source), dataset_records=10_000)
+    sft = build_plan(make_spec(**lora), resolve_shape(spec.model.source))
+    assert plan.throughput.recompute_factor == pytest.approx(sft.throughput.recompute_factor + 2 / 6)
+    assert plan.throughput.reference_seconds is None and "adapters disabled" in plan.throughput.reference_note
+    # `live` means nothing under LoRA: the base model is the reference
+    assert admission(dpo_spec(**lora, **{"training.dpo.reference": "live"})).reason == FITS
+
+
+def test_the_verdict_refuses_what_the_trainer_refuses_in_its_words() -> None:
+    live = admission(dpo_spec(**{"training.dpo.reference": "live"}))
+    assert (live.fits, live.reason, live.refuse, live.message) == (False, DPO_UNSUPPORTED, True, DPO_LIVE_REFERENCE_UNSUPPORTED)
+    streaming = admission(dpo_spec(**{"dataset.streaming": True}))
+    assert (streaming.reason, streaming.message) == (DPO_UNSUPPORTED, DPO_STREAMING_UNSUPPORTED)
+    assert admission(dpo_spec()).reason == FITS
+    # the trainer's ConfigError says the same (dpo_step.check, before any collective)
+    pytest.importorskip("torch")
+    from llamaft_trainer.dpo_step import check
+    from llamaft_trainer.errors import ConfigError
+
+    spec = dpo_spec(**{"training.dpo.reference": "live"})
+    with pytest.raises(ConfigError) as raised:
+        check(spec.training_config())
+    assert str(raised.value) == live.message
