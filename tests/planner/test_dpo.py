@@ -114,3 +114,15 @@ def test_the_verdict_refuses_what_the_trainer_refuses_in_its_words() -> None:
     with pytest.raises(ConfigError) as raised:
         check(spec.training_config())
     assert str(raised.value) == live.message
+
+
+def test_the_llama3_8b_dpo_example_fits_on_p5() -> None:
+    from llamaft.manifests import load_finetune
+
+    from tests.conftest import REPO
+
+    _, spec = load_finetune(REPO / "examples" / "llama3-8b-dpo.yaml")
+    result = admission(spec)
+    assert result.reason == FITS and result.plan is not None and result.plan.setup.dpo
+    assert result.plan.setup.batch == 2 * spec.training.per_device_batch_size
+    assert result.plan.memory.peak_event == "loss:DPO log-softmax backward"
