@@ -674,7 +674,7 @@ class ValidationShare:
     FSDP each forward is a collective: a rank whose share ran out yields a filler batch (one of
     the set's sequences with every label ignored), which adds no loss and no tokens."""
 
-    def __init__(self, dataset: Dataset[dict[str, torch.Tensor]], rank: int, world: int, batch_size: int,
+    def __init__(self, dataset: Dataset[Any], rank: int, world: int, batch_size: int,
                  collate: Any) -> None:
         self.dataset, self.rank, self.world, self.batch_size, self.collate = dataset, rank, world, batch_size, collate
         self.size = len(dataset)  # type: ignore[arg-type]
@@ -691,9 +691,12 @@ class ValidationShare:
             if chosen:
                 yield self.collate([self.dataset[i] for i in chosen])
             else:
-                filler = self.collate([self.dataset[self.indices[0] if self.indices else 0]])
-                filler["labels"].fill_(IGNORE_INDEX)
-                yield filler
+                yield self.filler(self.collate([self.dataset[self.indices[0] if self.indices else 0]]))
+
+    def filler(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`batch` made a filler: every label ignored, so it adds no loss and no tokens."""
+        batch["labels"].fill_(IGNORE_INDEX)
+        return batch
 
 
 @dataclass

@@ -19,7 +19,7 @@ pair scored once whatever the world size, a filler batch where a rank's share ra
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from llamaft_trainer import store as store_mod
-from llamaft_trainer.data import Data, ResumableSampler, _generator, tokenizer_fingerprint
+from llamaft_trainer.data import Data, ResumableSampler, ValidationShare, _generator, tokenizer_fingerprint
 from llamaft_trainer.dpo import concatenated_batch
 from llamaft_trainer.errors import ConfigError
 from llamaft_trainer.preference import PreferenceEncoder, PreferenceExample, keeps, preference_record
@@ -123,30 +123,14 @@ def pairs_in(batch: dict[str, torch.Tensor]) -> int:
     return 0 if is_filler(batch) else int(batch["input_ids"].shape[0]) // 2
 
 
-class PairShare:
-    """This rank's share of a part's pairs, each scored exactly once whatever the world size: rank
-    r takes pairs r, r + W, ...; every rank yields the same number of batches (each forward is a
-    collective under FSDP), a rank whose share ran out a filler batch (marked `filler`: it counts
-    no pair)."""
+class PairShare(ValidationShare):
+    """This rank's share of a part's pairs, each scored exactly once whatever the world size, as
+    ValidationShare shares sequences; a rank whose share ran out yields a filler batch marked
+    `filler` (it counts no pair)."""
 
-    def __init__(self, dataset: PreferencePairs, rank: int, world: int, batch_size: int, collate: PairCollate) -> None:
-        self.dataset, self.batch_size, self.collate = dataset, batch_size, collate
-        self.size, self.world = len(dataset), world
-        self.indices = list(range(rank, self.size, world))
-
-    def __len__(self) -> int:
-        largest_share = -(-self.size // self.world)
-        return -(-largest_share // self.batch_size)
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        for start in range(0, len(self) * self.batch_size, self.batch_size):
-            chosen = self.indices[start:start + self.batch_size]
-            if chosen:
-                yield self.collate([self.dataset[i] for i in chosen])
-            else:
-                filler = self.collate([self.dataset[self.indices[0] if self.indices else 0]])
-                filler["filler"] = torch.ones(1, dtype=torch.bool)
-                yield filler
+    def filler(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        batch["filler"] = torch.ones(1, dtype=torch.bool)
+        return batch
 
 
 def pair_loaders(store: store_mod.Store, spec: DatasetSpec, pad_id: int, batch_size: int, seed: int, rank: int,
