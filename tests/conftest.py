@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,3 +56,19 @@ from tests.hub.fixture import hub_env, hub_server  # noqa: E402, F401
 def pytest_configure(config: pytest.Config) -> None:
     cpu_profile.pytest_configure(config)
     tiers.register(config)  # the slow tier, marked by what starts processes (tests/tiers.py)
+
+
+@pytest.fixture
+def served_progress(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, str]]:
+    """The trainer's real metrics.Progress serving on a local port: (progress, base URL); its
+    /progress is the operator's contract, its /metrics Prometheus' exposition."""
+    from llamaft_trainer.metrics import Progress
+
+    monkeypatch.setenv("LLAMAFT_METRICS_HOST", "127.0.0.1")
+    progress = Progress()
+    server = progress.serve(0)
+    try:
+        yield progress, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

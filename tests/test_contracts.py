@@ -15,7 +15,6 @@ from __future__ import annotations
 import ast
 import json
 import urllib.request
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -154,28 +153,14 @@ DPO_EVAL = {"eval_loss": 0.5, "eval_rewards/chosen": 0.75, "eval_rewards/rejecte
 """dpo_step.evaluate's report."""
 
 
-@pytest.fixture
-def served(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, str]]:
-    """The trainer's real metrics.Progress, serving /progress on a local port."""
-    from llamaft_trainer.metrics import Progress
-
-    monkeypatch.setenv("LLAMAFT_METRICS_HOST", "127.0.0.1")
-    progress = Progress()
-    server = progress.serve(0)
-    try:
-        yield progress, f"http://127.0.0.1:{server.server_address[1]}/progress"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
 def fetch(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 (a local test server)
         return json.loads(response.read())
 
 
-def test_the_progress_document_is_the_model_and_the_operator_reads_it(served: tuple[Any, str]) -> None:
-    progress, url = served
+def test_the_progress_document_is_the_model_and_the_operator_reads_it(served_progress: tuple[Any, str]) -> None:
+    progress, base = served_progress
+    url = f"{base}/progress"
     # What main.py, train.py and tracking write, through the same methods.
     progress.update(rank=0, pod="ft-1-worker-0")
     progress.update(phase="Training", totalSteps=20)
@@ -210,11 +195,12 @@ def test_the_progress_document_is_the_model_and_the_operator_reads_it(served: tu
     assert status["evaluation"] == doc["evaluation"]
 
 
-def test_an_sft_run_sends_no_dpo_key_and_documents_with_and_without_them_round_trip(served: tuple[Any, str]) -> None:
+def test_an_sft_run_sends_no_dpo_key_and_documents_with_and_without_them_round_trip(served_progress: tuple[Any, str]) -> None:
     """The DPO fields (rewardAccuracy, rewardMargin, evalRewardAccuracy, evalRewardMargin) are
     optional: an SFT run's document has none of them (an older trainer's neither) and still reads
     back, into a status without them; a DPO run's reads back with them."""
-    progress, url = served
+    progress, base = served_progress
+    url = f"{base}/progress"
     progress.record_step({"step": 3, "epoch": 0, "loss": 2.0, "lr": 1e-5, "grad_norm": 1.0, "tokens_per_second": 9.0,
                           "tokens_per_second_per_device": 9.0, "mfu": None, "peak_memory_bytes": 1, "tokens": 8,
                           "eta_seconds": 3})
@@ -243,8 +229,9 @@ def test_an_sft_run_sends_no_dpo_key_and_documents_with_and_without_them_round_t
     assert garbled is not None and garbled.reward_accuracy is None and garbled.reward_margin == 0.25
 
 
-def test_the_progress_writer_refuses_a_key_the_model_lacks(served: tuple[Any, str]) -> None:
-    progress, url = served
+def test_the_progress_writer_refuses_a_key_the_model_lacks(served_progress: tuple[Any, str]) -> None:
+    progress, base = served_progress
+    url = f"{base}/progress"
     before = fetch(url)
     with pytest.raises(ValueError, match="newKey"):
         progress.update(newKey=1)

@@ -4,10 +4,8 @@ parser: DPO's reward gauges and their help text; an SFT run has none."""
 from __future__ import annotations
 
 import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 SFT_STEP = {"step": 3, "epoch": 0, "loss": 2.0, "lr": 1e-5, "grad_norm": 1.0, "tokens_per_second": 900.0,
@@ -20,20 +18,6 @@ REWARD_GAUGES = ("llamaft_train_reward_accuracy", "llamaft_train_reward_margin",
                  "llamaft_train_reward_rejected", "llamaft_train_eval_reward_accuracy", "llamaft_train_eval_reward_margin")
 
 
-@pytest.fixture
-def served(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, str]]:
-    from llamaft_trainer.metrics import Progress
-
-    monkeypatch.setenv("LLAMAFT_METRICS_HOST", "127.0.0.1")
-    progress = Progress()
-    server = progress.serve(0)
-    try:
-        yield progress, f"http://127.0.0.1:{server.server_address[1]}/metrics"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
 def scrape(url: str) -> dict[str, tuple[str, str, float]]:
     """name -> (type, help, value) of every single-sample family."""
     with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 (a local test server)
@@ -42,8 +26,9 @@ def scrape(url: str) -> dict[str, tuple[str, str, float]]:
             if len(f.samples) == 1}
 
 
-def test_dpo_reward_gauges_in_the_exposition(served: tuple[Any, str]) -> None:
-    progress, url = served
+def test_dpo_reward_gauges_in_the_exposition(served_progress: tuple[Any, str]) -> None:
+    progress, base = served_progress
+    url = f"{base}/metrics"
     progress.record_step({**SFT_STEP, **DPO_STEP})
     before_eval = scrape(url)
     assert set(REWARD_GAUGES) - set(before_eval) == {"llamaft_train_eval_reward_accuracy", "llamaft_train_eval_reward_margin"}
@@ -61,8 +46,9 @@ def test_dpo_reward_gauges_in_the_exposition(served: tuple[Any, str]) -> None:
     assert families["llamaft_train_step"][2] == 3
 
 
-def test_an_sft_run_has_no_reward_gauges(served: tuple[Any, str]) -> None:
-    progress, url = served
+def test_an_sft_run_has_no_reward_gauges(served_progress: tuple[Any, str]) -> None:
+    progress, base = served_progress
+    url = f"{base}/metrics"
     progress.record_step(SFT_STEP)
     progress.record_eval(3, 1.5, 4.48)
     families = scrape(url)
