@@ -355,6 +355,13 @@ class TrainingSpec(ApiModel):
             field_path=".warmupSteps",
         ),
         cel_rule(
+            "!has(self.globalBatchSize) || self.gradientAccumulationSteps == 1",
+            message_expression="'gradientAccumulationSteps is derived from globalBatchSize and the world size (micro-steps per "
+            "rank = ceil(globalBatchSize / (ranks x perDeviceBatchSize))): remove gradientAccumulationSteps, or remove "
+            "globalBatchSize to set ' + string(self.gradientAccumulationSteps) + ' accumulation steps per rank yourself'",
+            field_path=".gradientAccumulationSteps",
+        ),
+        cel_rule(
             "self.method == 'dpo' || !has(self.dpo)",
             message="training.dpo configures preference tuning, but training.method is sft: set training.method: dpo "
             "or remove training.dpo",
@@ -369,7 +376,18 @@ class TrainingSpec(ApiModel):
     per_device_batch_size: int = Field(default=1, ge=1, le=4096)
     """Sequences per GPU (or CPU process) per micro-step."""
     gradient_accumulation_steps: int = Field(default=1, ge=1, le=4096)
-    """Micro-steps per optimizer step; gradients are only reduced on the last one."""
+    """Micro-steps per optimizer step; gradients are only reduced on the last one. With
+    globalBatchSize it is derived (leave it unset)."""
+    global_batch_size: int | None = Field(default=None, ge=1, le=1_048_576)
+    """Sequences per optimizer step across all ranks (packed: blocks; DPO: pairs), the same on any
+    world size, so an elastic run that shrinks or grows, or resumes on another number of nodes,
+    trains the same model. Each step takes the next globalBatchSize items of one seeded order of
+    the epoch that does not depend on the world size, spread over the ranks in micro-batches of
+    perDeviceBatchSize (still the memory knob: micro-steps per rank = ceil(globalBatchSize /
+    (ranks x perDeviceBatchSize))); a rank left short in a micro-step runs a filler that counts
+    no loss and no tokens. Must be at least the number of ranks (with cluster.elastic, of
+    maxWorkers). Omitted: perDeviceBatchSize x ranks x gradientAccumulationSteps, which changes
+    with the world size."""
     learning_rate: float = Field(default=2e-5, gt=0.0, le=1.0)
     """Peak AdamW learning rate."""
     scheduler: SchedulerType = SchedulerType.COSINE
@@ -1216,12 +1234,43 @@ DPO_PACKING_RULE = cel_rule(
     field_path=".dataset.packing",
 )
 DPO_RULES = (DPO_DATA_RULE, PREFERENCE_METHOD_RULE, DPO_PACKING_RULE)
+GLOBAL_BATCH_STREAMING_RULE = cel_rule(
+    "!has(self.training.globalBatchSize) || !self.dataset.streaming",
+    message="training.globalBatchSize takes each step's items from one global order of the epoch, which needs the "
+    "token store; a streamed dataset (dataset.streaming) is read by each rank in arrival order: set dataset.streaming: "
+    "false or remove training.globalBatchSize",
+    field_path=".training.globalBatchSize",
+)
+_PROCESSES = "(self.cluster.gpusPerWorker > 0 ? self.cluster.gpusPerWorker : 1)"
+_CARRYING_WORKERS = (
+    f"(self.training.globalBatchSize >= {_PROCESSES} ? 'the worker counts that can carry it are 1..' + "
+    f"string(self.training.globalBatchSize / {_PROCESSES}) : 'no worker count can carry it with gpusPerWorker ' + "
+    f"string({_PROCESSES}))"
+)
+GLOBAL_BATCH_WORLD_RULE = cel_rule(
+    f"!has(self.training.globalBatchSize) || has(self.cluster.elastic) || "
+    f"self.training.globalBatchSize >= self.cluster.workers * {_PROCESSES}",
+    message_expression=f"'globalBatchSize ' + string(self.training.globalBatchSize) + ' is below workers x gpusPerWorker = ' + "
+    f"string(self.cluster.workers * {_PROCESSES}) + ' ranks: every rank needs at least one sequence per step; set "
+    f"globalBatchSize >= ' + string(self.cluster.workers * {_PROCESSES}) + ' (' + {_CARRYING_WORKERS} + ')'",
+    field_path=".training.globalBatchSize",
+)
+GLOBAL_BATCH_ELASTIC_RULE = cel_rule(
+    f"!has(self.training.globalBatchSize) || !has(self.cluster.elastic) || "
+    f"self.training.globalBatchSize >= self.cluster.elastic.maxWorkers * {_PROCESSES}",
+    message_expression=f"'globalBatchSize ' + string(self.training.globalBatchSize) + ' is below elastic.maxWorkers x "
+    f"gpusPerWorker = ' + string(self.cluster.elastic.maxWorkers * {_PROCESSES}) + ' ranks, the most this run may get: "
+    f"every rank needs at least one sequence per step; set globalBatchSize >= ' + "
+    f"string(self.cluster.elastic.maxWorkers * {_PROCESSES}) + ' or lower elastic.maxWorkers (' + {_CARRYING_WORKERS} + ')'",
+    field_path=".training.globalBatchSize",
+)
 
 
 class TrainingJobConfig(ApiModel):
     """The part of the spec the trainer reads (mounted into every worker as JSON)."""
 
-    model_config = api_config(STREAMING_STEPS_RULE, EVALUATION_FSDP2_RULE, DORA_FLOAT8_RULE, *DPO_RULES)
+    model_config = api_config(STREAMING_STEPS_RULE, EVALUATION_FSDP2_RULE, DORA_FLOAT8_RULE, *DPO_RULES,
+                              GLOBAL_BATCH_STREAMING_RULE)
 
     model: ModelSpec
     """The pretrained model."""
@@ -1245,7 +1294,7 @@ class LlamaFineTuneSpec(TrainingJobConfig):
     model_config = api_config(
         HYBRID_GROUPS_RULE, HYBRID_DIVIDES_RULE, ELASTIC_HYBRID_RULE, LORA_FSDP1_RULE, HYBRID_WORLD_RULE,
         METRICS_PORT_RULE, IMMUTABLE_BACKEND, STREAMING_STEPS_RULE, EVALUATION_FSDP2_RULE, DORA_FLOAT8_RULE,
-        *DPO_RULES,
+        *DPO_RULES, GLOBAL_BATCH_STREAMING_RULE, GLOBAL_BATCH_WORLD_RULE, GLOBAL_BATCH_ELASTIC_RULE,
     )
 
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
