@@ -47,8 +47,9 @@ FULL_RECORD = termination.RunRecord(
     step=10, total_steps=10, checkpoint_step=8, loss=1.25, eval_loss=1.5, tokens=4000, train_seconds=2.0,
     export_path="/ckpt/export", steady_steps=9, steady_tokens=3600, steady_seconds=1.8, world_size=2,
     flops_per_token=1e6, peak_flops=1e12, peak_memory_bytes=2**30,
+    reward_accuracy=0.875, reward_margin=0.5, eval_reward_accuracy=0.75, eval_reward_margin=0.25,
 )
-"""A run record that knows everything a report can say."""
+"""A run record that knows everything a report can say (a DPO run's: its reward figures too)."""
 
 
 def written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, doc: dict[str, Any], restart: int = 0) -> str:

@@ -53,6 +53,7 @@ from llamaft_trainer.errors import EXIT_CONFIG_ERROR, ConfigError
 from llamaft_trainer.local_etcd import LocalEtcd, free_port, parent_death_signal
 from llamaft_trainer.logline import parse_event
 
+from llamaft.api.contracts import final_figures
 from llamaft.api.sources import SourceKind, parse_source
 from llamaft.api.spec import LlamaFineTuneSpec, RendezvousBackend, TensorBoardSpec
 from llamaft.launch import Launch, Localized, local_cache, localize, torchrun_launch
@@ -279,6 +280,24 @@ def format_event(event: dict[str, Any]) -> str | None:
     if kind == "done" and event.get("phase") == "Failed" and event.get("reason") != "ConfigError":
         return f"failed ({event['reason']}) at step {event.get('step')}: {event.get('message')}"
     return None
+
+
+def done_line(events: list[dict[str, Any]]) -> str | None:
+    """What a finished run's last line says (None: no step was logged): the first and last logged
+    loss, then the final figures as the operator's Succeeded condition words them
+    (contracts.final_figures: DPO's reward accuracy and margin, the last eval's)."""
+    steps = [e for e in events if e.get("event") == "step"]
+    if not steps:
+        return None
+    first, last = steps[0], steps[-1]
+    evals = [e for e in events if e.get("event") == "eval"]
+    held = evals[-1] if evals else {}
+    figures = final_figures(None, held.get("eval_loss"), last.get("rewards/accuracies"), last.get("rewards/margins"),
+                            held.get("eval_rewards/accuracies"), held.get("eval_rewards/margins"))
+    line = f"loss {first['loss']:.4f} -> {last['loss']:.4f}"
+    if not figures:
+        return line
+    return line + ("; " if figures.startswith("held out") else ", ") + figures
 
 
 def _pump(stream: IO[str], log: IO[str], show: bool, seen: list[dict[str, Any]],
@@ -524,9 +543,9 @@ def _run(p: LocalPlan, spec: LlamaFineTuneSpec, interrupt: Interrupt) -> int:
             print(f"llamaft: error: {error}", file=sys.stderr, flush=True)
         return code
     exported = [e["path"] for e in events if e.get("event") == "export"]
-    losses = [e["loss"] for e in events if e.get("event") == "step"]
-    if losses:
-        print(f"llamaft: done: loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+    summary = done_line(events)
+    if summary:
+        print(f"llamaft: done: {summary}", flush=True)
     if exported:
         print(f"llamaft: fine-tuned model: {exported[-1]}", flush=True)
     return 0

@@ -112,6 +112,27 @@ def test_success_takes_the_trainers_final_report() -> None:
     assert succeeded["status"] == "True"
 
 
+def test_a_dpo_success_says_its_reward_accuracy_where_sfts_says_its_loss() -> None:
+    """The Succeeded condition, the status message and the event carry the final figures; a DPO
+    run's include its reward accuracy and margin (training and held out), also in status.progress."""
+    final = report(phase="Succeeded", step=30, totalSteps=30, loss=0.41, evalLoss=0.52, rewardAccuracy=0.875,
+                   rewardMargin=0.912, evalRewardAccuracy=0.8333, evalRewardMargin=0.701)
+    d = decide(observed(job=job("Created", "Succeeded"), pods=[pod(0, "Succeeded", exit_code=0, message=final)],
+                        progress=None))
+    words = ("succeeded at step 30: loss 0.4100, reward accuracy 0.875 (margin 0.912); "
+             "held out: loss 0.5200, reward accuracy 0.833 (margin 0.701)")
+    succeeded = next(c for c in d.status["conditions"] if c["type"] == "Succeeded")
+    assert succeeded["message"].endswith(words) and d.status["message"].endswith(words)
+    assert [e.message for e in d.events if e.reason == "Succeeded"] == [succeeded["message"]]
+    progress = d.status["progress"]
+    assert (progress["rewardAccuracy"], progress["rewardMargin"]) == (0.875, 0.912)
+    assert (progress["evalRewardAccuracy"], progress["evalRewardMargin"]) == (0.8333, 0.701)
+    sft = decide(observed(job=job("Created", "Succeeded"), progress=None,
+                          pods=[pod(0, "Succeeded", exit_code=0, message=report(phase="Succeeded", step=30, loss=0.91))]))
+    assert sft.status["message"].endswith("succeeded at step 30: loss 0.9100")
+    assert "rewardAccuracy" not in sft.status["progress"]
+
+
 @pytest.mark.parametrize(("performance", "expected"), [
     ({"steps": 29, "worldSize": 2, "tokensPerSecond": 900.0, "tokensPerSecondPerDevice": 450.0, "stepSeconds": 0.5,
       "mfu": None, "peakMemoryBytes": 1024},
@@ -404,7 +425,9 @@ SPEC_ROWS: list[tuple[str, lifecycle.SpecChanged, dict[str, Any]]] = [
     ("resume in place, the rendezvous reset first", change(changed={SUSPEND}),
      dict(wake=True, suspend=False, reset=[1], status={"observedGeneration": 2}, events=["Resumed"])),
     ("elastic workers in place", change(changed={WORKERS}, scalable=True),
-     dict(wake=True, scale=2, status={"observedGeneration": 2}, events=["Scaled"])),
+     dict(wake=True, scale=2, status={"observedGeneration": 2, "workers": {
+         "current": 2, "desired": 2, "reason": "AsSpecified", "message": "spec.cluster.workers changed: scaled in place"}},
+          events=["Scaled"])),
     ("workers of a backend that cannot scale: restart", change(changed={WORKERS}, scalable=False),
      dict(wake=True, delete=JOB, attempt=2, events=["SpecChanged"])),
     ("monitoring in place", change(changed={("monitoring", "dcgm", "enabled")}),

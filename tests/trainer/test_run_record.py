@@ -37,3 +37,13 @@ def test_the_report_with_figures_fits_the_termination_message() -> None:
                        export_path="/x" * 500)
     doc = succeeded(record)
     assert json.loads(fit(doc)) == doc
+
+
+def test_a_dpo_report_carries_the_reward_figures_and_an_sft_one_no_dpo_key() -> None:
+    dpo = succeeded(RunRecord(step=8, total_steps=8, loss=0.4, eval_loss=0.5, reward_accuracy=0.875, reward_margin=0.9,
+                              eval_reward_accuracy=0.75, eval_reward_margin=0.6))
+    assert {k: dpo[k] for k in ("rewardAccuracy", "rewardMargin", "evalRewardAccuracy", "evalRewardMargin")} == {
+        "rewardAccuracy": 0.875, "rewardMargin": 0.9, "evalRewardAccuracy": 0.75, "evalRewardMargin": 0.6}
+    assert json.loads(fit(dpo)) == dpo
+    sft = succeeded(RunRecord(step=8, total_steps=8, loss=1.2))
+    assert not {"rewardAccuracy", "rewardMargin", "evalRewardAccuracy", "evalRewardMargin"} & set(sft)

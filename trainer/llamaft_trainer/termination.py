@@ -60,6 +60,10 @@ _PEER_GONE = re.compile(
 )
 
 
+DPO_FIGURES = ("reward_accuracy", "reward_margin", "eval_reward_accuracy", "eval_reward_margin")
+"""RunRecord's and SucceededReport's training.method dpo fields."""
+
+
 @dataclass
 class RunRecord:
     """What this process knows about the run so far, kept current by the train loop so that the
@@ -89,6 +93,12 @@ class RunRecord:
     peak_memory_bytes: int | None = None
     """The largest peak memory of any rank (device memory on GPUs, resident memory on CPU), set
     collectively when the last step is done."""
+    reward_accuracy: float | None = None
+    """training.method dpo: the last read step's rewards/accuracies (None for SFT)."""
+    reward_margin: float | None = None
+    eval_reward_accuracy: float | None = None
+    """training.method dpo: the last eval's, over the held-out pairs."""
+    eval_reward_margin: float | None = None
 
     def tokens_per_second(self) -> float | None:
         return round(self.tokens / self.train_seconds, 2) if self.train_seconds > 0 else None
@@ -138,8 +148,12 @@ def succeeded(record: RunRecord) -> dict[str, Any]:
         step=record.step, total_steps=record.total_steps, loss=record.loss, eval_loss=record.eval_loss,
         tokens_per_second=record.tokens_per_second(), export_path=record.export_path,
         performance=PerformanceStatus.model_validate(performance) if performance is not None else None,
+        reward_accuracy=record.reward_accuracy, reward_margin=record.reward_margin,
+        eval_reward_accuracy=record.eval_reward_accuracy, eval_reward_margin=record.eval_reward_margin,
     )
-    return report.model_dump(by_alias=True, exclude={"restart_count"})
+    # An SFT run's message carries no DPO keys (the message is size-limited, and SFT has none).
+    absent = {name for name in DPO_FIGURES if getattr(report, name) is None}
+    return report.model_dump(by_alias=True, exclude={"restart_count", *absent})
 
 
 def exit_code(reason: str) -> int:

@@ -460,6 +460,8 @@ class Trainer:
 
             k = int(extra.numel())
             self._method_metrics = metric_means(values[n + 2:n + 2 + k])
+            self.record.reward_accuracy = self._method_metrics.get("rewards/accuracies")
+            self.record.reward_margin = self._method_metrics.get("rewards/margins")
             values = values[:n + 2] + values[n + 2 + k:]
         loss_totals, (votes, seconds), counts, grad_norms = values[:n], values[n:n + 2], values[n + 2:3 * n + 2], values[3 * n + 2:]
         for i, f in enumerate(pending):
@@ -590,6 +592,8 @@ class Trainer:
             return
         self.result.eval_losses.append(report["eval_loss"])
         self.record.eval_loss = report["eval_loss"]
+        self.record.eval_reward_accuracy = report.get("eval_rewards/accuracies")
+        self.record.eval_reward_margin = report.get("eval_rewards/margins")
         if self.rt.is_leader:
             log_json("eval", step=self.state.step, **{k: round(v, 6) for k, v in report.items()})
         if self.progress is not None:

@@ -187,11 +187,45 @@ class SucceededReport(_Document):
     """What the run sustained (status.performance)."""
     restart_count: int | None = None
     """TORCHELASTIC_RESTART_COUNT (termination.write adds it)."""
+    reward_accuracy: float | None = None
+    """DPO only (absent for SFT): the last step's rewards/accuracies, as ProgressDocument's."""
+    reward_margin: float | None = None
+    """DPO only: the last step's rewards/margins."""
+    eval_reward_accuracy: float | None = None
+    """DPO only: the last eval's eval_rewards/accuracies over the held-out pairs."""
+    eval_reward_margin: float | None = None
+    """DPO only: the last eval's eval_rewards/margins."""
 
     def status_progress(self, now: str) -> Progress:
         """status.progress's fields this report has, updated `now`."""
         return Progress(step=self.step, total_steps=self.total_steps, loss=self.loss, eval_loss=self.eval_loss,
-                        tokens_per_second=self.tokens_per_second, updated_at=now)
+                        tokens_per_second=self.tokens_per_second, reward_accuracy=self.reward_accuracy,
+                        reward_margin=self.reward_margin, eval_reward_accuracy=self.eval_reward_accuracy,
+                        eval_reward_margin=self.eval_reward_margin, updated_at=now)
+
+    def figures(self) -> str:
+        """The run's final figures in words, for the Succeeded condition and event: the last loss
+        and eval loss, and DPO's reward accuracy and margin (training and held out); only those
+        the report has ("" with none)."""
+        return final_figures(self.loss, self.eval_loss, self.reward_accuracy, self.reward_margin,
+                             self.eval_reward_accuracy, self.eval_reward_margin)
+
+
+def final_figures(loss: float | None, eval_loss: float | None, reward_accuracy: float | None = None,
+                  reward_margin: float | None = None, eval_reward_accuracy: float | None = None,
+                  eval_reward_margin: float | None = None) -> str:
+    """One wording of a finished run's figures for the operator's status and `llamaft run
+    --local`'s last line, e.g. "loss 0.4210, reward accuracy 0.875 (margin 0.912); held out:
+    loss 0.5012, reward accuracy 0.833 (margin 0.701)"."""
+
+    def part(loss_value: float | None, accuracy: float | None, margin: float | None) -> str:
+        words = [f"loss {loss_value:.4f}"] if loss_value is not None else []
+        if accuracy is not None:
+            words.append(f"reward accuracy {accuracy:.3f}" + (f" (margin {margin:.3f})" if margin is not None else ""))
+        return ", ".join(words)
+
+    train, held_out = part(loss, reward_accuracy, reward_margin), part(eval_loss, eval_reward_accuracy, eval_reward_margin)
+    return "; ".join([train] * bool(train) + [f"held out: {held_out}"] * bool(held_out))
 
 
 class FailedReport(_Document):

@@ -348,6 +348,9 @@ def _succeeded(obs: Observed, seen: Observation, d: Decision, report: SucceededR
     progress = _with_step_of_total(_overlay(seen.change.progress or Progress(),
                                             report.status_progress(now) if report is not None else None))
     message = f"{obs.job_kind} {obs.job_name} succeeded" + (f" at step {progress.step}" if progress.step is not None else "")
+    figures = report.figures() if report is not None else ""
+    if figures:  # the final loss, and DPO's reward accuracy and margin, where the user reads the outcome
+        message += f": {figures}"
     c.take(seen.change)
     c.phase, c.message, c.progress = Phase.SUCCEEDED, message, progress
     c.completion_time = (obs.job or {}).get("status", {}).get("completionTime") or now
