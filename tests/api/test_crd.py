@@ -130,7 +130,7 @@ def test_printer_columns() -> None:
         "Phase", "Workers", "GPUs", "Step", "Loss", "Tokens/s", "Restarts", "Queue", "Age"
     ]
     assert [n for n, c in columns.items() if c.get("priority") == 1] == [
-        "Backend", "Model", "Strategy", "Precision", "Eval-Loss", "ROUGE-L", "RewardAcc"]
+        "Backend", "Model", "Strategy", "Precision", "Eval-Loss", "ROUGE-L", "RewardAcc", "Desired", "Sized"]
     status = _schema()["properties"]["status"]["properties"]
     for column in columns.values():
         parts = column["jsonPath"].strip(".").split(".")

@@ -179,7 +179,7 @@ def _strip_defaults(node: Schema) -> Schema:
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
-    {"name": "Workers", "type": "integer", "jsonPath": ".spec.cluster.workers"},
+    {"name": "Workers", "type": "integer", "jsonPath": ".status.workers.current"},
     {"name": "GPUs", "type": "integer", "jsonPath": ".status.totalGpus"},
     {"name": "Step", "type": "string", "jsonPath": ".status.progress.stepOfTotal"},
     {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss"},
@@ -194,6 +194,8 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Eval-Loss", "type": "number", "jsonPath": ".status.progress.evalLoss", "priority": 1},
     {"name": "ROUGE-L", "type": "number", "jsonPath": ".status.evaluation.rougeL", "priority": 1},
     {"name": "RewardAcc", "type": "number", "jsonPath": ".status.progress.rewardAccuracy", "priority": 1},
+    {"name": "Desired", "type": "integer", "jsonPath": ".spec.cluster.workers", "priority": 1},
+    {"name": "Sized", "type": "string", "jsonPath": ".status.workers.reason", "priority": 1},
 ]
 
 

@@ -686,6 +686,13 @@ class ElasticSpec(ApiModel):
     """Fewest workers the job runs with."""
     max_workers: int = Field(ge=1, le=4096)
     """Most workers the job runs with."""
+    shrink_after_seconds: int = Field(default=300, ge=1, le=86_400)
+    """How long a worker pod may stay unschedulable (PodScheduled False, reason Unschedulable: no
+    node has room for it) before the run goes on with fewer workers instead of waiting: the most
+    the scheduler placed that the capacity planner fits, never fewer than minWorkers."""
+    grow_back_after_seconds: int = Field(default=600, ge=1, le=604_800)
+    """How long a shrunk run trains at its smaller size before it asks for cluster.workers again,
+    at its next checkpoint; pods that still find no room shrink it again after shrinkAfterSeconds."""
 
 
 class Toleration(ApiModel):

@@ -53,7 +53,8 @@ class Condition(ApiModel):
 
 
 class WorkerCounts(ApiModel):
-    """Worker pods of the current attempt, from the PyTorchJob's replicaStatuses."""
+    """Worker pods of the current attempt (from the job's replicaStatuses), and the number of
+    workers the run asks for now, which an elastic run changes (cluster.elastic)."""
 
     active: int = 0
     """Running worker pods."""
@@ -61,6 +62,20 @@ class WorkerCounts(ApiModel):
     """Worker pods that finished successfully."""
     failed: int = 0
     """Worker pods that failed."""
+    current: int | None = None
+    """Workers the current attempt's job asks for: spec.cluster.workers, unless the operator
+    shrank an elastic run because pods found no room (`reason`)."""
+    desired: int | None = None
+    """spec.cluster.workers: the size a shrunk run grows back to."""
+    reason: str | None = Field(default=None, max_length=128)
+    """Why `current` is what it is: AsSpecified, Shrunk, NoSmallerSizeFits (pods wait: no size
+    down to minWorkers is placed and fits), GrowingBack."""
+    message: str | None = Field(default=None, max_length=2048)
+    """The last resize (or refusal to resize), in words."""
+    last_resize_time: str | None = None
+    """When `current` last changed (RFC 3339): the clock of elastic.growBackAfterSeconds."""
+    last_resize_step: int | None = None
+    """The optimizer step the run had reached at that change: it grows back at a later checkpoint."""
 
 
 class Progress(ApiModel):
