@@ -26,6 +26,9 @@ The rules, in order:
    (WillNotFit); the API server rejecting a child when it is created is Failed too (`refused`).
 8. Kueue suspending a started job (Queued) resets its rendezvous: when Kueue admits it again the
    training operator recreates the pods, which must not meet a closed rendezvous.
+9. An elastic run whose pods stay unschedulable shrinks, and grows back at a later checkpoint
+   (`elastic`: which size, when): in place where the backend scales the job and the pods that go are
+   the unschedulable ones, else as the next attempt from the newest checkpoint. No retry is spent.
 
 A change of .spec is decided by `decide_spec_change` (in place, a restart as the next attempt,
 or nothing), with its own rules.
@@ -33,7 +36,7 @@ or nothing), with its own rules.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -48,9 +51,10 @@ from llamaft.api.status import (
     PerformanceStatus,
     Phase,
     Progress,
+    WorkerCounts,
     read_status,
 )
-from llamaft.operator import failures, observe
+from llamaft.operator import elastic, failures, observe
 from llamaft.operator.failures import Failure
 from llamaft.operator.observe import Event, Observation, StatusChange
 
@@ -94,6 +98,13 @@ class Observed:
     capacity_refusal: str | None = None
     """The capacity planner's verdict when it refuses the run (spec.preflight Enforce and it will
     not fit): no attempt is created."""
+    fits: Callable[[int], str | None] | None = None
+    """The capacity planner on n workers (elastic.Fits): None when that size fits or it cannot tell,
+    else why not. None: every size is taken to fit."""
+    scalable: bool = False
+    """The backend changes the running job's workers in place (JobBackend.scalable)."""
+    index_label: str = "training.kubeflow.org/replica-index"
+    """The pods' replica-index label (an in-place scale-down removes the highest indices)."""
 
 
 @dataclass
@@ -111,6 +122,10 @@ class Decision:
     reset_rendezvous: list[int] = field(default_factory=list)
     """Attempts whose rendezvous state to remove (Kueue suspended the job: when it admits it again
     the training operator recreates the pods, which must not meet a closed rendezvous)."""
+    workers: int | None = None
+    """The worker count of the attempt it starts (spec.cluster.workers, or an elastic run's size)."""
+    scale_to: int | None = None
+    """Patch the current job's workers to this, in place (an elastic resize)."""
 
     @property
     def status(self) -> dict[str, Any]:
@@ -237,6 +252,7 @@ def _no_job(obs: Observed, attempt: int, d: Decision) -> Decision:
         d.requeue_after = max(0.5, (retry_at - obs.now).total_seconds())
         return d
     d.start_attempt = attempt
+    _size_attempt(obs, d)
     first = st.attempt == 0
     c.attempt, c.job_name, c.retry_after, c.attempt_start_time, c.last_progress_time = attempt, obs.job_name, None, now, None
     c.retries_used = st.retries_used  # written, so `kubectl get` shows Restarts 0
@@ -246,6 +262,71 @@ def _no_job(obs: Observed, attempt: int, d: Decision) -> Decision:
         c.phase = Phase.RESTARTING
         c.message = f"resubmitted as attempt {attempt}: {obs.job_kind} {obs.job_name} resumes from the newest checkpoint"
     return d
+
+
+def _size_attempt(obs: Observed, d: Decision) -> None:
+    """The size of the attempt `d` starts: spec.cluster.workers, or the elastic run's current size
+    (status.workers keeps what a shrink decided until it grows back)."""
+    spec, st, c = obs.spec, obs.status, d.change
+    size = d.workers = elastic.current_workers(spec, st.workers)
+    base = c.workers or st.workers
+    reason = elastic.AS_SPECIFIED if size == spec.cluster.workers else (base.reason or elastic.SHRUNK)
+    c.workers = elastic.status(spec, base, size, reason, None, iso(obs.now), None, resized=False)
+    c.total_gpus = size * spec.cluster.gpus_per_worker
+
+
+def _size_fields(st: LlamaFineTuneStatus, c: StatusChange) -> None:
+    """Observe's worker counts with the size fields status.workers holds, so that an unchanged
+    size is no change of the written status."""
+    if c.workers is None:
+        return
+    kept: dict[str, Any] = {name: getattr(st.workers, name) for name in ("current", "desired", "reason", "message", "last_resize_time",
+                                                          "last_resize_step") if name in st.workers.model_fields_set}
+    c.workers = c.workers.model_copy(update=kept)
+
+
+def _elastic(obs: Observed, seen: Observation, attempt: int, d: Decision) -> None:
+    """Rule 9: the elastic run's size (`elastic.shrink`, `elastic.grow`), on the running attempt."""
+    spec, st, now, c = obs.spec, obs.status, iso(obs.now), d.change
+    if spec.cluster.elastic is None:
+        return
+    current = elastic.current_workers(spec, st.workers)
+    placed = elastic.placement(obs.pods)
+    step = _last_step(obs, seen)
+    base = c.workers or st.workers
+    resize = elastic.shrink(spec, current, placed, obs.now, obs.fits or (lambda n: None))
+    if resize is None and placed.unschedulable == 0:
+        if st.workers.reason == elastic.GROWING_BACK and base.active >= current:
+            message = f"back at {current} worker(s), as spec.cluster.workers says"
+            c.workers = elastic.status(spec, base, current, elastic.AS_SPECIFIED, message, now, None, resized=False)
+            d.events.append(Event("Normal", "GrewBack", message))
+            return
+        resize = elastic.grow(spec, current, st.workers, step, obs.now)
+    if resize is None:
+        return
+    if not resize.resizes:
+        c.workers = elastic.status(spec, base, current, resize.reason, resize.message, now, None, resized=False)
+        if st.workers.reason != resize.reason:
+            d.events.append(Event("Warning", resize.reason, resize.message[:1000]))
+        return
+    n = resize.workers
+    in_place = obs.scalable and all(i >= n for i in elastic.unschedulable_indices(obs.pods, obs.index_label))
+    if not in_place and attempt >= MAX_ATTEMPTS:
+        return  # no attempt left to resize into: the pods wait, as without cluster.elastic
+    c.workers = elastic.status(spec, base, n, resize.reason, resize.message, now, step, resized=True)
+    c.total_gpus = n * spec.cluster.gpus_per_worker
+    d.events.append(Event("Warning" if resize.reason == elastic.SHRUNK else "Normal", resize.reason, resize.message[:1000]))
+    if in_place:
+        d.scale_to = n
+        return
+    # A job whose size cannot change in place: the next attempt, at the new size, from the newest checkpoint.
+    nxt = attempt + 1
+    d.delete_jobs.append(obs.job_name)
+    d.start_attempt, d.workers = nxt, n
+    c.attempt, c.last_progress_time, c.leader_pod, c.phase = nxt, None, None, Phase.RESTARTING
+    c.retry_after, c.attempt_start_time = None, now
+    c.message = (f"{resize.reason}: {obs.job_kind} {obs.job_name} cannot change its size in place; restarting from the "
+                 f"newest checkpoint as attempt {nxt} on {n} worker(s)")
 
 
 def _stalled(obs: Observed, progress_step: int | None, last_progress: datetime | None) -> Failure | None:
@@ -304,6 +385,11 @@ def _with_job(obs: Observed, seen: Observation, attempt: int, d: Decision) -> De
         return _failed_attempt(obs, seen, attempt, d, failure)  # rule 5
     c = d.change
     c.take(seen.change)
+    _size_fields(st, c)
+    if not suspended and seen.phase is not Phase.SUSPENDED:
+        _elastic(obs, seen, attempt, d)  # rule 9
+        if d.start_attempt is not None:
+            return d
     if seen.phase is Phase.CREATING and st.phase is Phase.RESTARTING:
         c.phase, c.message = Phase.RESTARTING, st.message  # the new attempt's job exists; its pods are not running yet
     d.events += seen.events
@@ -441,6 +527,7 @@ def _failed_attempt(obs: Observed, seen: Observation, attempt: int, d: Decision,
     d.events.append(Event("Warning", failure.reason, c.message))
     if delay == 0:
         d.start_attempt = nxt
+        _size_attempt(obs, d)
         c.retry_after, c.attempt_start_time = None, now
     else:
         c.retry_after = iso(obs.now + timedelta(seconds=delay))
@@ -579,6 +666,8 @@ def decide_spec_change(change: SpecChanged) -> SpecDecision:
                                   f"{kind} {job_name} {'suspended' if suspend else 'resumed'}"))
         if ("cluster", "workers") in changed:
             d.scale_to = spec.cluster.workers
+            d.change.workers = WorkerCounts(current=spec.cluster.workers, desired=spec.cluster.workers,
+                                            reason=elastic.AS_SPECIFIED, message="spec.cluster.workers changed: scaled in place")
             d.events.append(Event("Normal", "Scaled", f"elastic workers -> {spec.cluster.workers}"))
         if any(path[:2] == ("monitoring", "dcgm") for path in changed):
             d.events.append(Event("Normal", "MonitoringChanged", "monitoring applied in place; training continues"))

@@ -149,6 +149,9 @@ class ObjectState:
     """((uid, generation), children) the validation rendered and checked, handed to the first apply."""
     capacity: tuple[int | None, Any] | None = None
     """(generation, the capacity planner's Admission)."""
+    sized_capacity: dict[tuple[int | None, int], str | None] = field(default_factory=dict)
+    """(generation, workers) -> why that many workers do not fit (None: they fit), for an elastic
+    run's shrink (Step._fits)."""
     progress_cursor: int = 0
     """Which running pod to ask for /progress next while the leader is not known."""
     children_source: tuple[str, Any] | None = None

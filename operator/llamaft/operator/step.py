@@ -16,7 +16,7 @@ from llamaft.api.contracts import ProgressDocument, read_progress
 from llamaft.api.spec import Backend, LlamaFineTuneSpec, PreflightMode
 from llamaft.api.status import TERMINAL_PHASES, Condition, LlamaFineTuneStatus, Phase, read_status
 from llamaft.api.validation import SpecInvalid, validate_spec
-from llamaft.operator import failures, gpu_health, lifecycle, observe, rendezvous
+from llamaft.operator import elastic, failures, gpu_health, lifecycle, observe, rendezvous
 from llamaft.operator.children import ChildReconciler, adopted
 from llamaft.operator.http import HttpClient, HttpError
 from llamaft.operator.kube import owned_by
@@ -112,6 +112,8 @@ class Step(ChildReconciler):
         for job_name in decision.delete_jobs:
             if self.kube.delete_job(self.namespace, job_name, self.job_kind):
                 self.logger.info(f"deleted {self.job_kind} {job_name}")
+        if decision.scale_to is not None and obs.job is not None:
+            self.kube.patch_job(self.namespace, obs.job_name, self.backend.scale_patch(decision.scale_to), self.job_kind)
         patch = self._patch(decision, status, owner, parsed)
         if obs.job is not None and decision.start_attempt is None and _phase_after(patch, status) not in TERMINAL:
             self._suspend_as_specified(obj, owner, parsed, obs.job, max(attempt, int(patch.get("attempt") or 0)))
@@ -125,7 +127,8 @@ class Step(ChildReconciler):
             requeue = min(filter(None, (requeue, self._reconcile_children(obj, owner, parsed, patch))), default=None)
         if decision.start_attempt is not None:
             try:
-                requeue = self._start_attempt(obj, owner, parsed, decision.start_attempt, status, patch) or requeue
+                requeue = self._start_attempt(obj, owner, parsed, decision.start_attempt, status, patch,
+                                              decision.workers or parsed.cluster.workers) or requeue
             except ApiException as exc:
                 if exc.status not in (400, 422):
                     raise  # transient: the daemon looks again
@@ -267,8 +270,19 @@ class Step(ChildReconciler):
         return lifecycle.Observed(
             spec=spec, status=status, now=now(), job_name=job_name, job=job, job_kind=kind, job_deleting=deleting,
             stale_jobs=stale, pods=pods, progress=progress, gpu=gpu, retry_backoff_s=self.settings.retry_backoff_s,
-            generation=generation, capacity_refusal=capacity_refusal,
+            generation=generation, capacity_refusal=capacity_refusal, fits=lambda n: self._fits(spec, generation, n),
+            scalable=backend.scalable(spec),
         )
+
+    def _fits(self, spec: LlamaFineTuneSpec, generation: int | None, workers: int) -> str | None:
+        """The capacity planner on `workers` workers (an elastic shrink's check, whatever
+        spec.preflight says: the operator's own resize must not make a fitting run run out of
+        memory): None when it fits or cannot tell, else its verdict. Once per generation and size."""
+        key = (generation, workers)
+        if key not in self.own.sized_capacity:
+            verdict = admission(elastic.sized(spec, workers))
+            self.own.sized_capacity[key] = verdict.message if verdict.fits is False else None
+        return self.own.sized_capacity[key]
 
     def _leader_progress(self, pods: list[Obj], spec: LlamaFineTuneSpec, leader: str | None) -> ProgressDocument | None:
         """The leader's /progress in at most PROGRESS_REQUESTS_PER_SYNC requests, whatever the
@@ -322,9 +336,11 @@ class Step(ChildReconciler):
 
     # ---------------------------------------------------------------------- starting an attempt
     def _start_attempt(self, obj: Obj, owner: Owner, spec: LlamaFineTuneSpec, attempt: int, status: LlamaFineTuneStatus,
-                       patch: Obj) -> float | None:
-        """Ensure the attempt's children exist and its rendezvous is clean, then create its job.
-        Returns a requeue delay when something it needs is not ready yet."""
+                       patch: Obj, workers: int) -> float | None:
+        """Ensure the attempt's children exist and its rendezvous is clean, then create its job
+        with `workers` workers (spec.cluster.workers, or an elastic run's size: the children are
+        the spec's, whatever the size). Returns a requeue delay when something it needs is not
+        ready yet."""
         k, ns = self.kube, self.namespace
         job_name = owner.job_name(attempt)
         waiting = self._reconcile_children(obj, owner, spec, patch, force=True)
@@ -341,18 +357,19 @@ class Step(ChildReconciler):
             self._condition(obj, patch, "RendezvousReady", False, "RendezvousResetFailed", str(exc))
             return 5.0
         excluded = patch.get("excludedNodes", status.excluded_nodes) or []
-        rendered = self.backend.render(owner, spec, attempt, excluded)
+        rendered = self.backend.render(owner, elastic.sized(spec, workers), attempt, excluded)
         job = adopted(rendered, obj)
         created = k.create_job(ns, job)
         if created is not None:
             # The job's creation event is this write's echo: it need not wake this lifecycle.
             self.shared.created_jobs[(ns, job_name)] = str(created["metadata"].get("resourceVersion"))
             self.event(obj, "Normal", "JobCreated", f"created {self.job_kind} {job_name} (attempt {attempt}, "
-                       f"rendezvous {owner.rendezvous_id(attempt)})" + (f", avoiding {', '.join(excluded)}" if excluded else ""))
+                       f"{workers} worker(s), rendezvous {owner.rendezvous_id(attempt)})"
+                       + (f", avoiding {', '.join(excluded)}" if excluded else ""))
         self._condition(obj, patch, "RendezvousReady", True, "RendezvousReady",
                         f"{spec.rendezvous.backend.value} rendezvous {owner.rendezvous_id(attempt)}")
         patch.update(attempt=attempt, jobName=job_name, rendezvousId=owner.rendezvous_id(attempt),
-                     totalGpus=spec.cluster.workers * spec.cluster.gpus_per_worker)
+                     totalGpus=workers * spec.cluster.gpus_per_worker)
         return None
 
     def _reset(self, obj: Obj, owner: Owner, spec: LlamaFineTuneSpec, attempts: list[int]) -> None:

@@ -1,0 +1,219 @@
+"""An elastic run's size as tables: `elastic.shrink` / `elastic.grow` (which size, when), and the
+lifecycle rows that carry them out (in place on a PyTorchJob, a new attempt on a TrainJob), each
+resize an event and a status change. No cluster, no clock."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+from llamaft.api.spec import LlamaFineTuneSpec
+from llamaft.api.status import WorkerCounts, read_status
+from llamaft.operator import elastic, lifecycle
+from llamaft.operator.elastic import Placement
+
+from tests.operator.test_lifecycle import JOB, NOW, RUNNING, job, observed, pod
+
+INDEX = "training.kubeflow.org/replica-index"
+
+
+def elastic_spec(workers: int = 2, low: int = 1, high: int = 2, every: int = 10, **fields: Any) -> LlamaFineTuneSpec:
+    return LlamaFineTuneSpec.model_validate({
+        "model": {"source": "/models/tiny"}, "dataset": {"format": "samsum", "source": "/data/x.jsonl"},
+        "checkpointing": {"everyNSteps": every},
+        "cluster": {"workers": workers, "gpusPerWorker": 0,
+                    "elastic": {"minWorkers": low, "maxWorkers": high, "shrinkAfterSeconds": 60, "growBackAfterSeconds": 300,
+                                **fields}},
+        "runPolicy": {"retryBudget": 3},
+    })
+
+
+def pending(index: int, since: datetime | None = NOW - timedelta(seconds=61), message: str = "0/1 nodes are available: "
+            "1 Insufficient cpu.", reason: str = "Unschedulable") -> dict[str, Any]:
+    """A worker pod the scheduler could not place, as kube-scheduler leaves it."""
+    conditions = [] if since is None else [{
+        "type": "PodScheduled", "status": "False", "reason": reason, "message": message,
+        "lastTransitionTime": since.isoformat().replace("+00:00", "Z")}]
+    return {"metadata": {"name": f"{JOB}-worker-{index}", "labels": {INDEX: str(index)}}, "spec": {},
+            "status": {"phase": "Pending", "conditions": conditions}}
+
+
+def placed(index: int) -> dict[str, Any]:
+    out = pod(index)
+    out["metadata"]["labels"] = {INDEX: str(index)}
+    return out
+
+
+def fits_all(n: int) -> str | None:
+    return None
+
+
+# ------------------------------------------------------------------------------ placement
+def test_placement_counts_only_pods_the_scheduler_marked_unschedulable() -> None:
+    early = NOW - timedelta(seconds=90)
+    pods = [placed(0), pending(1, early, "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."), pending(2),
+            pending(3, since=None),  # not tried yet: no PodScheduled condition
+            pending(4, reason="SchedulingGated"),
+            {**pending(5), "metadata": {"name": "x", "deletionTimestamp": "2026-11-30T11:00:00Z"}}]
+    got = elastic.placement(pods)
+    assert (got.unschedulable, got.since, got.message) == (2, early, "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.")
+    assert elastic.unschedulable_indices(pods, INDEX) == [1, 2]
+    assert elastic.placement([placed(0), placed(1)]) == Placement()
+
+
+# ------------------------------------------------------------------------------ shrink
+SHRINK_ROWS: list[tuple[str, dict[str, Any], tuple[int, str] | None]] = [
+    # (row, arguments, (workers, reason) or None: nothing due)
+    ("not elastic: waits as before", dict(spec=LlamaFineTuneSpec.model_validate({
+        "model": {"source": "/m"}, "dataset": {"format": "samsum", "source": "/d.jsonl"},
+        "cluster": {"workers": 2, "gpusPerWorker": 0}})), None),
+    ("nothing unschedulable", dict(placed=Placement()), None),
+    ("unschedulable, but not for shrinkAfterSeconds yet", dict(placed=Placement(1, NOW - timedelta(seconds=59))), None),
+    ("one of two unschedulable past the timeout: 1 worker", dict(), (1, elastic.SHRUNK)),
+    ("the largest placed size: 4 of 6 placed", dict(spec=elastic_spec(6, 1, 8), current=6, placed=Placement(2, NOW - timedelta(hours=1))),
+     (4, elastic.SHRUNK)),
+    ("the planner refuses 4 and 3: 2", dict(spec=elastic_spec(6, 1, 8), current=6, placed=Placement(2, NOW - timedelta(hours=1)),
+                                             fits=lambda n: "needs 90 GiB per GPU" if n > 2 else None), (2, elastic.SHRUNK)),
+    ("no size down to minWorkers fits: it waits, the reason says so",
+     dict(spec=elastic_spec(4, 3, 4), current=4, fits=lambda n: f"{n} workers: needs 90 GiB per GPU, has 80"),
+     (4, elastic.NO_SMALLER_SIZE_FITS)),
+    ("placed fewer than minWorkers: it waits", dict(spec=elastic_spec(3, 2, 3), current=3, placed=Placement(2, NOW - timedelta(hours=1))),
+     (3, elastic.NO_SMALLER_SIZE_FITS)),
+]
+
+
+@pytest.mark.parametrize(("row", "args", "want"), SHRINK_ROWS, ids=[r[0] for r in SHRINK_ROWS])
+def test_the_shrink_table(row: str, args: dict[str, Any], want: tuple[int, str] | None) -> None:
+    base: dict[str, Any] = dict(spec=elastic_spec(), current=2, placed=Placement(1, NOW - timedelta(seconds=61), "0/1 nodes"),
+                                now=NOW, fits=fits_all)
+    base.update(args)
+    got = elastic.shrink(**base)
+    assert (None if got is None else (got.workers, got.reason)) == want, row
+
+
+def test_a_refusal_names_each_size_and_the_planners_words() -> None:
+    got = elastic.shrink(elastic_spec(4, 2, 4), 4, Placement(1, NOW - timedelta(hours=1), "0/3 nodes are available"), NOW,
+                         lambda n: f"needs {100 - n} GiB")
+    assert got is not None and not got.resizes
+    assert "no size from 3 down to elastic.minWorkers 2 fits" in got.message
+    assert "3: needs 97 GiB; 2: needs 98 GiB" in got.message and "0/3 nodes are available" in got.message
+
+
+def test_the_planner_decides_on_the_smaller_size_with_the_same_spec() -> None:
+    """The check goes to the planner with cluster.workers = n and nothing else changed."""
+    asked: list[LlamaFineTuneSpec] = []
+    spec = elastic_spec(4, 1, 4)
+    elastic.shrink(spec, 4, Placement(2, NOW - timedelta(hours=1)), NOW,
+                   lambda n: asked.append(elastic.sized(spec, n)) or "no")  # type: ignore[func-returns-value]
+    assert [s.cluster.workers for s in asked] == [2, 1]
+    assert all(s.model_copy(update={"cluster": spec.cluster}) == spec for s in asked)
+
+
+# ------------------------------------------------------------------------------ grow
+def shrunk(at_step: int | None = 15, ago: float = 301) -> WorkerCounts:
+    return WorkerCounts(current=1, desired=2, reason=elastic.SHRUNK, last_resize_step=at_step,
+                        last_resize_time=(NOW - timedelta(seconds=ago)).isoformat().replace("+00:00", "Z"))
+
+
+GROW_ROWS: list[tuple[str, dict[str, Any], int | None]] = [
+    ("at its size: nothing", dict(current=2, workers=WorkerCounts(current=2, reason=elastic.AS_SPECIFIED)), None),
+    ("shrunk, the next checkpoint passed, growBackAfterSeconds passed: back to 2", dict(), 2),
+    ("shrunk, growBackAfterSeconds not passed yet", dict(workers=shrunk(ago=299)), None),
+    ("shrunk, no checkpoint since the shrink (steps 15 -> 19, every 10)", dict(step=19), None),
+    ("shrunk before any step: the first checkpoint", dict(workers=shrunk(at_step=None), step=10), 2),
+    ("no progress seen: no checkpoint known", dict(step=None), None),
+]
+
+
+@pytest.mark.parametrize(("row", "args", "want"), GROW_ROWS, ids=[r[0] for r in GROW_ROWS])
+def test_the_grow_table(row: str, args: dict[str, Any], want: int | None) -> None:
+    base: dict[str, Any] = dict(spec=elastic_spec(), current=1, workers=shrunk(), step=21, now=NOW)
+    base.update(args)
+    got = elastic.grow(**base)
+    assert (None if got is None else got.workers) == want, row
+    assert got is None or got.reason == elastic.GROWING_BACK
+
+
+def test_the_current_size_follows_the_spec_unless_shrunk() -> None:
+    spec = elastic_spec(3, 1, 4)
+    assert elastic.current_workers(spec, WorkerCounts()) == 3
+    assert elastic.current_workers(spec, WorkerCounts(current=2, reason=elastic.AS_SPECIFIED)) == 3, "the spec changed since"
+    assert elastic.current_workers(spec, WorkerCounts(current=2, reason=elastic.SHRUNK)) == 2
+    assert elastic.current_workers(elastic_spec(2, 2, 4), WorkerCounts(current=1, reason=elastic.SHRUNK)) == 2, "minWorkers rose"
+
+
+# ------------------------------------------------------------------------------ lifecycle rows
+SHRUNK_STATUS = {**RUNNING, "workers": {"current": 1, "desired": 2, "reason": "Shrunk", "lastResizeTime": "2026-11-30T11:00:00Z",
+                                        "lastResizeStep": 5}}
+RUNNING_JOB = job("Created", "Running", replicaStatuses={"Worker": {"active": 1}})
+LIFECYCLE_ROWS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+    # (row, observed state, what the decision does)
+    ("first attempt of an elastic run: its size in the status", dict(spec=elastic_spec(), status={}),
+     dict(start=1, workers=2, size=(2, "AsSpecified"))),
+    ("PyTorchJob, worker-1 unschedulable: scaled to 1 in place",
+     dict(spec=elastic_spec(), job=RUNNING_JOB, pods=[placed(0), pending(1)], scalable=True),
+     dict(scale=1, size=(1, "Shrunk"), events=["Shrunk"], resized=True)),
+    ("PyTorchJob, worker-0 unschedulable: an in-place scale would remove the running one: next attempt",
+     dict(spec=elastic_spec(), job=RUNNING_JOB, pods=[pending(0), placed(1)], scalable=True),
+     dict(start=2, workers=1, delete=[JOB], size=(1, "Shrunk"), phase="Restarting", events=["Shrunk"], resized=True)),
+    ("TrainJob: each size change is the next attempt from the newest checkpoint",
+     dict(spec=elastic_spec(), job_kind="TrainJob", job=RUNNING_JOB, pods=[placed(0), pending(1)]),
+     dict(start=2, workers=1, delete=[JOB], size=(1, "Shrunk"), phase="Restarting", events=["Shrunk"], resized=True)),
+    ("unschedulable, not long enough: nothing", dict(spec=elastic_spec(), job=RUNNING_JOB, scalable=True,
+                                                   pods=[placed(0), pending(1, NOW - timedelta(seconds=30))]), dict()),
+    ("the planner fits no smaller size: waits, says so once",
+     dict(spec=elastic_spec(), job=RUNNING_JOB, pods=[placed(0), pending(1)], scalable=True, fits=lambda n: "needs 90 GiB"),
+     dict(size=(2, "NoSmallerSizeFits"), events=["NoSmallerSizeFits"])),
+    ("still nothing fits: no second event",
+     dict(spec=elastic_spec(), status={**RUNNING, "workers": {"current": 2, "reason": "NoSmallerSizeFits"}}, job=RUNNING_JOB,
+          pods=[placed(0), pending(1)], scalable=True, fits=lambda n: "needs 90 GiB"),
+     dict(size=(2, "NoSmallerSizeFits"))),
+    ("shrunk, a checkpoint later: grows back in place",
+     dict(spec=elastic_spec(), status=SHRUNK_STATUS, job=RUNNING_JOB, pods=[placed(0)], scalable=True),
+     dict(scale=2, size=(2, "GrowingBack"), events=["GrowingBack"], resized=True)),
+    ("shrunk TrainJob, a checkpoint later: grows back as the next attempt",
+     dict(spec=elastic_spec(), job_kind="TrainJob", status=SHRUNK_STATUS, job=RUNNING_JOB, pods=[placed(0)]),
+     dict(start=2, workers=2, delete=[JOB], size=(2, "GrowingBack"), phase="Restarting", events=["GrowingBack"], resized=True)),
+    ("grown back and every worker runs: AsSpecified",
+     dict(spec=elastic_spec(), status={**RUNNING, "workers": {"current": 2, "reason": "GrowingBack"}},
+          job=job("Created", "Running", replicaStatuses={"Worker": {"active": 2}}), pods=[placed(0), placed(1)], scalable=True),
+     dict(size=(2, "AsSpecified"), events=["GrewBack"])),
+    ("a retry of a shrunk run keeps its size", dict(spec=elastic_spec(), status={**SHRUNK_STATUS, "phase": "Restarting"}),
+     dict(start=1, workers=1, size=(1, "Shrunk"))),
+    ("a suspended job is not resized", dict(spec=elastic_spec(), job=job("Suspended"), pods=[pending(1)], scalable=True),
+     dict(events=["Suspended"])),
+]
+
+
+@pytest.mark.parametrize(("row", "state", "want"), LIFECYCLE_ROWS, ids=[r[0] for r in LIFECYCLE_ROWS])
+def test_the_elastic_lifecycle_table(row: str, state: dict[str, Any], want: dict[str, Any]) -> None:
+    obs = observed(**state)
+    d = lifecycle.decide(obs)
+    assert d.start_attempt == want.get("start"), row
+    assert d.workers == want.get("workers"), row
+    assert d.scale_to == want.get("scale"), row
+    assert d.delete_jobs == want.get("delete", []), row
+    assert [e.reason for e in d.events if e.reason not in ("Running", "Created")] == want.get("events", []), row
+    workers = d.status.get("workers")
+    if "size" in want:
+        assert (workers["current"], workers["reason"]) == want["size"], row
+        assert d.status.get("totalGpus", 0) == workers["current"] * obs.spec.cluster.gpus_per_worker, row
+        assert workers["desired"] == obs.spec.cluster.workers
+    else:
+        assert workers is None or "current" not in workers or workers["current"] == read_status(obs.status).workers.current
+    if want.get("resized"):
+        assert workers["lastResizeTime"] == "2026-11-30T12:00:00Z" and workers["message"], row
+    if "phase" in want:
+        assert d.status["phase"] == want["phase"], row
+    assert "retriesUsed" not in d.status or d.status["retriesUsed"] == obs.status.retries_used, "a resize spends no retry"
+
+
+def test_an_unchanged_size_writes_no_change() -> None:
+    """Observe's pod counts carry the stored size fields: a look that decides nothing new patches
+    exactly what is stored."""
+    stored = {"active": 1, "succeeded": 0, "failed": 0, "current": 1, "desired": 2, "reason": "Shrunk", "message": "m",
+              "lastResizeTime": "2026-11-30T11:59:00Z", "lastResizeStep": 5}
+    d = lifecycle.decide(observed({**RUNNING, "workers": stored}, spec=elastic_spec(), job=RUNNING_JOB, pods=[placed(0)],
+                                  scalable=True))
+    assert d.status["workers"] == stored and d.scale_to is None and d.start_attempt is None
