@@ -2,7 +2,10 @@
 trainer: the Kubeflow training operator (v1.9, PyTorchJob), Kubeflow Trainer v2.3 with JobSet and the
 Job controller (TrainJob, tests/operator/sim_trainjob.py), just enough of the Deployment controller
 for the managed etcd, the scheduler and a kubelet per node that runs each pod's container as a real
-process tree on this machine. Plus faults on demand (kill, OOM, hang, eviction, node loss).
+process tree on this machine. Plus faults on demand (kill, OOM, hang, eviction, node loss) and
+capacity: each node's allocatable cpu, memory and GPUs bound what the scheduler places there, so a
+node lost with no room left leaves its pods' replacements Pending and Unschedulable, and a node
+added later (`add_node`) takes them.
 
 Everything talks to the emulator through its HTTP API, as the real components do, so the operator
 under test sees exactly the objects and transitions a cluster would show it; the one shortcut is
@@ -72,6 +75,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from llamaft.api.quantity import quantity_value
+
 from tests.operator.emulator import merge_diff, now_rfc3339
 from tests.tiers import starts_processes
 
@@ -97,6 +102,8 @@ def _xdist_block() -> int:
     addresses, so each worker needs its own block of 127.0.0.0/8."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     return 1 + int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+SCHEDULED_RESOURCES = ("cpu", "memory", "nvidia.com/gpu")
+"""The resources the scheduler's NodeResourcesFit counts here (pods per node are not limited)."""
 RETRYABLE_UNKNOWN = 0xBEEF
 """The training operator's exit code for a failed pod without a terminated `pytorch` container."""
 TERMINATION_LOG_MAX = 4096
@@ -383,19 +390,22 @@ class SimCluster:
                  tick: float = 0.2, etcd_ready_delay: float = 0.5, gpus_per_node: int = 0,
                  node_labels: dict[str, dict[str, str]] | None = None, restart_backoff: float = 1.0,
                  final_delete_delay: float = 1.0, python: str = sys.executable,
-                 claims: dict[str, Path] | None = None) -> None:
+                 claims: dict[str, Path] | None = None, node_cpu: str = "64", node_memory: str = "256Gi") -> None:
         """`node_labels`: extra labels per node name (e.g. {"node-1": {"gpu": "a100"}});
         `claims`: PersistentVolumeClaims backed by a local folder, bind-mounted where a pod mounts
         them (every pod of every node sees the same folder, like a ReadWriteMany volume); a pod
         naming any other claim stays Pending, unschedulable (tests may add claims later: the dict
         is read at each scheduling and container start);
         `gpus_per_node`: allocatable nvidia.com/gpu (pods asking for more stay Pending);
+        `node_cpu`, `node_memory`: each node's allocatable cpu and memory: the scheduler places a pod
+        only where the requests of the pods already there leave room for its own (`_scheduler`);
         `restart_backoff`: seconds before a kubelet restarts a container in place (OnFailure/Always);
         `final_delete_delay`: seconds a deleted pod stays terminal before the kubelet removes it."""
         self.api_url, self.etcd_endpoint = api_url, etcd_endpoint
         self.node_names = [f"node-{i}" for i in range(nodes)]
         self.workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="simcluster-"))
         self.tick, self.etcd_ready_delay, self.gpus_per_node = tick, etcd_ready_delay, gpus_per_node
+        self.node_cpu, self.node_memory = node_cpu, node_memory
         self.node_labels = node_labels or {}
         self.claims = {name: Path(path) for name, path in (claims or {}).items()}
         self.restart_backoff, self.final_delete_delay = restart_backoff, final_delete_delay
@@ -867,10 +877,23 @@ class SimCluster:
         return self._ips[uid]
 
     # ------------------------------------------------------------------------------------ nodes
+    def add_node(self, name: str, labels: dict[str, str] | None = None) -> None:
+        """Capacity returns: a node registers (a repaired machine, or one the cluster autoscaler
+        added) with the cluster's node shape; the scheduler places pending pods on it at its next
+        pass, as kube-scheduler does when a Node add event moves them back to the active queue."""
+        with self._lock:
+            self._log(f"add_node {name}")
+            if labels:
+                self.node_labels[name] = labels
+            self._lost.discard(name)
+            if name not in self.node_names:
+                self.node_names.append(name)
+            self._create_node(name)
+
     def _create_node(self, name: str) -> None:
         labels = {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
                   **self.node_labels.get(name, {})}
-        capacity = {"cpu": "64", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": str(self.gpus_per_node)}
+        capacity = {"cpu": self.node_cpu, "memory": self.node_memory, "pods": "110", "nvidia.com/gpu": str(self.gpus_per_node)}
         node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}, "spec": {}}
         self.api.create("/api/v1/nodes", node)
         self.api.patch(f"/api/v1/nodes/{name}/status", {"status": {
@@ -1214,17 +1237,26 @@ class SimCluster:
 
     # -------------------------------------------------------------------------------- scheduler
     def _scheduler(self, pods: list[Obj], nodes: list[Obj]) -> None:
-        """Bind each pending pod without scheduling gates to a feasible node (nodeSelector, required
-        node affinity, GPUs), spreading by the number of pods per node; unschedulable pods get
-        PodScheduled=False."""
+        """Bind each pending pod without scheduling gates to a feasible node, spreading by the
+        number of pods per node; an unschedulable pod gets PodScheduled=False, reason Unschedulable.
+
+        Feasible is kube-scheduler's filters in their order, each node failing at the first that
+        rejects it, with the plugins' own reasons: NodeUnschedulable ("node(s) were
+        unschedulable"), NodeAffinity (nodeSelector and required node affinity: "node(s) didn't
+        match Pod's node affinity/selector"), NodeResourcesFit (the requests of the pods bound to
+        the node plus this pod's against the node's allocatable cpu, memory and nvidia.com/gpu:
+        "Insufficient <resource>" per resource short; pkg/scheduler/framework/plugins/noderesources/
+        fit.go, fitsRequest, v1.30). The message is FitError.Error's histogram of those reasons,
+        sorted (pkg/scheduler/framework/types.go), without the PostFilter's preemption postscript."""
         live_nodes = [n for n in nodes if n["metadata"]["name"] not in self._lost and not n["metadata"].get("deletionTimestamp")]
         load: dict[str, int] = {n["metadata"]["name"]: 0 for n in live_nodes}
-        gpus_used: dict[str, int] = dict.fromkeys(load, 0)
+        used: dict[str, dict[str, float]] = {name: dict.fromkeys(SCHEDULED_RESOURCES, 0.0) for name in load}
         for pod in pods:
             node = pod.get("spec", {}).get("nodeName")
             if node in load and pod.get("status", {}).get("phase") not in ("Succeeded", "Failed"):
                 load[node] += 1
-                gpus_used[node] += self._gpus(pod)
+                for resource, amount in self._requests(pod).items():
+                    used[node][resource] += amount
         for pod in pods:
             spec, meta = pod.get("spec", {}), pod["metadata"]
             if spec.get("nodeName") or meta.get("deletionTimestamp") or spec.get("schedulerName", "default-scheduler") != "default-scheduler":
@@ -1238,12 +1270,19 @@ class SimCluster:
             if missing is not None:
                 self._unschedulable(pod, f'0/{len(live_nodes)} nodes are available: persistentvolumeclaim "{missing}" not found.')
                 continue
-            wanted = self._gpus(pod)
-            feasible = [n for n in live_nodes if self._fits(pod, n)
-                        and gpus_used[n["metadata"]["name"]] + wanted <= self._allocatable_gpus(n)]
+            wanted = self._requests(pod)
+            reasons: dict[str, int] = {}
+            feasible = []
+            for n in live_nodes:
+                why = self._filter(pod, n, used[n["metadata"]["name"]], wanted)
+                if why:
+                    for reason in why:
+                        reasons[reason] = reasons.get(reason, 0) + 1
+                else:
+                    feasible.append(n)
             if not feasible:
-                self._unschedulable(pod, f"0/{len(live_nodes)} nodes are available: {len(live_nodes)} node(s) didn't match Pod's "
-                                         "node affinity/selector" + (" or had insufficient nvidia.com/gpu." if wanted else "."))
+                histogram = ", ".join(sorted(f"{count} {reason}" for reason, count in reasons.items()))
+                self._unschedulable(pod, f"0/{len(live_nodes)} nodes are available" + (f": {histogram}." if histogram else "."))
                 continue
             node = min(feasible, key=lambda n: (load[n["metadata"]["name"]], n["metadata"]["name"]))["metadata"]["name"]
             try:
@@ -1255,7 +1294,34 @@ class SimCluster:
                 continue
             self._log(f"scheduler: {name} -> {node}")
             load[node] += 1
-            gpus_used[node] += wanted
+            for resource, amount in wanted.items():
+                used[node][resource] += amount
+
+    def _filter(self, pod: Obj, node: Obj, used: dict[str, float], wanted: dict[str, float]) -> list[str]:
+        """The reasons the first failing filter gives for `node` (empty: the pod fits there)."""
+        if node.get("spec", {}).get("unschedulable"):
+            return ["node(s) were unschedulable"]
+        if not self._fits(pod, node):
+            return ["node(s) didn't match Pod's node affinity/selector"]
+        allocatable = node.get("status", {}).get("allocatable") or {}
+        short = []
+        for resource in SCHEDULED_RESOURCES:
+            if wanted[resource] and used[resource] + wanted[resource] > quantity_value(str(allocatable.get(resource) or 0)):
+                short.append(f"Insufficient {resource}")
+        return short
+
+    @staticmethod
+    def _requests(pod: Obj) -> dict[str, float]:
+        """The pod's requests of SCHEDULED_RESOURCES (its containers' requests, a limit standing in
+        for an absent request as the API server's defaulting does)."""
+        total = dict.fromkeys(SCHEDULED_RESOURCES, 0.0)
+        for container in pod.get("spec", {}).get("containers") or []:
+            resources = container.get("resources") or {}
+            for resource in SCHEDULED_RESOURCES:
+                value = (resources.get("requests") or {}).get(resource) or (resources.get("limits") or {}).get(resource)
+                if value:
+                    total[resource] += quantity_value(str(value))
+        return total
 
     def _undeclared_claim(self, pod: Obj) -> str | None:
         """The first persistentVolumeClaim the pod's volumes name that this cluster does not have
@@ -1282,19 +1348,6 @@ class SimCluster:
             "lastTransitionTime": now_rfc3339()}]
         self._log(f"scheduler: {meta['name']} unschedulable: {message}")
         self._write_status(pod, status)
-
-    @staticmethod
-    def _gpus(pod: Obj) -> int:
-        total = 0
-        for container in pod.get("spec", {}).get("containers") or []:
-            resources = container.get("resources") or {}
-            value = (resources.get("requests") or {}).get("nvidia.com/gpu") or (resources.get("limits") or {}).get("nvidia.com/gpu")
-            total += int(value or 0)
-        return total
-
-    @staticmethod
-    def _allocatable_gpus(node: Obj) -> int:
-        return int((node.get("status", {}).get("allocatable") or {}).get("nvidia.com/gpu") or 0)
 
     @staticmethod
     def _fits(pod: Obj, node: Obj) -> bool:

@@ -412,6 +412,35 @@ def test_exit_codes_under_the_exit_code_policy(make_sim: Any) -> None:
     assert [p["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] for p in sim.history("retry-worker-0")] == [143]
 
 
+def test_a_node_lost_with_no_room_left_leaves_its_pod_unschedulable_until_a_node_joins(make_sim: Any) -> None:
+    """Node capacity: with room for one worker per node, the replacement of a pod on a lost node
+    stays Pending with PodScheduled False/Unschedulable and kube-scheduler's FitError message; a
+    node that joins takes it at the scheduler's next pass."""
+    sim = make_sim(nodes=2, node_cpu="3", node_memory="8Gi")
+    job = python_job("roomy", SLEEP, grace=1, restart_policy="ExitCode")
+    container = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+    container["resources"] = {"requests": {"cpu": "2", "memory": "5Gi"}, "limits": {"cpu": "2", "memory": "5Gi"}}
+    sim.api.create(job_path(NS), job)
+    sim.wait_job_condition("roomy", "Running", timeout=20)
+    assert sorted(sim.node_of(f"roomy-worker-{i}") or "" for i in (0, 1)) == ["node-0", "node-1"], "one per node: 2 + 2 > 3 cpu"
+    lost_on = sim.node_of("roomy-worker-1")
+    assert lost_on is not None
+    sim.lose_node(lost_on)
+
+    def unschedulable() -> Obj | None:
+        pod = sim.pod("roomy-worker-1")
+        scheduled = condition(pod or {}, "PodScheduled")
+        return scheduled if scheduled.get("reason") == "Unschedulable" else None
+    scheduled = sim.wait("replacement unschedulable", unschedulable, timeout=20)
+    assert scheduled["status"] == "False"
+    assert scheduled["message"] == "0/1 nodes are available: 1 Insufficient cpu, 1 Insufficient memory."
+    pod = sim.pod("roomy-worker-1")
+    assert pod is not None and pod["status"]["phase"] == "Pending" and not pod["spec"].get("nodeName")
+    sim.add_node("node-9")
+    sim.wait("placed on the new node", lambda: sim.node_of("roomy-worker-1") == "node-9", timeout=20)
+    sim.wait_pod_running("roomy-worker-1", timeout=20)
+
+
 def test_on_failure_restarts_in_place_until_the_backoff_limit(make_sim: Any) -> None:
     sim = make_sim(nodes=1, restart_backoff=0.2)
     sim.api.create(job_path(NS), python_job("flaky", "import sys\nsys.exit(3)", replicas=1, restart_policy="OnFailure",
