@@ -79,13 +79,23 @@ def check(cfg: TrainingJobConfig) -> None:
 
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
-    """The base model: the peft model inside `model` (under FSDP or DDP) with its adapters off."""
+    """The base model: the peft model inside `model` (under FSDP or DDP) with its adapters off.
+
+    peft's `disable_adapter()` also sets requires_grad False on every adapter parameter
+    (peft/tuners/tuners_utils.py BaseTunerLayer.enable_adapters); the flags are put back at once.
+    FSDP2 takes a parameter group's gradient dtypes from them at its lazy initialisation, which is
+    the first forward, i.e. this one: with no parameter trainable then, it reduces bf16 gradients
+    into fp32 parameters under mixedPrecision bf16 (a 'grad_dtype' RuntimeError). The forward runs
+    under no_grad, so the flags change nothing else."""
     from peft import PeftModel
 
     peft = next((m for m in model.modules() if isinstance(m, PeftModel)), None)
     if peft is None:
         raise RuntimeError("the LoRA reference needs a peft model, and the model holds none")
+    trainable = [p for p in model.parameters() if p.requires_grad]
     with peft.disable_adapter():
+        for parameter in trainable:
+            parameter.requires_grad_(True)
         yield
 
 
