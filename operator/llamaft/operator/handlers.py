@@ -24,7 +24,7 @@ from typing import Any
 import kopf
 
 from llamaft.api import resource
-from llamaft.operator import children, daemon, deletion, spec_changes, startup
+from llamaft.operator import children, daemon, deletion, persistence, spec_changes, startup
 from llamaft.render.naming import LABEL_FINETUNE
 
 RESOURCE = (resource.GROUP, resource.VERSION, resource.PLURAL)
@@ -89,15 +89,19 @@ async def children_by_owner(resource: kopf.Resource, meta: kopf.Meta, **_: Any) 
 
 @kopf.on.event(*RESOURCE)
 async def finetune_seen(type: str | None, name: str | None, namespace: str | None, memo: kopf.Memo,
-                        logger: Any, body: kopf.Body, children_by_owner: Any = None, **_: Any) -> None:
+                        logger: Any, body: kopf.Body, patch: kopf.Patch | None = None, children_by_owner: Any = None,
+                        **_: Any) -> None:
     """The per-phase gauge, from the phases the API server holds (every object is listed at
     startup, so the gauge is right after a restart too); a LlamaFineTune just created gets its
-    first lifecycle step at once (`daemon.finetune_event`)."""
+    first lifecycle step at once (`daemon.finetune_event`), and kopf's creation records go in
+    its finalizer's write (`persistence.record_creation`)."""
+    if type == "ADDED" and patch is not None:
+        persistence.record_creation(body, patch)
     if name and namespace:
         daemon.finetune_event(memo, type, namespace, name, logger, body, children_by_owner)
 
 
-@kopf.on.update(*RESOURCE, field="spec")
+@kopf.on.update(*RESOURCE, field=persistence.SPEC_FIELD)
 def spec_changed(body: kopf.Body, old: Any, new: Any, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
     spec_changes.spec_changed(body, old, meta, memo)
 

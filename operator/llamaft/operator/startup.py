@@ -12,6 +12,7 @@ import kopf
 
 from llamaft.api.spec import LlamaFineTuneSpec
 from llamaft.api.status import Phase
+from llamaft.operator import persistence
 from llamaft.operator.http import HttpClient
 from llamaft.operator.kube import Kube, throttle_credential_refresh
 from llamaft.operator.operator_metrics import FINETUNES
@@ -38,11 +39,7 @@ WARM_UP_SPEC = {"model": {"source": "meta-llama/Llama-2-7b-hf"}, "dataset": {"fo
 
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -> None:
     logger = kwargs["logger"]
-    settings.persistence.finalizer = "llamaft.io/finalizer"
-    # The CRD's status schema is structural: kopf's own status fields would be pruned, so its
-    # bookkeeping lives in annotations.
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="llamaft.io")
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="llamaft.io", key="last-handled-spec")
+    persistence.configure(settings)  # kopf's records in annotations (the status schema is structural)
     settings.posting.level = logging.INFO
     # cel-python logs every evaluation step at DEBUG: far too costly (and noisy) for an operator.
     logging.getLogger("celpy").setLevel(logging.WARNING)
