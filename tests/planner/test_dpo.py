@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 from llamaft.api.spec import (
     DPO_LIVE_REFERENCE_UNSUPPORTED,
-    DPO_STREAMING_UNSUPPORTED,
     MixedPrecision,
     ShardingStrategy,
 )
@@ -102,8 +101,6 @@ def test_loras_reference_is_a_forward_per_micro_batch() -> None:
 def test_the_verdict_refuses_what_the_trainer_refuses_in_its_words() -> None:
     live = admission(dpo_spec(**{"training.dpo.reference": "live"}))
     assert (live.fits, live.reason, live.refuse, live.message) == (False, DPO_UNSUPPORTED, True, DPO_LIVE_REFERENCE_UNSUPPORTED)
-    streaming = admission(dpo_spec(**{"dataset.streaming": True}))
-    assert (streaming.reason, streaming.message) == (DPO_UNSUPPORTED, DPO_STREAMING_UNSUPPORTED)
     assert admission(dpo_spec()).reason == FITS
     # the trainer's ConfigError says the same (dpo_step.check, before any collective)
     pytest.importorskip("torch")
@@ -114,6 +111,23 @@ def test_the_verdict_refuses_what_the_trainer_refuses_in_its_words() -> None:
     with pytest.raises(ConfigError) as raised:
         check(spec.training_config())
     assert str(raised.value) == live.message
+
+
+def test_streamed_pairs_are_planned_and_trained_as_stored_ones() -> None:
+    """dataset.streaming with format preference (preference_stream.py) is valid: the verdict fits it,
+    its plan is the token store's (the same micro-batches, the same reference pass before training:
+    the stream is scored in one pass of the initial model), and the trainer's check takes it."""
+    base = {"training.maxSteps": 100, "cluster.workers": 2}
+    shape = resolve_shape(dpo_spec().model.source)
+    stored = build_plan(dpo_spec(**base), shape, dataset_records=10_000)
+    streamed = build_plan(dpo_spec(**base, **{"dataset.streaming": True}), shape, dataset_records=10_000)
+    assert admission(dpo_spec(**{"dataset.streaming": True})).reason == FITS
+    assert streamed.memory.peak_bytes == stored.memory.peak_bytes
+    assert streamed.throughput.reference_seconds == stored.throughput.reference_seconds > 0
+    pytest.importorskip("torch")
+    from llamaft_trainer.dpo_step import check
+
+    check(dpo_spec(**{"dataset.streaming": True}).training_config())
 
 
 def test_the_llama3_8b_dpo_example_fits_on_p5() -> None:

@@ -223,6 +223,10 @@ def precompute_reference(cfg: TrainingJobConfig, rt: Runtime, model: nn.Module, 
     """Set the batches' reference log-probabilities: read back from beside the token store, or
     scored by the initial model now and stored (see the module docstring). Collective: every rank
     calls it, before the checkpoint (if any) is loaded."""
+    if data.stream is not None:  # dataset.streaming: one pass over the stream (preference_stream.py)
+        from llamaft_trainer.preference_stream import precompute_stream_reference
+
+        return precompute_stream_reference(cfg, rt, model, data, DpoMethod.of(cfg))
     assert data.store_path is not None and data.loader is not None
     folder = Path(data.store_path) / REFERENCE_DIR / reference_key(cfg)
     parts: list[tuple[str, PreferencePairs, PairCollate]] = [("train", data.train, data.loader.collate_fn)]

@@ -1,6 +1,7 @@
 """The run's data, as `dataset.streaming` says: the token store's loaders (data.py: built once,
 reused by later attempts; preference_data.py's pairs for format preference) or a stream tokenized
-while training (streaming.py, built on data.py's encoder and batches). Above both, so neither imports the other."""
+while training (streaming.py, built on data.py's encoder and batches; preference_stream.py's pairs for format
+preference). Above both, so neither imports the other."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from llamaft.api.spec import DatasetFormat, DatasetSpec
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from llamaft_trainer.data import Data, loaders, prepared_store, store_root
-from llamaft_trainer.errors import ConfigError
 from llamaft_trainer.preference_data import PairEncoder, pair_loaders
+from llamaft_trainer.preference_stream import streaming_pairs
 from llamaft_trainer.runtime import Runtime
 from llamaft_trainer.streaming import streaming_data
 
@@ -23,13 +24,11 @@ def build_data(
     pad_id = int(tok.pad_token_id)
     root, shared = store_root(checkpoint_directory)
     pairs = spec.format is DatasetFormat.PREFERENCE
-    if pairs and spec.streaming:
-        raise ConfigError(
-            "spec.dataset.streaming: format preference is read into the token store (once per run); streaming "
-            "preference pairs is not supported yet: set dataset.streaming: false"
-        )
     if spec.streaming:
-        return streaming_data(spec, tok, batch_size, seed, rt, root if shared or rt.world_size == 1 else None)
+        index_root = root if shared or rt.world_size == 1 else None
+        if pairs:  # pairs tokenized while training, never packed (preference_stream.py)
+            return streaming_pairs(spec, tok, batch_size, seed, rt, index_root)
+        return streaming_data(spec, tok, batch_size, seed, rt, index_root)
     started = time.perf_counter()
     if pairs:
         store = prepared_store(spec, tok, seed, rt, root, shared, PairEncoder)

@@ -62,8 +62,7 @@ class BatchStream:
                  index_path: Path | None) -> None:
         self.spec = spec
         self.source = RecordSource(spec)
-        self.encoder = data_mod.Encoder(spec, tok)
-        self.collate = data_mod.Collate(int(tok.pad_token_id))
+        self.encoder, self.collate = self._codec(spec, tok)
         self.batch_size = batch_size
         self.seed = seed
         self.rank, self.world = rt.rank, rt.world_size
@@ -72,6 +71,11 @@ class BatchStream:
         self.window_tokens: list[int] = self._read_index()
         """Per window: its tokens (`concatenate`) or its blocks (`bfd`)."""
         self.write_index = rt.is_leader
+
+    def _codec(self, spec: DatasetSpec, tok: PreTrainedTokenizerBase) -> tuple[Any, Any]:
+        """(records -> a store part, items -> a batch): single sequences here, pairs in
+        preference_stream.PairStream."""
+        return data_mod.Encoder(spec, tok), data_mod.Collate(int(tok.pad_token_id))
 
     # -------------------------------------------------------------------- the window index
     def _read_index(self) -> list[int]:
@@ -180,7 +184,9 @@ class BatchStream:
             pending = pending[used:]
 
     def _batch(self, encoded: store_mod.Part) -> dict[str, torch.Tensor]:
-        return self.collate([data_mod.training_item(*encoded.example(i)) for i in range(len(encoded))])
+        batch: dict[str, torch.Tensor] = self.collate([data_mod.training_item(*encoded.example(i))
+                                                      for i in range(len(encoded))])
+        return batch
 
     def validation(self) -> store_mod.Part | None:
         n = self.skip_records
@@ -191,7 +197,8 @@ class BatchStream:
             head.extend(batch)
             if len(head) >= n:
                 break
-        return self.encoder.encode(head[:n])
+        part: store_mod.Part = self.encoder.encode(head[:n])
+        return part
 
 
 def streaming_data(spec: DatasetSpec, tok: PreTrainedTokenizerBase, batch_size: int, seed: int, rt: Runtime,

@@ -429,9 +429,6 @@ DPO_LIVE_REFERENCE_UNSUPPORTED = (
     "trainer yet; use reference: precomputed (one pass of the initial model before training, stored with the "
     "token store), or LoRA, whose reference is the base model with the adapters disabled"
 )
-DPO_STREAMING_UNSUPPORTED = (
-    "spec.dataset.streaming: training.method dpo reads its pairs from the token store; set streaming: false"
-)
 
 
 def dpo_unsupported(training: TrainingSpec, dataset: DatasetSpec) -> str | None:
@@ -443,8 +440,6 @@ def dpo_unsupported(training: TrainingSpec, dataset: DatasetSpec) -> str | None:
     lora = training.lora is not None and training.lora.enabled
     if not lora and (training.dpo or DpoSpec()).reference is DpoReference.LIVE:
         return DPO_LIVE_REFERENCE_UNSUPPORTED
-    if dataset.streaming:
-        return DPO_STREAMING_UNSUPPORTED
     return None
 
 

@@ -129,7 +129,7 @@ def resolve_gpu(spec: LlamaFineTuneSpec) -> GpuInfo:
 
 def dpo_problem(spec: LlamaFineTuneSpec) -> str | None:
     """What the trainer would refuse in a DPO spec (its ConfigError's words,
-    llamaft.api.spec.dpo_unsupported: `reference: live` without LoRA, streaming), or None."""
+    llamaft.api.spec.dpo_unsupported: `reference: live` without LoRA), or None."""
     return dpo_unsupported(spec.training, spec.dataset)
 
 

@@ -1,0 +1,221 @@
+"""`dataset.streaming` for format preference: pairs tokenized while training, as streaming.py
+streams SFT records, for preference sets too large to prepare up front.
+
+The order is streaming.BatchStream's: records in file order after the held-out head, cut into
+windows of streaming.WINDOW records, each window shuffled by (seed, epoch, window). The stream's
+items are the window's pairs that TRL keeps (`preference.keeps`: a pair whose prompt alone fills
+maxSeqLength is dropped, as the token store drops it), never packed (a pair's two sequences are
+one example); micro-batch m of an epoch is items [m*G, (m+1)*G) with G = world x batch size, and
+rank r takes its `batch size` of them. Which pairs a window keeps depends on their tokens, so every
+rank tokenizes every window (as BatchStream does with packing); a resumed run skips whole windows
+by their kept-pair counts (`windows.json` beside the token stores, BatchStream's index) and
+tokenizes only the window it resumes in.
+
+Each pair is known by its ordinal: its record's position among the training records (window x
+streaming.WINDOW + its place in the file's window). The batches carry it as `index`, so the precomputed
+reference (`precompute_stream_reference`) is one float32 (chosen, rejected) row per training
+record, scored once by the initial model in a pass over the stream in file order before training
+(dropped records keep a row of zeros no batch reads), stored beside the stream's index and read
+back by later attempts, exactly as dpo_step stores a token store's.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from llamaft.api.spec import DatasetSpec, TrainingJobConfig
+from torch import nn
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from llamaft_trainer import data as data_mod
+from llamaft_trainer import store as store_mod
+from llamaft_trainer import streaming
+from llamaft_trainer.metrics import log_json
+from llamaft_trainer.preference_data import PairCollate, PairEncoder, PairShare, PreferencePairs, pair_of
+from llamaft_trainer.records import Numbered, RecordSource
+from llamaft_trainer.runtime import Runtime
+from llamaft_trainer.streaming import BatchStream
+
+Ordered = tuple[int, Numbered]
+"""(the record's ordinal among the training records, the record)."""
+
+
+class PairStream(BatchStream):
+    """The training stream of one rank's preference pairs (see the module docstring)."""
+
+    encoder: PairEncoder
+    collate: PairCollate
+
+    def _codec(self, spec: DatasetSpec, tok: PreTrainedTokenizerBase) -> tuple[Any, Any]:
+        return PairEncoder(spec, tok), PairCollate(int(tok.pad_token_id), spec.max_seq_length)
+
+    def _ordered_windows(self, epoch: int | None, first: int) -> Iterator[tuple[int, list[Ordered]]]:
+        """Window `first` on, each shuffled as BatchStream shuffles it (file order when `epoch` is None)."""
+        start = self.skip_records + first * streaming.WINDOW
+        for offset, batch in enumerate(self.source.batches(streaming.WINDOW, start=start)):
+            window = first + offset
+            order = list(range(len(batch)))
+            if epoch is not None:
+                random.Random(f"{self.seed}/{epoch}/{window}").shuffle(order)
+            yield window, [(window * streaming.WINDOW + i, batch[i]) for i in order]
+
+    def kept(self, records: list[Ordered]) -> tuple[list[int], store_mod.Part]:
+        """The ordinals of the pairs TRL keeps, and those pairs (a part without the dropped ones)."""
+        part = self.encoder.encode([record for _, record in records])
+        keep = part.lengths > 0
+        return [o for (o, _), k in zip(records, keep.tolist(), strict=True) if k], part.select(keep)
+
+    def batches(self, epoch: int, skip: int) -> Iterator[dict[str, torch.Tensor]]:
+        group = self.world * self.batch_size
+        target = skip * group  # kept pairs of this epoch already trained on
+        first, before = 0, 0
+        while first < len(self.window_tokens) and before + self.window_tokens[first] <= target:
+            before += self.window_tokens[first]
+            first += 1
+        drop = target - before  # pairs to skip from window `first` on
+        pending: list[tuple[int, store_mod.Part, int]] = []
+        for window, records in self._ordered_windows(epoch, first):
+            ordinals, part = self.kept(records)
+            self._learn(window, len(ordinals))
+            pending.extend((ordinal, part, i) for i, ordinal in enumerate(ordinals))
+            if drop:
+                cut = min(drop, len(pending))
+                pending, drop = pending[cut:], drop - cut
+            used = 0
+            while len(pending) - used >= group:
+                mine = pending[used + self.rank * self.batch_size:used + (self.rank + 1) * self.batch_size]
+                used += group
+                yield self.collate([(ordinal, pair_of(p, i)) for ordinal, p, i in mine])
+            pending = pending[used:]
+
+    def validation(self) -> store_mod.Part | None:
+        """The held-out head's kept pairs (empty ones left out, as the token store leaves them out)."""
+        n = self.skip_records
+        if n == 0:
+            return None
+        head: list[Numbered] = []
+        for batch in self.source.batches(n):
+            head.extend(batch)
+            if len(head) >= n:
+                break
+        part = self.encoder.encode(head[:n])
+        return part.select(part.lengths > 0)
+
+
+def streaming_pairs(spec: DatasetSpec, tok: PreTrainedTokenizerBase, batch_size: int, seed: int, rt: Runtime,
+                    index_root: Path | None = None) -> data_mod.Data:
+    """Data whose training pairs come from a PairStream; validation is the held-out head's pairs,
+    in memory, scored by PairShare as a token store's. `store_path` is the stream's folder (its
+    window index and reference), None where ranks share no folder."""
+    key = data_mod.store_key(spec, PairEncoder(spec, tok), RecordSource(spec).fingerprint(), seed)
+    folder = index_root / f"stream-{key}" if index_root is not None else None
+    stream = PairStream(spec, tok, batch_size, seed, rt, folder / "windows.json" if folder is not None else None)
+    part = stream.validation()
+    validation: PreferencePairs | None = PreferencePairs(part) if part is not None and len(part) else None
+    val_loader = None
+    if validation is not None:
+        val_loader = PairShare(validation, rt.rank, rt.world_size, batch_size,
+                               PairCollate(int(tok.pad_token_id), spec.max_seq_length))
+    data = data_mod.Data(train=None, validation=validation, loader=None,  # type: ignore[arg-type]
+                         validation_loader=val_loader, batch_size=batch_size, store_path=folder, stream=stream)
+    data.info.update(train_pairs=None, streaming=True, window=streaming.WINDOW,
+                     validation_pairs=0 if validation is None else len(validation))
+    return data
+
+
+def precompute_stream_reference(cfg: TrainingJobConfig, rt: Runtime, model: nn.Module, data: data_mod.Data,
+                                 method: Any) -> dict[str, Any]:
+    """dpo_step.precompute_reference for a stream: read back, or scored now in one pass of the
+    initial model over the stream in file order (every rank tokenizes each window and scores its
+    PairShare of the kept pairs; the shares summed across ranks), then stored when the ranks share
+    the stream's folder. Collective: every rank calls it."""
+    from llamaft_trainer.dpo_step import REFERENCE_DIR, _read, _score, _write, reference_key, reshard
+
+    stream: PairStream = data.stream
+    held: PreferencePairs | None = data.validation  # type: ignore[assignment]
+    folder = Path(data.store_path) / REFERENCE_DIR / reference_key(cfg) if data.store_path is not None else None
+    validation_collate = data.validation_loader.collate if data.validation_loader is not None else None
+    count = _stream_records(stream, folder)
+    found_train = _read(folder / "train.f32", count) if folder is not None and count is not None else None
+    found_validation = None
+    if held is not None and folder is not None:
+        found_validation = _read(folder / "validation.f32", len(held))
+    complete = found_train is not None and (held is None or found_validation is not None)
+    have = torch.tensor([1.0 if complete else 0.0], dtype=torch.float64, device=rt.device)
+    dist.all_reduce(have, op=dist.ReduceOp.MIN)  # every rank reads, or every rank scores
+    reused = bool(have.item() > 0)
+    started = time.perf_counter()
+    was_training = model.training
+    model.eval()
+    try:
+        if reused:
+            train, held_out = found_train, found_validation
+        else:
+            train = _score_stream(stream, model, rt, cfg.training.per_device_batch_size, method, _score)
+            held_out = None
+            if held is not None and validation_collate is not None:
+                held_out = _score(model, held, validation_collate, rt, cfg.training.per_device_batch_size,
+                                  method)
+            if folder is not None and rt.local_rank == 0:
+                _write(folder / "train.f32", train)
+                if held_out is not None:
+                    _write(folder / "validation.f32", held_out)
+                _write_count(folder, len(train))
+    finally:
+        model.train(was_training)
+        reshard(model)
+    assert train is not None
+    stream.collate.reference = train
+    if validation_collate is not None:
+        validation_collate.reference = held_out
+    if not reused and dist.is_initialized():
+        dist.barrier()  # the files are complete before any rank could stop and a retry read them
+    report = {"path": str(folder) if folder is not None else None, "reused": reused,
+              "pairs": int((np.abs(train).sum(axis=1) > 0).sum()) + (0 if held is None else len(held)),
+              "seconds": round(time.perf_counter() - started, 3), "streaming": True}
+    if rt.is_leader:
+        log_json("reference", **report)
+    return report
+
+
+COUNT_FILE = "records"
+"""Beside a stream's reference: how many training records it has rows for (a stream's length is
+known only after a pass)."""
+
+
+def _stream_records(stream: PairStream, folder: Path | None) -> int | None:
+    if folder is None:
+        return None
+    try:
+        return int((folder / COUNT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_count(folder: Path, count: int) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = folder / f".{COUNT_FILE}.partial"
+    partial.write_text(str(count))
+    partial.replace(folder / COUNT_FILE)
+
+
+def _score_stream(stream: PairStream, model: nn.Module, rt: Runtime, batch_size: int, method: Any,
+                  score: Any) -> np.ndarray[Any, Any]:
+    """(chosen, rejected) of every training record by ordinal, float32 [records, 2] on every rank."""
+    rows: list[np.ndarray[Any, Any]] = []
+    for window, records in stream._ordered_windows(None, 0):
+        ordinals, part = stream.kept(records)
+        stream._learn(window, len(ordinals))
+        values = np.zeros((len(records), 2), dtype=np.float32)
+        if ordinals:
+            scored = score(model, PreferencePairs(part), stream.collate, rt, batch_size, method)
+            values[np.asarray(ordinals) - window * streaming.WINDOW] = scored
+        rows.append(values)
+    return np.concatenate(rows) if rows else np.zeros((0, 2), dtype=np.float32)
