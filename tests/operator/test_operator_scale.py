@@ -445,3 +445,41 @@ def test_the_first_step_reads_nothing_it_was_given_and_its_own_job_does_not_wake
             daemon_module.wake = original  # type: ignore[assignment]
 
     asyncio.run(events())
+
+
+def test_the_first_step_of_a_new_object_lists_no_jobs_and_records_one_it_meets_all_the_same() -> None:
+    """A new object's first step (from its creation event, no attempt recorded) makes no LIST of
+    jobs: none can exist yet. Should one be there all the same (a step that created it and died
+    before writing the status), creating it meets it and the attempt is recorded, not doubled."""
+    from kubernetes import client
+    from llamaft.operator.kube import Kube
+
+    emulator = EmulatorThread(record=True).start()
+    try:
+        config = client.Configuration()
+        config.host = emulator.url
+        api = client.ApiClient(config)
+        custom = client.CustomObjectsApi(api)
+        created = custom.create_namespaced_custom_object("llamaft.io", "v1alpha1", "default", "llamafinetunes", {
+            "apiVersion": "llamaft.io/v1alpha1", "kind": "LlamaFineTune", "metadata": {"name": "x"}, "spec": tiny_spec()})
+        events: list[str] = []
+        for _ in range(2):  # the second step: the job is there, its status not (the creation event's object)
+            memo = state.new_memo(OperatorSettings(), kube=Kube(api))
+            step = Step(memo, "default", "x", logger=None)
+            step.event = lambda obj, type_, reason, message: events.append(reason)  # type: ignore[method-assign]
+            step.children_index = {}
+            step.created = created
+            step.run()
+        def job_lists() -> int:  # the steps' (by label), not this test's
+            return sum(1 for r in emulator.requests() if r.method == "GET" and r.path.endswith("/pytorchjobs")
+                       and r.params.get("labelSelector"))
+
+        assert job_lists() == 0
+        jobs = custom.list_namespaced_custom_object("kubeflow.org", "v1", "default", "pytorchjobs")["items"]
+        status = custom.get_namespaced_custom_object("llamaft.io", "v1alpha1", "default", "llamafinetunes", "x")["status"]
+        assert [j["metadata"]["name"] for j in jobs] == [status["jobName"]] and status["attempt"] == 1
+        assert events.count("JobCreated") == 1, "the second step met the job: no second creation"
+        step.run()  # a later step (no creation event) lists, and finds the job
+        assert job_lists() == 1
+    finally:
+        emulator.stop()

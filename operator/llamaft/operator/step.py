@@ -72,12 +72,14 @@ class Step(ChildReconciler):
         with measured("lifecycle"), object_lock(self.memo):
             # A fresh read (a step never decides on a status older than its last write), but for
             # the first step of an object just created: its creation event is as fresh.
-            obj, self.created = self.created or self.kube.get_finetune(self.namespace, self.name), None
+            created, self.created = self.created, None
+            obj = created or self.kube.get_finetune(self.namespace, self.name)
             if obj is None or obj.get("metadata", {}).get("deletionTimestamp"):
                 return None
-            return self._run(obj)
+            return self._run(obj, new=created is not None)
 
-    def _run(self, obj: Obj) -> float | None:
+    def _run(self, obj: Obj, new: bool = False) -> float | None:
+        """`new`: the object as its creation event showed it (the first step of a new object)."""
         meta = obj["metadata"]
         status = read_status(obj.get("status"))  # the one read of the stored status; a step works on this copy
         generation = meta.get("generation")
@@ -100,14 +102,11 @@ class Step(ChildReconciler):
         _set_condition(status, "SharedCache", *desired.cache_condition(parsed), generation)
         try:
             obs = self._observe(obj, owner, parsed, status, max(attempt, 1), generation,
-                                capacity.message if capacity is not None and capacity.refuse else None)
+                                capacity.message if capacity is not None and capacity.refuse else None, new=new)
         except ApiException as exc:
             if exc.status != 404:
                 raise
-            # No job API: the Kubeflow training operator (or Trainer) is not installed (yet).
-            self._missing(obj, status, generation, f"the cluster does not serve {self.backend.install_hint}; the run starts "
-                          "once it is there")
-            return 30.0
+            return self._no_job_api(obj, status, generation)
         decision = lifecycle.decide(obs)
         for job_name in decision.delete_jobs:
             if self.kube.delete_job(self.namespace, job_name, self.job_kind):
@@ -130,6 +129,8 @@ class Step(ChildReconciler):
                 requeue = self._start_attempt(obj, owner, parsed, decision.start_attempt, status, patch,
                                               decision.workers or parsed.cluster.workers) or requeue
             except ApiException as exc:
+                if exc.status == 404:  # a new object's first step meets a missing job API here (no list before)
+                    return self._no_job_api(obj, status, generation)
                 if exc.status not in (400, 422):
                     raise  # transient: the daemon looks again
                 # The API server rejects what the spec renders: retrying cannot help.
@@ -201,6 +202,13 @@ class Step(ChildReconciler):
                       f"{BACKENDS['TrainJob'].install_hint}; the run starts once one of them is there")
         return None
 
+    def _no_job_api(self, obj: Obj, status: LlamaFineTuneStatus, generation: int | None) -> float:
+        """The cluster does not serve the job kind (404): the Kubeflow training operator (or
+        Trainer) is not installed (yet). Look again in 30 s."""
+        self._missing(obj, status, generation, f"the cluster does not serve {self.backend.install_hint}; the run starts "
+                      "once it is there")
+        return 30.0
+
     def _missing(self, obj: Obj, status: LlamaFineTuneStatus, generation: int | None, message: str) -> None:
         if status.message != message:
             change = StatusChange(message=message, observed_generation=generation)
@@ -241,10 +249,16 @@ class Step(ChildReconciler):
             self.event(obj, "Warning", "InvalidSpec", str(error))
 
     def _observe(self, obj: Obj, owner: Owner, spec: LlamaFineTuneSpec, status: LlamaFineTuneStatus, attempt: int,
-                 generation: int | None, capacity_refusal: str | None = None) -> lifecycle.Observed:
+                 generation: int | None, capacity_refusal: str | None = None, new: bool = False) -> lifecycle.Observed:
+        """What is true of the current attempt. `new`: the object's first step, from its creation
+        event; with no attempt recorded it lists no jobs: a job's name carries the object's uid,
+        so none can exist but one this operator made, and before this step it made none (an
+        operator that takes over lists the objects, which makes no creation step). Were one there
+        all the same, creating it meets it (409, kube.create_job) and the attempt is recorded."""
         job_name = owner.job_name(attempt)
         kind = self.job_kind
-        jobs = self.kube.list_jobs(self.namespace, f"{LABEL_FINETUNE}={self.name}", kind)
+        fresh = new and status.attempt == 0 and not status.job_name
+        jobs = [] if fresh else self.kube.list_jobs(self.namespace, f"{LABEL_FINETUNE}={self.name}", kind)
         current = next((j for j in jobs if j["metadata"]["name"] == job_name), None)
         if current is None and status.job_name == job_name:
             # Recorded as created but not among the labelled ones (its labels edited away): by
