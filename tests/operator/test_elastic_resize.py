@@ -1,0 +1,157 @@
+"""An elastic run on a simulated cluster shrinks instead of waiting, and grows back: the real kopf
+operator, the simulated Kubeflow training operator, scheduler and kubelets (tests/operator/sim.py)
+running the real `torchrun -m llamaft_trainer` on a tiny Llama, a real etcd.
+
+Each node has room for one worker (3 cpu, a worker requests 2). A 2-worker run loses a node; no
+node has room for the replacement, which stays Pending and Unschedulable (as kube-scheduler
+leaves it); within `shrinkAfterSeconds` the operator runs on 1 worker (the PyTorchJob scaled in
+place), and status, events and the Workers column say so. A node joins; at the run's next
+checkpoint `growBackAfterSeconds` later it asks for 2 workers again, torchrun admits the new node,
+and the run ends Succeeded at 2 workers, every step trained.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+from llamaft.api import crd as crdgen
+from llamaft_trainer.local_etcd import LocalEtcd
+from llamaft_trainer.logline import read_events
+
+from tests.operator.conftest import Cluster, Operator, wait_for
+from tests.operator.emulator import EmulatorThread, write_kubeconfig
+from tests.operator.sim import SimCluster, pod_port
+from tests.operator.sim_fixtures import CHECKPOINT_CLAIM, DATASET, checkpoint_folder, checkpointing
+
+STEPS, EVERY = 400, 10
+"""Long enough at one CPU worker that the grow-back (a pod started, torchrun admitting it) comes
+before the last step; a checkpoint every 10 steps is the grow-back's boundary."""
+SHRINK_AFTER, GROW_BACK_AFTER = 5, 5
+SLACK = 15
+"""Seconds beyond shrinkAfterSeconds the shrink may take: the operator's sync interval (1 s), a
+status write and a loaded machine."""
+NAME = "elastic"
+
+
+@pytest.fixture
+def world(etcd: LocalEtcd, tmp_path: Path) -> Iterator[tuple[Cluster, SimCluster, Operator]]:
+    emulator = EmulatorThread().start()
+    config = client.Configuration()
+    config.host = emulator.url
+    cluster = Cluster(client.ApiClient(config))
+    sim = SimCluster(emulator.url, etcd.endpoint, nodes=2, workdir=tmp_path / "sim", node_cpu="3", node_memory="16Gi",
+                     claims={CHECKPOINT_CLAIM: checkpoint_folder(tmp_path)})
+    operator = Operator(write_kubeconfig(emulator.url, tmp_path / "kubeconfig"), tmp_path / "operator.log", cli=True,
+                        LLAMAFT_RENDEZVOUS_ADDRESS_OVERRIDE=etcd.endpoint, LLAMAFT_SYNC_INTERVAL="1",
+                        LLAMAFT_RETRY_BACKOFF_SECONDS="1", LLAMAFT_PROGRESS_TIMEOUT="0.5")
+    try:
+        sim.start()
+        operator.start()
+        yield cluster, sim, operator
+    finally:
+        operator.stop()
+        sim.stop()
+        emulator.stop()
+
+
+def elastic_spec(model: Path) -> dict[str, Any]:
+    return {
+        "model": {"source": str(model), "dtype": "float32"},
+        "dataset": {"format": "samsum", "source": str(DATASET), "maxSeqLength": 64, "packing": True, "validationSplit": 0.1},
+        "training": {"maxSteps": STEPS, "perDeviceBatchSize": 2, "learningRate": 2e-3, "evalInterval": 0, "seed": 7,
+                     "collectiveTimeoutSeconds": 30},
+        "fsdp": {"mixedPrecision": "fp32", "activationCheckpointing": {"mode": "none"}},
+        "checkpointing": checkpointing(NAME, everyNSteps=EVERY, keepLast=2, exportHuggingFace=False),
+        "cluster": {"workers": 2, "gpusPerWorker": 0, "image": "llamaft/trainer:test", "terminationGracePeriodSeconds": 5,
+                    "resources": {"cpu": "2", "memory": "4Gi"},
+                    "elastic": {"minWorkers": 1, "maxWorkers": 2, "shrinkAfterSeconds": SHRINK_AFTER,
+                                "growBackAfterSeconds": GROW_BACK_AFTER}},
+        "rendezvous": {"backend": "etcd-v2", "maxRestarts": 3},
+        "monitoring": {"metricsPort": pod_port()},
+        "runPolicy": {"retryBudget": 3, "progressDeadlineSeconds": 120, "startupGraceSeconds": 180},
+    }
+
+
+def column(obj: dict[str, Any], name: str) -> Any:
+    """What `kubectl get` prints in printer column `name` (its simple .a.b.c jsonPath)."""
+    path = next(c["jsonPath"] for c in crdgen.PRINTER_COLUMNS if c["name"] == name)
+    value: Any = obj
+    for part in path.strip(".").split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def moment(text: str) -> datetime:
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def steps_logged(sim: SimCluster, cluster: Cluster, attempts: int) -> list[dict[str, Any]]:
+    """Every step line of every worker pod of every attempt (rank 0 logs them), in log order."""
+    lines: list[dict[str, Any]] = []
+    for attempt in range(1, attempts + 1):
+        job = cluster.job_name(NAME, attempt)
+        for index in range(2):
+            pod = f"{job}-worker-{index}"
+            lines += [line for line in read_events(sim.logs(pod)) if line.get("event") == "step"]
+    return lines
+
+
+def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back(
+        world: tuple[Cluster, SimCluster, Operator], tiny_model: Path) -> None:
+    cluster, sim, operator = world
+    cluster.create(NAME, elastic_spec(tiny_model))
+    running = wait_for("2 workers training past the first checkpoint", lambda: (
+        (s := cluster.status(NAME)).get("progress", {}).get("step", 0) > EVERY and s.get("workers", {}).get("active") == 2 and s),
+        timeout=240, interval=0.5)
+    assert running["workers"]["current"] == 2 and running["workers"]["reason"] == "AsSpecified"
+    assert column(cluster.finetune(NAME), "Workers") == 2
+
+    # A node goes, with no room left on the other one for its worker.
+    job = running["jobName"]
+    lost = sim.node_of(f"{job}-worker-1")
+    assert lost is not None
+    sim.lose_node(lost)
+
+    unschedulable: dict[str, datetime] = {}  # pod -> since when the scheduler says it has no room
+
+    def shrunk_now() -> dict[str, Any] | None:
+        for pod in sim.api.list("/api/v1/pods", label_selector=f"llamaft.io/finetune={NAME}"):
+            cond = next((c for c in pod["status"].get("conditions") or [] if c["type"] == "PodScheduled"), {})
+            if cond.get("reason") == "Unschedulable":
+                unschedulable.setdefault(pod["metadata"]["name"], moment(cond["lastTransitionTime"]))
+        status = cluster.status(NAME)
+        return status if status.get("workers", {}).get("reason") == "Shrunk" else None
+    shrunk = wait_for("shrunk to 1 worker", shrunk_now, timeout=SHRINK_AFTER + 120, interval=0.2)
+    workers = shrunk["workers"]
+    assert workers["current"] == 1 and workers["desired"] == 2 and "unschedulable" in workers["message"]
+    assert "Insufficient cpu" in workers["message"], "the scheduler's own words"
+    since = min(t for pod, t in unschedulable.items() if pod.startswith(shrunk["jobName"] + "-"))
+    waited = (moment(workers["lastResizeTime"]) - since).total_seconds()
+    assert SHRINK_AFTER - 1 <= waited <= SHRINK_AFTER + SLACK, f"shrunk {waited}s after its pod became unschedulable"
+    finetune = cluster.finetune(NAME)
+    assert column(finetune, "Workers") == 1 and column(finetune, "Desired") == 2 and column(finetune, "Sized") == "Shrunk"
+    assert "Shrunk" in cluster.wait_reasons(NAME, "Shrunk", timeout=30)
+    wait_for("the job asks for 1 worker", lambda: (j := cluster.job(shrunk["jobName"])) is not None and
+             j["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1, timeout=30)
+
+    # Capacity returns: at a later checkpoint the run asks for 2 workers again, and gets them.
+    sim.add_node("node-9")
+    grown = wait_for("back at 2 workers", lambda: (
+        (s := cluster.status(NAME)).get("workers", {}).get("reason") == "AsSpecified" and s["workers"].get("active") == 2 and s),
+        timeout=240, interval=0.5)
+    assert grown["workers"]["current"] == 2 and grown["workers"]["lastResizeStep"] > workers["lastResizeStep"]
+    assert {"Shrunk", "GrowingBack", "GrewBack"} <= cluster.wait_reasons(NAME, "GrowingBack", "GrewBack", timeout=30)
+    assert column(cluster.finetune(NAME), "Workers") == 2
+
+    done = wait_for("finished", lambda: (s := cluster.status(NAME)).get("phase") in ("Succeeded", "Failed") and s, timeout=600,
+                    interval=1)
+    assert done["phase"] == "Succeeded", json.dumps(done, indent=1)[:4000]
+    assert done["retriesUsed"] <= 1, "a resize spends no retry (the node loss may)"
+    trained = {line["step"] for line in steps_logged(sim, cluster, done["attempt"])}
+    assert trained == set(range(1, STEPS + 1)), f"steps never trained: {sorted(set(range(1, STEPS + 1)) - trained)[:20]}"
