@@ -80,6 +80,30 @@ def test_legacy_etcd_backend(tiny_model: Path, tmp_path: Path) -> None:
     assert [e["world_size"] for e in events(run_dir) if e["event"] == "setup"] == [2]
 
 
+def test_a_local_dpo_run_ends_with_its_reward_figures(tiny_model: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """training.method dpo: the step lines show the reward accuracy, and the last line says the
+    final figures as the operator's Succeeded condition words them (the last step's reward
+    accuracy and margin, the last eval's on the held-out pairs)."""
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join((REPO / "examples" / "data" / "preference-tiny.jsonl").read_text().splitlines(True)[:64]))
+    path = finetune(tiny_model, tmp_path, "dpo", rendezvous={"backend": "c10d"},
+                    dataset={"format": "preference", "source": str(pairs), "maxSeqLength": 128, "packing": False,
+                             "validationSplit": 0.1},
+                    training={"method": "dpo", "maxSteps": 6, "perDeviceBatchSize": 4, "learningRate": 1e-3,
+                              "evalInterval": 6, "logInterval": 3})
+    run_dir = tmp_path / "run-dpo"
+    assert cli(["run", "--local", str(path), "--run-dir", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    steps = [e for e in events(run_dir) if e["event"] == "step"]
+    last, held = steps[-1], [e for e in events(run_dir) if e["event"] == "eval"][-1]
+    assert f"| reward acc {last['rewards/accuracies']:.3f} |" in out
+    assert (f"llamaft: done: loss {steps[0]['loss']:.4f} -> {last['loss']:.4f}, reward accuracy "
+            f"{last['rewards/accuracies']:.3f} (margin {last['rewards/margins']:.3f}); held out: loss "
+            f"{held['eval_loss']:.4f}, reward accuracy {held['eval_rewards/accuracies']:.3f} "
+            f"(margin {held['eval_rewards/margins']:.3f})\n") in out
+
+
 def test_missing_model_points_at_make_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = finetune(tmp_path / "nowhere", tmp_path, "missing", rendezvous={"backend": "c10d"})
     assert cli(["run", "--local", str(path)]) == 2
