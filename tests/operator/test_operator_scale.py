@@ -16,8 +16,8 @@ from typing import Any
 import kopf
 import pytest
 from llamaft.api.validation import SpecInvalid
+from llamaft.operator import children, handlers, specs, startup, state
 from llamaft.operator import daemon as daemon_module
-from llamaft.operator import handlers, specs, startup, state
 from llamaft.operator import step as step_module
 from llamaft.operator.kube import ForeignObject
 from llamaft.operator.operator_metrics import FINETUNES
@@ -211,6 +211,31 @@ def test_the_index_records_name_owners_and_deletion() -> None:
     entry = asyncio.run(handlers.children_by_owner(resource=resource, meta=meta))
     assert entry == {("default", "x"): indexed("ConfigMap", "x-config", UID)}
     assert asyncio.run(handlers.children_by_owner(resource=resource, meta={"name": "unlabelled", "namespace": "default"})) == {}
+
+
+def test_the_index_notes_a_change_llamaft_did_not_make_and_the_event_handler_only_deletions() -> None:
+    """One handler per child event: the index (every version of a child) notes drift; the event
+    handler is filtered to deletions, which the index never sees."""
+    import asyncio
+
+    memo = state.new_memo(OperatorSettings())
+    shared = state.operator_state(memo)
+    shared.applied[("default", "x")] = {("ConfigMap", "x-config"): "5"}
+    resource = kopf.Resource("", "v1", "configmaps", kind="ConfigMap")
+
+    def seen(version: str) -> set[tuple[str, str]]:
+        shared.drifted.clear()
+        meta = {"name": "x-config", "namespace": "default", "labels": {"llamaft.io/finetune": "x"}, "resourceVersion": version}
+        body = kopf.Body({"kind": "ConfigMap", "metadata": meta})
+        asyncio.run(handlers.children_by_owner(resource=resource, meta=kopf.Meta(body), body=body, memo=memo))
+        return set(shared.drifted)
+
+    assert seen("5") == set(), "the version llamaft's own apply returned"
+    assert seen("6") == {("default", "x")}, "someone else's edit"
+    registry = kopf.get_default_registry()
+    deletion_handlers = [h for h in registry._watching.get_all_handlers() if h.fn is handlers.child_deleted]
+    assert len(deletion_handlers) == 5 and all(h.when is children.deleted for h in deletion_handlers)
+    assert children.deleted(type="DELETED") and not any(children.deleted(type=t) for t in ("ADDED", "MODIFIED", None))
 
 
 # ------------------------------------------------------------------------- leader progress

@@ -69,6 +69,11 @@ def note_drift(memo: kopf.Memo, type: str | None, body: Mapping[str, Any], meta:
         wake(memo, str(namespace), str(owner))
 
 
+def deleted(type: str | None, **_: Any) -> bool:
+    """kopf's `when=` filter of the children's deletion handler (the index sees every other event)."""
+    return type == "DELETED"
+
+
 def index_entry(kind: str, meta: Mapping[str, Any]) -> dict[tuple[str, str], Obj]:
     """A labelled child by (namespace, owner name), as much of it as the first apply of an
     incarnation looks at: its name, owners and deletion (the previous incarnation's objects to wait
@@ -107,7 +112,7 @@ class ChildReconciler:
         """Server-side apply the children the spec describes (config, managed etcd, monitoring) and
         prune the ones it no longer wants. Skipped when nothing changed since the last apply: the
         rendered children are the same and no child event reported a hand edit or deletion (see
-        `child_drifted`). Returns a requeue delay while the previous incarnation's objects go."""
+        `children_by_owner`, `child_deleted`). Returns a requeue delay while the previous incarnation's objects go."""
         key = (self.namespace, self.name)
         shared, own = operator_state(self.memo), object_state(self.memo)
         drifted = key in shared.drifted

@@ -64,13 +64,14 @@ async def child_changed(type: str | None, body: kopf.Body, meta: kopf.Meta, memo
     daemon.wake_for_child(memo, type, body, meta)
 
 
-@kopf.on.event("", "v1", "configmaps", labels=CHILD_LABELS)
-@kopf.on.event("", "v1", "services", labels=CHILD_LABELS)
-@kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
-@kopf.on.event("monitoring.coreos.com", "v1", "podmonitors", labels=CHILD_LABELS)
-@kopf.on.event("monitoring.coreos.com", "v1", "prometheusrules", labels=CHILD_LABELS)
-async def child_drifted(type: str | None, body: kopf.Body, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
-    """A child llamaft applied was changed by someone else: its owner repairs it (`children.note_drift`)."""
+@kopf.on.event("", "v1", "configmaps", labels=CHILD_LABELS, when=children.deleted)
+@kopf.on.event("", "v1", "services", labels=CHILD_LABELS, when=children.deleted)
+@kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS, when=children.deleted)
+@kopf.on.event("monitoring.coreos.com", "v1", "podmonitors", labels=CHILD_LABELS, when=children.deleted)
+@kopf.on.event("monitoring.coreos.com", "v1", "prometheusrules", labels=CHILD_LABELS, when=children.deleted)
+async def child_deleted(type: str | None, body: kopf.Body, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+    """A child llamaft applied was deleted by someone else: its owner re-creates it
+    (`children.note_drift`). Its other changes reach `children_by_owner`."""
     children.note_drift(memo, type, body, meta)
 
 
@@ -79,11 +80,17 @@ async def child_drifted(type: str | None, body: kopf.Body, meta: kopf.Meta, memo
 @kopf.index("apps", "v1", "deployments", labels=CHILD_LABELS)
 @kopf.index("monitoring.coreos.com", "v1", "podmonitors", labels=CHILD_LABELS)
 @kopf.index("monitoring.coreos.com", "v1", "prometheusrules", labels=CHILD_LABELS)
-async def children_by_owner(resource: kopf.Resource, meta: kopf.Meta, **_: Any) -> dict[tuple[str, str], Any]:
+async def children_by_owner(resource: kopf.Resource, meta: kopf.Meta, body: kopf.Body | None = None,
+                            memo: kopf.Memo | None = None, **_: Any) -> dict[tuple[str, str], Any]:
     """Every labelled child, by (namespace, owner name) (`children.index_entry`). kopf lists the
     indexed kinds before it runs any other handler or daemon (kopf/_core/reactor/processing.py:
     operator_indexed), so the index is complete at start; after that it follows the watches. It
-    replaces five LISTs per new LlamaFineTune."""
+    replaces five LISTs per new LlamaFineTune. kopf calls it on every version of a child but its
+    deletion (kopf/_core/engines/indexing.py: index_resource), so it also notes a change someone
+    else made (`children.note_drift`): one handler per child event, not two (each one a handler
+    invocation and a log line of kopf's, per child of every new LlamaFineTune)."""
+    if memo is not None and body is not None:
+        children.note_drift(memo, None, body, meta)
     return children.index_entry(str(resource.kind), meta)
 
 
