@@ -47,6 +47,7 @@ import fsspec
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -61,6 +62,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from llamaft_trainer.errors import ConfigError
 from llamaft_trainer.float8 import plain_weights
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -77,10 +79,20 @@ class TrainState(Stateful):
     step: int = 0
     epoch: int = 0
     batches_in_epoch: int = 0
+    """This rank's micro-batches of the epoch: where its DistributedSampler share continues."""
     tokens_seen: int = 0
+    items_in_epoch: int = 0
+    """training.globalBatchSize: the epoch's training items consumed by all ranks together
+    (global_order.py), what a resume on any world size continues from."""
+    global_order: bool = False
+    """Whether the run takes its steps from a global order: only then does a checkpoint hold
+    `items_in_epoch` (so the checkpoints of other runs keep their keys, and still load)."""
 
     def to_dict(self) -> dict[str, int]:
-        return {"step": self.step, "epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch, "tokens_seen": self.tokens_seen}
+        saved = {"step": self.step, "epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch, "tokens_seen": self.tokens_seen}
+        if self.global_order:
+            saved["items_in_epoch"] = self.items_in_epoch
+        return saved
 
     def state_dict(self) -> dict[str, Any]:
         return self.to_dict()
@@ -397,7 +409,17 @@ class Checkpointer:
         that nothing after this call but the next step draws from them. Returns the run's TrainState."""
         run = self._run()
         name = f"step-{step:08d}"
-        dcp_load(run.payload(), checkpoint_id=self._checkpoint_id(name))
+        try:
+            dcp_load(run.payload(), checkpoint_id=self._checkpoint_id(name))
+        except CheckpointException as exc:  # DCP's planning error of every rank, a BaseException
+            missing = "Missing key in checkpoint state_dict: train.items_in_epoch"
+            if run.train.global_order and any(missing in str(error) for error, _ in exc.failures.values()):
+                raise ConfigError(
+                    f"spec.training.globalBatchSize: {name} was written by a run without it, whose data position is "
+                    "per rank; resume it without globalBatchSize (on the same world size), or start the run again "
+                    "with checkpointing.resume: false or another checkpointing.directory"
+                ) from exc
+            raise
         rng_path = self._path(f"{name}/rng-rank-{self.rank}.pt")
         if self.fs.exists(rng_path):
             with self.fs.open(rng_path, "rb") as f:

@@ -699,10 +699,33 @@ class ValidationShare:
         return batch
 
 
+class StepGroup(list[dict[str, torch.Tensor]]):
+    """One optimizer step's micro-batches of this rank, with the training items it consumed and
+    where the epoch stands after the step (its items consumed by all ranks together)."""
+
+    def __init__(self, batches: Sequence[dict[str, torch.Tensor]], items: list[int], items_after: int) -> None:
+        super().__init__(batches)
+        self.items = items
+        self.items_after = items_after
+
+
+class StepOrder(Protocol):
+    """Training items taken step by step from an order that does not depend on the world size
+    (training.globalBatchSize: global_order.GlobalOrder)."""
+
+    @property
+    def steps_per_epoch(self) -> int: ...
+
+    def steps(self, epoch: int, start: int) -> Iterator[StepGroup]:
+        """The epoch's optimizer steps from its global item `start` on, each this rank's micro-batches."""
+        ...
+
+
 @dataclass
 class Data:
     """The run's training and validation batches. `batches(epoch, skip)` yields the epoch's
-    micro-batches from the `skip`-th on; `batches_per_epoch` is None for a stream of unknown length."""
+    micro-batches from the `skip`-th on; `batches_per_epoch` is None for a stream of unknown length.
+    With `order` (training.globalBatchSize) the loop takes whole steps from it instead."""
 
     train: Dataset[dict[str, torch.Tensor]] | None
     """None for a stream."""
@@ -715,9 +738,16 @@ class Data:
     store_path: Path | None = None
     stream: Any = None
     info: dict[str, Any] = field(default_factory=dict)
+    order: StepOrder | None = None
+    """training.globalBatchSize: the steps of one global order (the loader is then unused)."""
 
     @property
     def batches_per_epoch(self) -> int | None:
+        """Per epoch, what gradientAccumulationSteps groups into optimizer steps: this rank's
+        micro-batches, or with a global order (accumulation 1 by the API, the micro-steps of each
+        step derived) the steps themselves."""
+        if self.order is not None:
+            return self.order.steps_per_epoch
         return None if self.loader is None else len(self.loader)
 
     def batches(self, epoch: int, skip: int) -> Iterator[dict[str, torch.Tensor]]:

@@ -11,6 +11,8 @@ from llamaft.api.spec import DatasetFormat, DatasetSpec
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from llamaft_trainer.data import Data, loaders, prepared_store, store_root
+from llamaft_trainer.errors import ConfigError
+from llamaft_trainer.global_order import attach
 from llamaft_trainer.preference_data import PairEncoder, pair_loaders
 from llamaft_trainer.preference_stream import streaming_pairs
 from llamaft_trainer.runtime import Runtime
@@ -19,11 +21,19 @@ from llamaft_trainer.streaming import streaming_data
 
 def build_data(
     spec: DatasetSpec, tok: PreTrainedTokenizerBase, batch_size: int, seed: int, rt: Runtime, checkpoint_directory: str,
+    global_batch: int | None = None,
 ) -> Data:
-    """The run's data: from the token store (built once, reused by later attempts), or a stream."""
+    """The run's data: from the token store (built once, reused by later attempts), or a stream.
+    `global_batch` (training.globalBatchSize): the steps come from one order of the training items
+    that does not depend on the world size (global_order.py)."""
     pad_id = int(tok.pad_token_id)
     root, shared = store_root(checkpoint_directory)
     pairs = spec.format is DatasetFormat.PREFERENCE
+    if spec.streaming and global_batch is not None:
+        raise ConfigError(
+            "spec.training.globalBatchSize takes each step's items from one global order, which needs the token "
+            "store: set dataset.streaming: false or remove training.globalBatchSize"
+        )
     if spec.streaming:
         index_root = root if shared or rt.world_size == 1 else None
         if pairs:  # pairs tokenized while training, never packed (preference_stream.py)
@@ -36,5 +46,8 @@ def build_data(
     else:
         store = prepared_store(spec, tok, seed, rt, root, shared)
         data = loaders(store, spec, pad_id, batch_size, seed, rt.rank, rt.world_size)
+    if global_batch is not None:
+        what = "pairs" if pairs else "packed blocks" if spec.packing else "sequences"
+        attach(data, global_batch, rt.rank, rt.world_size, seed, what)
     data.info["data_seconds"] = round(time.perf_counter() - started, 3)
     return data

@@ -154,6 +154,7 @@ def setup(cfg: TrainingJobConfig, rt: Runtime, stop: StopSignal | None = None) -
     data_step.check_sequence_length(cfg.dataset, getattr(model_config, "max_position_embeddings", None))
     data = inputs.build_data(
         cfg.dataset, tokenizer, cfg.training.per_device_batch_size, cfg.training.seed, rt, cfg.checkpointing.directory,
+        cfg.training.global_batch_size,
     )
     plan = sharding_plan(cfg.fsdp, rt)
     _phase(rt, "loading the model", stop)
@@ -192,7 +193,7 @@ def run(
         progress.total_steps.set(s.steps)
         progress.update(phase="Training", totalSteps=s.steps)
     _phase(rt, "training: the first steps", stop)
-    state, scaler = TrainState(), build_scaler(cfg, rt)
+    state, scaler = TrainState(global_order=s.data.order is not None), build_scaler(cfg, rt)
     checkpointer = Checkpointer(
         cfg.checkpointing.directory, cfg.checkpointing.keep_last, rt.rank,
         run=RunState(s.model, s.optimizer, s.scheduler, state, scaler),

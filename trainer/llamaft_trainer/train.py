@@ -53,9 +53,9 @@ from llamaft.api.spec import FsdpImplementation, MixedPrecision, SchedulerType, 
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from llamaft_trainer import faults, float8, profiling
+from llamaft_trainer import faults, float8, global_order, profiling
 from llamaft_trainer.checkpoint import Checkpointer, TrainState
-from llamaft_trainer.data import IGNORE_INDEX, Data
+from llamaft_trainer.data import IGNORE_INDEX, Data, StepGroup, StepOrder
 from llamaft_trainer.errors import ConfigError
 from llamaft_trainer.evaluation import Evaluator
 from llamaft_trainer.metrics import Progress, log_json, peak_memory_bytes
@@ -274,6 +274,18 @@ def _micro_batches(data: Data, state: TrainState, accum: int) -> Iterator[list[d
         state.batches_in_epoch = 0
 
 
+def _global_steps(order: StepOrder, state: TrainState) -> Iterator[StepGroup]:
+    """training.globalBatchSize: the steps of the global order (global_order.py), continuing from
+    the saved epoch and its items consumed, forever. The state moves to the step's end as the step
+    is handed out: the loop runs it before anything saves the state."""
+    while True:
+        for group in order.steps(state.epoch, state.items_in_epoch):
+            state.items_in_epoch = group.items_after
+            yield group
+        state.epoch += 1
+        state.batches_in_epoch = state.items_in_epoch = 0
+
+
 @dataclass
 class StepFigures:
     """One optimizer step's figures as the step leaves them, on the device until the loop reads
@@ -358,12 +370,19 @@ class Trainer:
             return result
         self.model.train()
         timers = self.timers = profiling.start(self.model)  # LLAMAFT_PHASE_TIMERS=1: a `phases` event per step (None: off)
-        groups = _micro_batches(self.data, state, tc.gradient_accumulation_steps)
+        order = self.data.order
+        groups = (_global_steps(order, state) if order is not None
+                  else _micro_batches(self.data, state, tc.gradient_accumulation_steps))
+        log_items = order is not None and global_order.log_items()
         started, first_step = time.perf_counter(), state.step
         self._pending, self._last_read, self._next_stop_check = [], started, state.step + 1
         while state.step < steps and (stop_after is None or state.step < stop_after):
             step_start = time.perf_counter()
-            figures = self._step(next(groups))
+            group = next(groups)
+            figures = self._step(group)
+            if log_items:
+                assert isinstance(group, StepGroup)
+                log_json("items", step=state.step, rank=rt.rank, items=group.items)
             elapsed = figures.seconds = time.perf_counter() - step_start
             record.step = state.step
             if timers is not None:
@@ -406,7 +425,9 @@ class Trainer:
             # and the real tokens (padding, per-batch when packing is off, is neither work nor progress).
             # DPO: the step's pairs are the denominator (dpo_step), as target tokens are SFT's.
             units = dpo.pairs if (dpo := self.s.dpo) is not None else target_tokens
-            local = [float(sum(units(b) for b in group)), float(sum(int(b["attention_mask"].sum()) for b in group))]
+            # A filler (global_order.py) counts neither: no target, no pair, no token trained on.
+            local = [float(sum(units(b) for b in group)),
+                     float(sum(int(b["attention_mask"].sum()) for b in group if not global_order.is_filler(b)))]
         with profiling.phase(self.timers, "sync"):
             counts = to_device(torch.tensor(local, dtype=torch.float64), rt.device)
             dist.all_reduce(counts)

@@ -172,7 +172,7 @@ def setup_from_spec(spec: LlamaFineTuneSpec | TrainingJobConfig, *, world_size: 
         precision=fsdp.mixed_precision,
         batch=spec.training.per_device_batch_size * (2 if dpo else 1),
         seq=spec.dataset.max_seq_length,
-        accumulation=spec.training.gradient_accumulation_steps,
+        accumulation=spec.training.micro_steps(world_size),
         ac_mode=fsdp.activation_checkpointing.mode,
         ac_every=fsdp.activation_checkpointing.every_n_layers,
         attention=spec.model.attn_implementation,

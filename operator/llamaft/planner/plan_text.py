@@ -30,9 +30,12 @@ def _setup_line(plan: Plan) -> str:
         ac += f" (every {s.ac_every} layers)"
     lora = f", LoRA r {s.lora_rank} on {', '.join(s.lora_targets)}" if s.lora else ", full fine-tuning"
     group = f" (shard groups of {s.shard_size})" if s.shard_size != s.world_size else ""
+    accumulation = f"accumulation {s.accumulation}"
+    if (g := spec.training.global_batch_size) is not None:
+        accumulation = f"global batch {g}: {s.accumulation} micro-step(s) per rank"
     return (f"  {s.strategy.value} over {s.world_size} rank(s){group}, {s.precision.value}{lora}, "
             f"activation checkpointing {ac}, micro-batch {s.batch} x {s.seq} tokens"
-            f"{f' ({s.batch // 2} DPO pairs: chosen + rejected)' if s.dpo else ''}, accumulation {s.accumulation}, "
+            f"{f' ({s.batch // 2} DPO pairs: chosen + rejected)' if s.dpo else ''}, {accumulation}, "
             f"{s.attention.value}, {'packing' if s.packing else 'padding'}"
             f"{', CPU offload' if s.cpu_offload else ''}{', ' + spec.fsdp.implementation.value if spec.fsdp.implementation.value != 'fsdp2' else ''}")
 
