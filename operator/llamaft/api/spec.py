@@ -423,6 +423,20 @@ class TrainingSpec(ApiModel):
     dpo: DpoSpec | None = None
     """Preference-tuning settings for method dpo (omitted: the defaults, beta 0.1, loss sigmoid)."""
 
+    def micro_steps(self, world_size: int) -> int:
+        """Micro-steps per optimizer step on each of `world_size` ranks: gradientAccumulationSteps,
+        or with globalBatchSize ceil(globalBatchSize / (world_size x perDeviceBatchSize)) (the
+        trainer's global_order.GlobalOrder, the planner's memory and time)."""
+        if self.global_batch_size is None:
+            return self.gradient_accumulation_steps
+        return -(-self.global_batch_size // (world_size * self.per_device_batch_size))
+
+    def items_per_step(self, world_size: int) -> int:
+        """Training items (sequences, packed blocks or pairs) per optimizer step over all ranks."""
+        if self.global_batch_size is not None:
+            return self.global_batch_size
+        return self.per_device_batch_size * self.gradient_accumulation_steps * world_size
+
 
 DPO_LIVE_REFERENCE_UNSUPPORTED = (
     "spec.training.dpo.reference: live (a frozen sharded copy of the initial model) is not supported by this "

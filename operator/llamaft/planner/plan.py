@@ -419,6 +419,8 @@ def training_steps(spec: LlamaFineTuneSpec, records: int | None, dataset_tokens:
                           "(llamaft plan --dataset-records N)")
         sequences = int(records * train_fraction)
         how = f"{records:,} records, one padded sequence each"
+    if t.global_batch_size is not None:  # the trainer's global order: the tail short of a step is left out
+        return t.epochs * max(1, sequences // t.global_batch_size), f"epochs {t.epochs} over {how}"
     per_rank = math.ceil(sequences / world)
     batches = math.ceil(per_rank / t.per_device_batch_size)
     steps = t.epochs * max(1, batches // t.gradient_accumulation_steps)
@@ -430,7 +432,10 @@ def throughput(spec: LlamaFineTuneSpec, shape: ModelShape, setup: Setup, gpu: Gp
     fpt = flops_per_token(shape, setup.seq)
     gpus = spec.cluster.workers * spec.cluster.gpus_per_worker
     factor = recompute_factor(shape, setup)
-    tokens_per_step = setup.batch * setup.seq * setup.accumulation * spec.world_size
+    # setup.batch counts sequences (DPO: two per pair); with globalBatchSize, that many items a step
+    # whatever the world size (the micro-steps' fillers are no training)
+    per_item = setup.batch // spec.training.per_device_batch_size
+    tokens_per_step = spec.training.items_per_step(spec.world_size) * per_item * setup.seq
     peak = gpu.peak_flops if gpus else None
     # the assumed utilisation covers every FLOP the GPUs execute, recomputation included
     tps = mfu * peak * gpus / (fpt * factor) if peak else None
@@ -490,6 +495,11 @@ def _candidate_patches(spec: LlamaFineTuneSpec) -> list[tuple[str, dict[str, Any
     while b > 1:
         b //= 2
         factor = training.per_device_batch_size // b
+        if training.global_batch_size is not None:  # the accumulation is derived from it
+            out.append((f"micro-batch {b} (globalBatchSize {training.global_batch_size} kept: "
+                        f"{-(-training.global_batch_size // (spec.world_size * b))} micro-steps per rank)",
+                        {"training.perDeviceBatchSize": b}, "smaller matmuls, more micro-steps"))
+            continue
         out.append((f"micro-batch {b} with {a * factor} accumulation steps (same global batch)",
                     {"training.perDeviceBatchSize": b, "training.gradientAccumulationSteps": a * factor},
                     "smaller matmuls; between micro-steps the trainer keeps unsharded gradients"))
@@ -522,7 +532,9 @@ def _candidate_patches(spec: LlamaFineTuneSpec) -> list[tuple[str, dict[str, Any
     if fsdp.mixed_precision in (MixedPrecision.BF16, MixedPrecision.FP32, MixedPrecision.FP16):
         out.append(("pure-bf16 (bf16 master weights and optimizer state)", {"fsdp.mixedPrecision": "pure-bf16"},
                     "less accurate updates"))
-    if fsdp.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP) and spec.cluster.elastic is None:
+    more_workers_carry = training.global_batch_size is None or training.global_batch_size >= 2 * spec.world_size
+    if fsdp.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP) and spec.cluster.elastic is None \
+            and more_workers_carry:
         out.append((f"{spec.cluster.workers * 2} workers instead of {spec.cluster.workers}",
                     {"cluster.workers": spec.cluster.workers * 2}, "twice the GPUs"))
     return out
