@@ -584,6 +584,12 @@ class SimCluster:
             return ""
         return paths[index].read_text(errors="replace")
 
+    def pods_run(self, namespace: str = "default") -> list[str]:
+        """Every pod name whose container ran here, in first-start order (deleted pods included:
+        `logs` still reads them)."""
+        with self._lock:
+            return [name for ns, name in self._logs if ns == namespace]
+
     def trainer_pids(self, pod: str, namespace: str = "default") -> dict[int, int]:
         """{LOCAL_RANK: pid} of the trainer processes torchrun started in the pod's container."""
         run = self._run_of(pod, namespace)

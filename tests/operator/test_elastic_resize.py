@@ -4,10 +4,11 @@ running the real `torchrun -m llamaft_trainer` on a tiny Llama, a real etcd.
 
 Each node has room for one worker (3 cpu, a worker requests 2). A 2-worker run loses a node; no
 node has room for the replacement, which stays Pending and Unschedulable (as kube-scheduler
-leaves it); within `shrinkAfterSeconds` the operator runs on 1 worker (the PyTorchJob scaled in
-place), and status, events and the Workers column say so. A node joins; at the run's next
-checkpoint `growBackAfterSeconds` later it asks for 2 workers again, torchrun admits the new node,
-and the run ends Succeeded at 2 workers, every step trained.
+leaves it); within `shrinkAfterSeconds` the operator runs on 1 worker, and status, events and the
+Workers column say so. A node joins; at the run's next checkpoint `growBackAfterSeconds` later it
+asks for 2 workers again, gets them, and the run ends Succeeded, every step trained. A PyTorchJob
+is resized in place (its Worker replicas; torchrun admits the node range); a TrainJob's node count
+is immutable, so each resize is a new attempt from the newest checkpoint.
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ from llamaft_trainer.logline import read_events
 from tests.operator.conftest import Cluster, Operator, wait_for
 from tests.operator.emulator import EmulatorThread, write_kubeconfig
 from tests.operator.sim import SimCluster, pod_port
-from tests.operator.sim_fixtures import CHECKPOINT_CLAIM, DATASET, checkpoint_folder, checkpointing
+from tests.operator.sim_fixtures import (
+    CHECKPOINT_CLAIM,
+    DATASET,
+    checkpoint_folder,
+    checkpointing,
+    torch_distributed_runtime,
+)
 
 STEPS, EVERY = 400, 10
 """Long enough at one CPU worker that the grow-back (a pod started, torchrun admitting it) comes
@@ -37,10 +44,13 @@ SLACK = 15
 """Seconds beyond shrinkAfterSeconds the shrink may take: the operator's sync interval (1 s), a
 status write and a loaded machine."""
 NAME = "elastic"
+RUNTIMES = "/apis/trainer.kubeflow.org/v1alpha1/clustertrainingruntimes"
 
 
 @pytest.fixture
 def world(etcd: LocalEtcd, tmp_path: Path) -> Iterator[tuple[Cluster, SimCluster, Operator]]:
+    """A fresh cluster of two nodes with room for one worker each, Kubeflow Trainer's stock
+    torch-distributed runtime installed, and the operator."""
     emulator = EmulatorThread().start()
     config = client.Configuration()
     config.host = emulator.url
@@ -52,6 +62,7 @@ def world(etcd: LocalEtcd, tmp_path: Path) -> Iterator[tuple[Cluster, SimCluster
                         LLAMAFT_RETRY_BACKOFF_SECONDS="1", LLAMAFT_PROGRESS_TIMEOUT="0.5")
     try:
         sim.start()
+        assert sim.api.create(RUNTIMES, torch_distributed_runtime()) is not None
         operator.start()
         yield cluster, sim, operator
     finally:
@@ -60,8 +71,9 @@ def world(etcd: LocalEtcd, tmp_path: Path) -> Iterator[tuple[Cluster, SimCluster
         emulator.stop()
 
 
-def elastic_spec(model: Path) -> dict[str, Any]:
+def elastic_spec(model: Path, backend: str) -> dict[str, Any]:
     return {
+        "backend": backend,
         "model": {"source": str(model), "dtype": "float32"},
         "dataset": {"format": "samsum", "source": str(DATASET), "maxSeqLength": 64, "packing": True, "validationSplit": 0.1},
         "training": {"maxSteps": STEPS, "perDeviceBatchSize": 2, "learningRate": 2e-3, "evalInterval": 0, "seed": 7,
@@ -91,21 +103,37 @@ def moment(text: str) -> datetime:
     return datetime.fromisoformat(text.replace("Z", "+00:00"))
 
 
-def steps_logged(sim: SimCluster, cluster: Cluster, attempts: int) -> list[dict[str, Any]]:
-    """Every step line of every worker pod of every attempt (rank 0 logs them), in log order."""
-    lines: list[dict[str, Any]] = []
-    for attempt in range(1, attempts + 1):
-        job = cluster.job_name(NAME, attempt)
-        for index in range(2):
-            pod = f"{job}-worker-{index}"
-            lines += [line for line in read_events(sim.logs(pod)) if line.get("event") == "step"]
-    return lines
+def steps_logged(sim: SimCluster) -> list[dict[str, Any]]:
+    """Every step line of every pod that ran (rank 0 logs them), pod by pod."""
+    return [line for pod in sim.pods_run() for line in read_events(sim.logs(pod)) if line.get("event") == "step"]
 
 
+def trainer_pods(sim: SimCluster, job: str) -> list[dict[str, Any]]:
+    """The live trainer pods of `job` (either backend's: their names start with the job's)."""
+    return sorted((p for p in sim.api.list("/api/v1/pods", label_selector=f"llamaft.io/finetune={NAME}")
+                   if p["metadata"]["name"].startswith(job + "-") and not p["metadata"].get("deletionTimestamp")),
+                  key=lambda p: p["metadata"]["name"])
+
+
+def job_workers(cluster: Cluster, backend: str, name: str) -> int | None:
+    """The worker count the job `name` asks for (PyTorchJob: Worker replicas; TrainJob: numNodes)."""
+    if backend == "PyTorchJob":
+        job = cluster.job(name)
+        return None if job is None else int(job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"])
+    try:
+        obj = cluster.custom.get_namespaced_custom_object("trainer.kubeflow.org", "v1alpha1", "default", "trainjobs", name)
+    except client.ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return int(obj["spec"]["trainer"]["numNodes"])
+
+
+@pytest.mark.parametrize("backend", ["PyTorchJob", "TrainJob"])
 def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back(
-        world: tuple[Cluster, SimCluster, Operator], tiny_model: Path) -> None:
+        world: tuple[Cluster, SimCluster, Operator], tiny_model: Path, backend: str) -> None:
     cluster, sim, operator = world
-    cluster.create(NAME, elastic_spec(tiny_model))
+    cluster.create(NAME, elastic_spec(tiny_model, backend))
     running = wait_for("2 workers training past the first checkpoint", lambda: (
         (s := cluster.status(NAME)).get("progress", {}).get("step", 0) > EVERY and s.get("workers", {}).get("active") == 2 and s),
         timeout=240, interval=0.5)
@@ -113,9 +141,7 @@ def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back(
     assert column(cluster.finetune(NAME), "Workers") == 2
 
     # A node goes, with no room left on the other one for its worker.
-    job = running["jobName"]
-    lost = sim.node_of(f"{job}-worker-1")
-    assert lost is not None
+    lost = trainer_pods(sim, running["jobName"])[-1]["spec"]["nodeName"]  # PyTorchJob: worker-1's (scaled down in place)
     sim.lose_node(lost)
 
     unschedulable: dict[str, datetime] = {}  # pod -> since when the scheduler says it has no room
@@ -131,14 +157,21 @@ def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back(
     workers = shrunk["workers"]
     assert workers["current"] == 1 and workers["desired"] == 2 and "unschedulable" in workers["message"]
     assert "Insufficient cpu" in workers["message"], "the scheduler's own words"
-    since = min(t for pod, t in unschedulable.items() if pod.startswith(shrunk["jobName"] + "-"))
+    # The job the shrink acted on: the same one in place; a TrainJob's shrink made the next attempt.
+    acted_on = shrunk["jobName"] if backend == "PyTorchJob" else cluster.job_name(NAME, shrunk["attempt"] - 1)
+    since = min(t for pod, t in unschedulable.items() if pod.startswith(acted_on + "-"))
     waited = (moment(workers["lastResizeTime"]) - since).total_seconds()
     assert SHRINK_AFTER - 1 <= waited <= SHRINK_AFTER + SLACK, f"shrunk {waited}s after its pod became unschedulable"
     finetune = cluster.finetune(NAME)
     assert column(finetune, "Workers") == 1 and column(finetune, "Desired") == 2 and column(finetune, "Sized") == "Shrunk"
     assert "Shrunk" in cluster.wait_reasons(NAME, "Shrunk", timeout=30)
-    wait_for("the job asks for 1 worker", lambda: (j := cluster.job(shrunk["jobName"])) is not None and
-             j["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1, timeout=30)
+    if backend == "TrainJob":  # the next attempt, on 1 worker, from the newest checkpoint
+        assert shrunk["attempt"] > running["attempt"] and shrunk["jobName"] != running["jobName"]
+        wait_for("the next attempt's TrainJob on 1 worker", lambda: job_workers(cluster, backend, shrunk["jobName"]) == 1,
+                 timeout=60)
+    else:  # in place
+        assert job_workers(cluster, backend, shrunk["jobName"]) == 1
+        assert cluster.status(NAME)["jobName"] == shrunk["jobName"]
 
     # Capacity returns: at a later checkpoint the run asks for 2 workers again, and gets them.
     sim.add_node("node-9")
@@ -153,5 +186,7 @@ def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back(
                     interval=1)
     assert done["phase"] == "Succeeded", json.dumps(done, indent=1)[:4000]
     assert done["retriesUsed"] <= 1, "a resize spends no retry (the node loss may)"
-    trained = {line["step"] for line in steps_logged(sim, cluster, done["attempt"])}
+    if backend == "TrainJob":
+        assert job_workers(cluster, backend, done["jobName"]) == 2, "the last attempt ran on 2 workers"
+    trained = {line["step"] for line in steps_logged(sim)}
     assert trained == set(range(1, STEPS + 1)), f"steps never trained: {sorted(set(range(1, STEPS + 1)) - trained)[:20]}"

@@ -125,12 +125,21 @@ Fits = Callable[[int], str | None]
 """The capacity planner on `n` workers: None when it fits (or cannot tell), else why not."""
 
 
-def shrink(spec: LlamaFineTuneSpec, current: int, placed: Placement, now: datetime, fits: Fits) -> Resize | None:
-    """The shrink rule (module docstring); None while nothing is due."""
+def shrink(spec: LlamaFineTuneSpec, current: int, placed: Placement, now: datetime, fits: Fits,
+           attempt_start: datetime | None = None) -> Resize | None:
+    """The shrink rule (module docstring); None while nothing is due.
+
+    The clock starts no earlier than `attempt_start` + cluster.terminationGracePeriodSeconds: the
+    pods of the attempt before hold their room until they are gone (kube-scheduler counts a
+    terminating pod's requests), so a new attempt's pods may wait for that long without the run
+    lacking capacity."""
     elastic = spec.cluster.elastic
     if elastic is None or placed.unschedulable == 0 or placed.since is None:
         return None
-    if now - placed.since < timedelta(seconds=elastic.shrink_after_seconds):
+    since = placed.since
+    if attempt_start is not None:
+        since = max(since, attempt_start + timedelta(seconds=spec.cluster.termination_grace_period_seconds))
+    if now - since < timedelta(seconds=elastic.shrink_after_seconds):
         return None
     # No figure that changes from one look to the next: an unchanged decision writes nothing.
     pending = f"{placed.unschedulable} of {current} worker pod(s) unschedulable for over {elastic.shrink_after_seconds}s"

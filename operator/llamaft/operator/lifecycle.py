@@ -294,7 +294,7 @@ def _elastic(obs: Observed, seen: Observation, attempt: int, d: Decision) -> Non
     placed = elastic.placement(obs.pods)
     step = _last_step(obs, seen)
     base = c.workers or st.workers
-    resize = elastic.shrink(spec, current, placed, obs.now, obs.fits or (lambda n: None))
+    resize = elastic.shrink(spec, current, placed, obs.now, obs.fits or (lambda n: None), parse_time(st.attempt_start_time))
     if resize is None and placed.unschedulable == 0:
         if st.workers.reason == elastic.GROWING_BACK and base.active >= current:
             message = f"back at {current} worker(s), as spec.cluster.workers says"
