@@ -1,6 +1,6 @@
 """`llamaft plan` and the capacity verdict for training.method dpo: two sequences per pair in one
-forward, DPO's logits, the reference (precomputed pass, LoRA's adapter-disabled forward, `live`
-refused in the trainer's words)."""
+forward, DPO's logits, the reference (precomputed pass, LoRA's adapter-disabled forward, `live`'s
+frozen copy and its forward per micro-batch), what the trainer refuses in its words."""
 
 from __future__ import annotations
 
@@ -8,12 +8,10 @@ from typing import Any
 
 import pytest
 from llamaft.api.spec import (
-    DPO_LIVE_REFERENCE_UNSUPPORTED,
     MixedPrecision,
     ShardingStrategy,
 )
 from llamaft.planner import (
-    DPO_UNSUPPORTED,
     FITS,
     admission,
     build_plan,
@@ -98,19 +96,42 @@ def test_loras_reference_is_a_forward_per_micro_batch() -> None:
     assert admission(dpo_spec(**lora, **{"training.dpo.reference": "live"})).reason == FITS
 
 
-def test_the_verdict_refuses_what_the_trainer_refuses_in_its_words() -> None:
-    live = admission(dpo_spec(**{"training.dpo.reference": "live"}))
-    assert (live.fits, live.reason, live.refuse, live.message) == (False, DPO_UNSUPPORTED, True, DPO_LIVE_REFERENCE_UNSUPPORTED)
-    assert admission(dpo_spec()).reason == FITS
-    # the trainer's ConfigError says the same (dpo_step.check, before any collective)
-    pytest.importorskip("torch")
-    from llamaft_trainer.dpo_step import check
-    from llamaft_trainer.errors import ConfigError
+def test_the_live_reference_is_a_second_sharded_copy_and_a_forward_per_micro_batch() -> None:
+    """`reference: live`: the frozen copy's shards in the compute dtype (bf16: half the fp32 master
+    copy) held all the time, its no-grad forward per micro-batch in the time (+2/6)."""
+    base = {"training.maxSteps": 100, "training.gradientAccumulationSteps": 2, "cluster.workers": 2}
+    shape = resolve_shape(dpo_spec().model.source)
+    pre = build_plan(dpo_spec(**base), shape, dataset_records=10_000)
+    live = build_plan(dpo_spec(**base, **{"training.dpo.reference": "live"}), shape, dataset_records=10_000)
+    assert live.setup.dpo_live_reference and not pre.setup.dpo_live_reference
+    reference = live.memory.components["reference"]
+    assert reference == live.memory.components["parameters"] // 2 > 0  # c = 2 bytes, the master 4
+    assert "reference" not in pre.memory.components or pre.memory.components["reference"] == 0
+    assert live.memory.peak_bytes >= pre.memory.peak_bytes + reference
+    assert live.memory.persistent_bytes == pre.memory.persistent_bytes + reference
+    assert live.memory.phase_peaks["reference"] > 0
+    # fp32: the copy is as large as the master copy
+    fp32 = build_plan(dpo_spec(**base, **{"training.dpo.reference": "live", "fsdp.mixedPrecision": "fp32"}), shape)
+    assert fp32.memory.components["reference"] == fp32.memory.components["parameters"]
+    # time: a no-grad forward per micro-batch, nothing before training
+    assert live.throughput.recompute_factor == pytest.approx(pre.throughput.recompute_factor + 2 / 6)
+    assert live.throughput.reference_seconds is None and "live reference" in live.throughput.reference_note
+    assert live.throughput.step_seconds > pre.throughput.step_seconds
+    assert "DPO live reference (frozen sharded copy)" in render_plan("live", live, admission(dpo_spec(**base)))
 
-    spec = dpo_spec(**{"training.dpo.reference": "live"})
-    with pytest.raises(ConfigError) as raised:
-        check(spec.training_config())
-    assert str(raised.value) == live.message
+
+def test_the_capacity_verdict_counts_the_live_reference() -> None:
+    """Llama 2 7B on 8 A100 40GB (p4d), 8 pairs of 2048 tokens per micro-batch: about 39 of 40 GiB
+    with the precomputed reference; the live copy's bf16 shard (6.7e9 x 2 bytes / 8 ranks, 1.6 GiB)
+    beside it does not fit, and the verdict says so."""
+    tight = {"cluster.instanceType": "p4d.24xlarge", "training.perDeviceBatchSize": 8, "dataset.maxSeqLength": 2048}
+    pre = admission(dpo_spec(**tight))
+    live = admission(dpo_spec(**tight, **{"training.dpo.reference": "live"}))
+    assert pre.plan is not None and live.plan is not None
+    copy = live.plan.memory.components["reference"]
+    assert copy == 2 * live.plan.memory.parameters // 8 == pytest.approx(1.57 * 2**30, rel=0.01)
+    assert live.plan.required_bytes - pre.plan.required_bytes >= copy
+    assert pre.reason == FITS and live.reason != FITS and not live.fits, (pre.message, live.message)
 
 
 def test_streamed_pairs_are_planned_and_trained_as_stored_ones() -> None:
@@ -128,6 +149,7 @@ def test_streamed_pairs_are_planned_and_trained_as_stored_ones() -> None:
     from llamaft_trainer.dpo_step import check
 
     check(dpo_spec(**{"dataset.streaming": True}).training_config())
+    check(dpo_spec(**{"training.dpo.reference": "live"}).training_config())  # live is trained now
 
 
 def test_the_llama3_8b_dpo_example_fits_on_p5() -> None:

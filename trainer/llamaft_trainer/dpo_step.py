@@ -22,8 +22,14 @@ Reference:
   The batches then carry each pair's reference log-probabilities (`reference_logps`).
 * LoRA/DoRA: the base model is the reference: per batch, a no-grad forward with the adapters
   disabled (peft's `disable_adapter()`), before the policy's forward. No copy, nothing stored.
-* full fine-tuning with `reference: live` (a frozen sharded copy) is not implemented yet: a
-  ConfigError naming spec.training.dpo.reference.
+* full fine-tuning, `reference: live` (`frozen`): a second copy of the initial model, loaded by
+  the same code as the policy (main.build_model: the same files, no second download) and sharded
+  by the same parallelize (FSDP2 or FSDP1, the same mixed precision), its shards in the compute
+  dtype, every parameter requires_grad=False, in eval mode, never given to the optimizer nor to a
+  checkpoint (it is the initial model: a resumed run loads it again). Per micro-batch, a no-grad
+  forward of it over the same concatenated batch, before the policy's. It costs a second
+  parameter set in GPU memory and a forward per micro-batch, where `precomputed` costs one pass
+  before training and a file; it is what a run needs when the pairs are many or change.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import torch
 import torch.distributed as dist
 from llamaft.api.spec import (
     DpoLoss,
+    DpoReference,
     DpoSpec,
     TrainingJobConfig,
     TrainingMethod,
@@ -67,6 +74,20 @@ def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def uses_lora(cfg: TrainingJobConfig) -> bool:
     return cfg.training.lora is not None and cfg.training.lora.enabled
+
+
+def live_reference(cfg: TrainingJobConfig) -> bool:
+    """Whether the run needs the frozen copy (`reference: live` under full fine-tuning)."""
+    return (cfg.training.method is TrainingMethod.DPO and not uses_lora(cfg)
+            and (cfg.training.dpo or DpoSpec()).reference is DpoReference.LIVE)
+
+
+def frozen(model: nn.Module) -> nn.Module:
+    """`model` as the live reference: no parameter takes a gradient (so no optimizer, no gradient
+    buffer, no FSDP reduction ever touches it), eval mode (as TRL prepares its ref_model)."""
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    return model.eval()
 
 
 def check(cfg: TrainingJobConfig) -> None:
@@ -107,6 +128,8 @@ class DpoMethod:
     loss: DpoLoss
     lora: bool
     chunks: int = 1
+    reference: nn.Module | None = None
+    """The live reference (`frozen`), or None (precomputed, or LoRA's adapter-disabled base)."""
 
     @classmethod
     def of(cls, cfg: TrainingJobConfig) -> DpoMethod:
@@ -132,6 +155,10 @@ class DpoMethod:
         if "reference_logps" in batch:
             reference = _to(batch["reference_logps"], device)
             ref_chosen, ref_rejected = reference[:, 0], reference[:, 1]
+        elif self.reference is not None:
+            with torch.no_grad():
+                ref_chosen, ref_rejected = split_pairs(self.logps(self.reference, input_ids, attention_mask, completion_mask))
+            reshard(self.reference)  # FSDP2 keeps a root unsharded after a forward no backward follows
         elif self.lora:
             with torch.no_grad(), adapters_disabled(model):
                 ref_chosen, ref_rejected = split_pairs(self.logps(model, input_ids, attention_mask, completion_mask))
@@ -260,11 +287,18 @@ def precompute_reference(cfg: TrainingJobConfig, rt: Runtime, model: nn.Module, 
     return report
 
 
-def prepare(cfg: TrainingJobConfig, rt: Runtime, model: nn.Module, data: Any) -> DpoMethod | None:
-    """The loop's DPO method (None for SFT), the precomputed reference in place for full fine-tuning."""
+def prepare(cfg: TrainingJobConfig, rt: Runtime, model: nn.Module, data: Any,
+            reference: nn.Module | None = None) -> DpoMethod | None:
+    """The loop's DPO method (None for SFT): with `reference: live` it scores with `reference` (the
+    frozen copy main.setup built, `live_reference`), else for full fine-tuning the precomputed
+    reference is put in place."""
     if cfg.training.method is not TrainingMethod.DPO:
         return None
     method = DpoMethod.of(cfg)
-    if not method.lora:
+    if live_reference(cfg):
+        if reference is None:
+            raise RuntimeError("reference: live needs the frozen copy of the initial model, and none was built")
+        method.reference = reference
+    elif not method.lora:
         precompute_reference(cfg, rt, model, data)
     return method

@@ -51,7 +51,7 @@ from llamaft_trainer.errors import EXIT_CONFIG_ERROR, EXIT_FAILURE, ConfigError
 from llamaft_trainer.evaluation import build_evaluator
 from llamaft_trainer.export import export_hugging_face
 from llamaft_trainer.metrics import Progress, flops_per_token, log_json, peak_flops
-from llamaft_trainer.parallelize import parallelize, replicate
+from llamaft_trainer.parallelize import mixed_precision_policy, parallelize, replicate
 from llamaft_trainer.preemption import StopReport, StopSignal
 from llamaft_trainer.runtime import Runtime, build_mesh, init_runtime, sharding_plan
 from llamaft_trainer.shutdown import exit_process, teardown
@@ -99,13 +99,19 @@ def load_config(path: str | Path) -> TrainingJobConfig:
 
 
 def build_model(cfg: TrainingJobConfig, rt: Runtime, model_config: Any,
-                plan: ShardingPlan | None = None) -> tuple[nn.Module, int]:
+                plan: ShardingPlan | None = None, *, reference: bool = False) -> tuple[nn.Module, int]:
     """Meta model -> (LoRA) -> parallelize -> allocate shards -> pretrained weights streamed into
     the shards (loading.py: each rank reads only its own rows, or rank 0 broadcasts tensor by tensor)
     -> DDP where the sharding plan replicates without FSDP. `plan`: the run's sharding plan
-    (derived from the spec and the runtime when not given)."""
+    (derived from the spec and the runtime when not given).
+
+    `reference`: DPO's live reference (dpo_step.frozen): the same model sharded the same way, its
+    shards held in the compute dtype (the values the policy's first forward computes with: the
+    master weights cast to FSDP's param_dtype), no LoRA, no DDP (nothing to synchronise), frozen."""
     dtype = model_step.master_dtype(cfg.fsdp.mixed_precision)
-    lora = cfg.training.lora if cfg.training.lora is not None and cfg.training.lora.enabled else None
+    if reference:
+        dtype = mixed_precision_policy(cfg.fsdp.mixed_precision).param_dtype or dtype
+    lora = cfg.training.lora if cfg.training.lora is not None and cfg.training.lora.enabled and not reference else None
     model = model_step.build_meta_model(model_config, cfg.model, dtype)
     if lora is not None:
         model = model_step.apply_lora(model, lora)
@@ -117,6 +123,8 @@ def build_model(cfg: TrainingJobConfig, rt: Runtime, model_config: Any,
         model.to_empty(device=rt.device)
     model_step.rebuild_rotary_buffers(model, rt.device)
     loading.load_weights(model, want, cfg.model, rt, config=model_config, dtype=dtype, lora=lora, seed=cfg.training.seed)
+    if reference:
+        return dpo_step.frozen(model), n_params
     return replicate(model, plan, rt.device), n_params
 
 
@@ -159,9 +167,13 @@ def setup(cfg: TrainingJobConfig, rt: Runtime, stop: StopSignal | None = None) -
     plan = sharding_plan(cfg.fsdp, rt)
     _phase(rt, "loading the model", stop)
     model, n_params = build_model(cfg, rt, model_config, plan)
-    if cfg.training.method is TrainingMethod.DPO:
+    reference = None
+    if dpo_step.live_reference(cfg):  # the initial model again, frozen: never in a checkpoint, loaded on resume
+        _phase(rt, "loading the reference model", stop)
+        reference, _ = build_model(cfg, rt, model_config, plan, reference=True)
+    elif cfg.training.method is TrainingMethod.DPO:
         _phase(rt, "scoring the pairs with the reference model", stop)
-    dpo = dpo_step.prepare(cfg, rt, model, data)  # None for SFT; the initial model's pass, before any resume
+    dpo = dpo_step.prepare(cfg, rt, model, data, reference)  # None for SFT; the initial model's pass, before any resume
     optimizer = build_optimizer(model, cfg)
     per_epoch = data.batches_per_epoch
     if per_epoch is None and cfg.training.max_steps is None:

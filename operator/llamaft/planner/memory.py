@@ -48,7 +48,12 @@ What it follows (FSDP2, `fully_shard` per decoder layer plus the root, as parall
     log-softmax); the bf16 logits are freed once the log-probabilities are summed; backward
     builds the logits' gradient slice by slice (a full-size gradient per slice, summed). The
     reference costs no GPU memory at the peak: precomputed, it is read from disk; under LoRA it is
-    a no-grad forward (adapters off) before the policy's, with nothing saved.
+    a no-grad forward (adapters off) before the policy's, with nothing saved. `reference: live`
+    (full fine-tuning, dpo_step.frozen) holds a second sharded parameter set in the compute dtype
+    (FSDP's param_dtype; no gradient, no optimizer state) all the time, and before each policy
+    forward runs a no-grad forward of it: its units gathered as the policy's are, each layer's
+    output replacing its input (nothing saved), then its logits (the LM head over every position)
+    and one fp32 log-softmax slice at a time; what remains is two numbers per sequence.
   * optimizer step: AdamW's foreach implementation (the trainer asks for it on every device)
     allocates one temporary the size of the trainable shard (sqrt of exp_avg_sq).
   * CPU offload: parameters, gradients and optimizer state live in host memory (and the step runs
@@ -71,6 +76,8 @@ from llamaft.api import sharding
 from llamaft.api.spec import (
     AttentionImplementation,
     CheckpointingMode,
+    DpoReference,
+    DpoSpec,
     Float8Recipe,
     FsdpImplementation,
     LlamaFineTuneSpec,
@@ -93,6 +100,7 @@ LOGITS_NOTE_SHARE = 0.25
 
 COMPONENTS: dict[str, str] = {
     "parameters": "sharded parameters (master copy)",
+    "reference": "DPO live reference (frozen sharded copy)",
     "gradients": "sharded gradients",
     "optimizer": "optimizer state (AdamW exp_avg, exp_avg_sq)",
     "accumulated_gradients": "unsharded gradients kept between micro-steps",
@@ -139,6 +147,9 @@ class Setup:
     dpo: bool = False
     """training.method dpo: `batch` is 2 x perDeviceBatchSize sequences (a pair's chosen and
     rejected in one forward) and the logits follow dpo.sequence_logps (module docstring)."""
+    dpo_live_reference: bool = False
+    """training.dpo.reference live under full fine-tuning: the frozen sharded copy and its no-grad
+    forward per micro-batch (module docstring)."""
     sync_between_micro_steps: bool = False
     """False: as train.py does today, gradient sync is off on all but the last micro-step, so FSDP2
     keeps unsharded gradients between micro-steps. True: a trainer that reduce-scatters every
@@ -165,6 +176,7 @@ def setup_from_spec(spec: LlamaFineTuneSpec | TrainingJobConfig, *, world_size: 
     lora = spec.training.lora if spec.training.lora is not None and spec.training.lora.enabled else None
     fsdp = spec.fsdp
     dpo = spec.training.method is TrainingMethod.DPO
+    live = dpo and lora is None and (spec.training.dpo or DpoSpec()).reference is DpoReference.LIVE
     return Setup(
         strategy=fsdp.sharding_strategy,
         world_size=world_size,
@@ -189,6 +201,7 @@ def setup_from_spec(spec: LlamaFineTuneSpec | TrainingJobConfig, *, world_size: 
         and fsdp.float8.all_gather and fsdp.implementation is FsdpImplementation.FSDP2,
         loss_chunks=spec.training.loss_chunks,
         dpo=dpo,
+        dpo_live_reference=live,
         sync_between_micro_steps=TRAINER_SYNCS_EVERY_MICRO_STEP,
     )
 
@@ -561,6 +574,7 @@ def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
     shard_trainable = layer.shard_trainable(group) * layer.count + root.shard_trainable(group)
     trainable = layer.trainable * layer.count + root.trainable
     params_bytes = m * shard_numel
+    reference_bytes = c * shard_numel if setup.dpo_live_reference else 0.0
     opt_bytes = 2 * m * shard_trainable
     grads_total = m * shard_trainable
     offload = setup.cpu_offload
@@ -594,15 +608,32 @@ def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
     embed_grad = c * shape.embedding_parameters if lm_head_trainable else 0.0
     head_grad = 0.0 if shape.tie_word_embeddings else embed_grad
 
+    def reference_forward(tl: Timeline) -> None:
+        """DPO's live reference, no grad (module docstring): transient, gone before the policy's forward."""
+        hidden = c * shape.hidden_size * tokens
+        ref_root = c * root.padded
+        ref_layer = c * layer.padded
+        tl.add("gathered_parameters", ref_root + (2 if cuda else 1) * ref_layer)
+        layer_tmp = hidden + forward_temporaries_per_token(shape, setup, True) * tokens  # as a checkpointed layer's
+        tl.add("temporaries", layer_tmp, "reference:layer forward")
+        tl.sub("temporaries", layer_tmp)
+        tl.sub("gathered_parameters", (2 if cuda else 1) * ref_layer)
+        tl.add("logits", full_c + (part if c != 4 else 0.0) + part, "reference:log-softmax")
+        tl.sub("logits", full_c + (part if c != 4 else 0.0) + part)
+        tl.sub("gathered_parameters", ref_root)  # dpo_step resharded it
+
     def simulate(accumulated: bool, sync: bool, tl: Timeline, grads_present: bool = False, step: bool = True) -> None:
         tl.live = dict.fromkeys(COMPONENTS, 0.0)
         tl.add("parameters", on_gpu * params_bytes)
+        tl.add("reference", on_gpu * reference_bytes)
         tl.add("optimizer", on_gpu * opt_bytes)
         if grads_present:
             tl.add("gradients", on_gpu * grads_total)
         if accumulated:
             tl.add("accumulated_gradients", rd * trainable)
         tl.add("activations", shared, "forward:inputs")
+        if setup.dpo_live_reference:
+            reference_forward(tl)
         # -------- forward
         root_gathered = c * root.padded
         tl.add("gathered_parameters", 2 * root_gathered, "forward:root all-gather")
@@ -810,8 +841,8 @@ def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
         shard_size=group,
         layer_unit_parameters=layer.numel,
         root_unit_parameters=root.numel,
-        host_offloaded_bytes=int(params_bytes + opt_bytes + grads_total) if offload else 0,
-        persistent_bytes=int(on_gpu * (params_bytes + opt_bytes)),
+        host_offloaded_bytes=int(params_bytes + reference_bytes + opt_bytes + grads_total) if offload else 0,
+        persistent_bytes=int(on_gpu * (params_bytes + reference_bytes + opt_bytes)),
         notes=notes,
     )
 

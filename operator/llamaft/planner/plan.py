@@ -11,6 +11,8 @@ from typing import Any
 from llamaft.api.quantity import parse_quantity
 from llamaft.api.spec import (
     CheckpointingMode,
+    DpoReference,
+    DpoSpec,
     FsdpImplementation,
     LlamaFineTuneSpec,
     MixedPrecision,
@@ -129,7 +131,7 @@ def resolve_gpu(spec: LlamaFineTuneSpec) -> GpuInfo:
 
 def dpo_problem(spec: LlamaFineTuneSpec) -> str | None:
     """What the trainer would refuse in a DPO spec (its ConfigError's words,
-    llamaft.api.spec.dpo_unsupported: `reference: live` without LoRA), or None."""
+    llamaft.api.spec.dpo_unsupported), or None."""
     return dpo_unsupported(spec.training, spec.dataset)
 
 
@@ -380,8 +382,9 @@ def flops_per_token(shape: ModelShape, seq: int) -> float:
 
 def recompute_factor(shape: ModelShape, setup: Setup) -> float:
     """Checkpointed layers run their forward twice: 8/6 of their share of the model FLOPs. DPO
-    under LoRA adds the reference's no-grad forward (adapters off) of every micro-batch: 2/6."""
-    reference = 2.0 / 6.0 if setup.dpo and setup.lora else 0.0
+    under LoRA adds the reference's no-grad forward (adapters off) of every micro-batch: 2/6, and
+    so does the live reference's (the frozen copy) under full fine-tuning."""
+    reference = 2.0 / 6.0 if setup.dpo and (setup.lora or setup.dpo_live_reference) else 0.0
     return reference + _recompute_factor(shape, setup)
 
 
@@ -455,13 +458,18 @@ def reference_pass(spec: LlamaFineTuneSpec, fpt: float, flops_per_second: float 
     scores every pair (training and validation) once with the initial model before the first step
     (dpo_step.precompute_reference: a no-grad forward, a third of a training step's FLOPs per
     token, two sequences per pair of at most maxSeqLength); LoRA's reference is a forward per
-    micro-batch (recompute_factor). Seconds (None: no pass, or the pair count is unknown) and a note."""
+    micro-batch (recompute_factor), and so is `reference: live`'s frozen copy (its memory in the
+    estimate). Seconds (None: no pass, or the pair count is unknown) and a note."""
     if spec.training.method is not TrainingMethod.DPO:
         return None, ""
     if spec.training.lora is not None and spec.training.lora.enabled:
         return None, ("DPO with LoRA: the reference is the base model with the adapters disabled, a no-grad forward "
                       "of every micro-batch (x1.33 the step's FLOPs, in the recomputation factor); nothing before "
                       "training, no second copy in memory")
+    if (spec.training.dpo or DpoSpec()).reference is DpoReference.LIVE:
+        return None, ("DPO, live reference: a frozen sharded copy of the initial model in the compute dtype (in the "
+                      "memory above) runs a no-grad forward of every micro-batch (x1.33 the step's FLOPs, in the "
+                      "recomputation factor); nothing before training, nothing stored")
     if records is None:
         records = KNOWN_DATASET_RECORDS.get(spec.dataset.source.lower())
     if records is None:
