@@ -18,6 +18,13 @@ transformers 5.24.0), `trl/trainer/dpo_trainer.py`:
 * examples whose prompt alone fills `max_length` are dropped (with `keep_start` truncation the
   collator would cut every completion token away).
 
+Implicit prompts (`implicit_prompt`): TRL's preference sets such as trl-lib/ultrafeedback_binarized
+hold only chosen and rejected, each the whole text or conversation, the prompt being their shared
+start. A record without the prompt field gets TRL's `trl/data_utils.py::extract_prompt` (which
+`DPOTrainer._prepare_dataset` maps over a set whose first record has no prompt), and, as
+`maybe_extract_prompt` does, so does one whose prompt is of the other kind than its completions
+(a string prompt beside whole conversations, HuggingFaceH4/ultrafeedback_binarized's layout).
+
 Turns are rendered with the chat format's compiled template (`chat.compile_template`, built
 like transformers' own and tested equal to it) and tokenized in one batched call with
 `add_special_tokens=False`, which is what `apply_chat_template(..., tokenize=True)` does
@@ -83,11 +90,48 @@ def _turns(value: list[Any], field: str, where: str) -> list[dict[str, str]]:
     return checked_turns(value, field, where)
 
 
+def _kind(value: Any) -> str | None:
+    return "text" if isinstance(value, str) else "turns" if isinstance(value, list) else None
+
+
+def implicit_prompt(chosen: Text, rejected: Text, names: tuple[str, str], where: str) -> tuple[Text, Text, Text]:
+    """(prompt, chosen, rejected) of a pair whose prompt is the shared start of its chosen and
+    rejected (two strings, or two checked lists of turns), split as TRL 1.16.0's
+    `trl/data_utils.py::extract_prompt` splits it: the prompt ends where they first differ (a
+    character, or a turn), less a space just before that point (the completion keeps it); where
+    one is a prefix of the other, before their last shared element. A pair that differs from its
+    first element has no prompt to extract (TRL would index before the start): a ConfigError."""
+    n = min(len(chosen), len(rejected))
+    if n == 0 or chosen[0] != rejected[0]:
+        unit = "character" if isinstance(chosen, str) else "turn"
+        raise ConfigError(
+            f"spec.dataset: {where} has no prompt field, and its {names[0]!r} and {names[1]!r} share no leading {unit} "
+            "to take the prompt from (TRL's implicit-prompt layout: both hold the whole text or conversation, the "
+            "prompt being their common start); give the prompt in its own field (spec.dataset.fieldMapping.prompt "
+            "names it), or fix the record"
+        )
+    idx = n - 1  # extract_prompt's loop variable when it runs out without a difference
+    for k in range(n):
+        if chosen[k] != rejected[k]:
+            idx = k - 1 if chosen[k - 1] == " " else k
+            break
+    if not chosen[:idx] and isinstance(chosen, list):
+        raise ConfigError(
+            f"spec.dataset: {where} has no prompt field, and its {names[0]!r} and {names[1]!r} share only their last "
+            "turn, which leaves no prompt turn before the completions; give the prompt in its own field "
+            "(spec.dataset.fieldMapping.prompt names it), or fix the record"
+        )
+    return chosen[:idx], chosen[idx:], rejected[idx:]
+
+
 def preference_record(record: dict[str, Any], mapping: FieldMapping, where: str) -> PreferenceRecord:
     """The record's prompt, chosen and rejected, checked; every error names `where` (`data.jsonl
-    line 5`) and says what to fix."""
+    line 5`) and says what to fix. Without a prompt field (the default `prompt`) the prompt is
+    `implicit_prompt`; a prompt field that fieldMapping names must be there."""
     names = field_names(mapping)
-    missing = [n for n in names if n not in record]
+    if names[0] not in record and not mapping.prompt and names[1] in record and names[2] in record:
+        return _implicit(record, names[1:], where)
+    missing = [n for n in (names[1], names[2], names[0]) if n not in record]  # a prompt may be implicit
     if missing:
         raise ConfigError(
             f"spec.dataset: {where} has no field {missing[0]!r} (it has {sorted(record)}): format preference reads "
@@ -95,13 +139,10 @@ def preference_record(record: dict[str, Any], mapping: FieldMapping, where: str)
             f"{names[2]!r}; rename them with spec.dataset.fieldMapping (prompt: [<field>], chosen, rejected)"
         )
     values = [record[n] for n in names]
-    kinds = ["text" if isinstance(v, str) else "turns" if isinstance(v, list) else None for v in values]
-    for name, value, kind in zip(names, values, kinds, strict=True):
-        if kind is None:
-            raise ConfigError(
-                f"spec.dataset: {where}: field {name!r} is a {type(value).__name__}; it must be a string or a list of "
-                f"turns ({TURN_HINT})"
-            )
+    kinds = [_kind(v) for v in values]
+    _check_kinds(names, values, kinds, where)
+    if kinds[1] == kinds[2] != kinds[0]:  # TRL's maybe_extract_prompt: the prompt is also inside both
+        return _implicit(record, names[1:], where)
     if len(set(kinds)) > 1:
         said = ", ".join(f"{n} is {'a string' if k == 'text' else 'a list of turns'}" for n, k in zip(names, kinds, strict=True))
         raise ConfigError(
@@ -111,6 +152,32 @@ def preference_record(record: dict[str, Any], mapping: FieldMapping, where: str)
     if kinds[0] == "text":
         return PreferenceRecord(values[0], values[1], values[2])
     prompt, chosen, rejected = (_turns(v, n, where) for v, n in zip(values, names, strict=True))
+    return PreferenceRecord(prompt, chosen, rejected)
+
+
+def _check_kinds(names: Sequence[str], values: Sequence[Any], kinds: Sequence[str | None], where: str) -> None:
+    for name, value, kind in zip(names, values, kinds, strict=True):
+        if kind is None:
+            raise ConfigError(
+                f"spec.dataset: {where}: field {name!r} is a {type(value).__name__}; it must be a string or a list of "
+                f"turns ({TURN_HINT})"
+            )
+
+
+def _implicit(record: dict[str, Any], names: tuple[str, str], where: str) -> PreferenceRecord:
+    """A record whose prompt is the shared start of its chosen and rejected (module docstring)."""
+    values = [record[n] for n in names]
+    kinds = [_kind(v) for v in values]
+    _check_kinds(names, values, kinds, where)
+    if kinds[0] != kinds[1]:
+        said = ", ".join(f"{n} is {'a string' if k == 'text' else 'a list of turns'}" for n, k in zip(names, kinds, strict=True))
+        raise ConfigError(
+            f"spec.dataset: {where}: {said}; chosen and rejected must both be strings or both lists of turns "
+            "(TRL's standard or conversational preference format)"
+        )
+    if kinds[0] == "turns":
+        values = [_turns(v, n, where) for v, n in zip(values, names, strict=True)]
+    prompt, chosen, rejected = implicit_prompt(values[0], values[1], names, where)
     return PreferenceRecord(prompt, chosen, rejected)
 
 
