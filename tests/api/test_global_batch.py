@@ -83,11 +83,12 @@ def test_the_crd_carries_the_field_and_rules() -> None:
     assert any(r.get("fieldPath") == ".gradientAccumulationSteps" for r in training["x-kubernetes-validations"])
 
 
-def test_llamaft_validate_refuses_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_llamaft_validate_and_plan_refuse_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "small-batch.yaml"
     path.write_text(yaml.safe_dump(spec_with(12)))
-    assert main(["validate", "--schema-only", str(path)]) == 1
-    out = capsys.readouterr()
-    assert "spec.training.globalBatchSize: globalBatchSize 12 is below workers x gpusPerWorker = 16" in out.out + out.err
+    for command in (["validate", "--schema-only"], ["plan"]):
+        assert main([*command, str(path)]) != 0
+        out = capsys.readouterr()
+        assert "spec.training.globalBatchSize: globalBatchSize 12 is below workers x gpusPerWorker = 16" in out.out + out.err
     path.write_text(yaml.safe_dump(spec_with(16)))
     assert main(["validate", "--schema-only", str(path)]) == 0

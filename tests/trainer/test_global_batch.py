@@ -4,8 +4,8 @@
    gives every rank the same number of micro-steps, the step's items exactly once over the ranks,
    fillers where a share runs short; a world size that cannot carry the batch is refused by field.
 2. Under real torchrun, in three launches (1 rank, 2 ranks, 1 rank) of the harness: the same spec,
-   padded (globalBatchSize 5: uneven, a filler on rank 1), packed (4 blocks of several examples)
-   and DPO (5 pairs), has the same per-step loss and training items on 1 and 2 ranks, the loss to
+   padded (globalBatchSize 5: uneven, a filler on rank 1), packed (4 blocks of several examples),
+   LoRA and DPO (5 pairs), has the same per-step loss and training items on 1 and 2 ranks, the loss to
    1e-5 relative (fp32); a run stopped after its step-3 checkpoint on 1
    rank resumes on 2, and one stopped on 2 resumes on 1, each continuing the uninterrupted run's
    losses to 1e-5 and its training items step for step (the ranks' `items` events, LLAMAFT_LOG_ITEMS),
@@ -115,16 +115,18 @@ def test_a_checkpoint_without_the_global_position_is_refused_by_field(tmp_path: 
 
 # ------------------------------------------------------------------ real runs
 STEPS, EVERY, STOP = 8, 3, 5
-MODES: dict[str, tuple[dict[str, Any], int]] = {
-    "padded": ({"packing": False}, 5),
-    "packed": ({"maxSeqLength": 256}, 4),  # 2-3 examples a block (best-fit decreasing)
-    "dpo": ({}, 5),  # preference pairs (test_dpo_run's data), never packed
+LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "targetModules": ["q_proj", "v_proj"]}  # dropout: each rank's own masks
+MODES: dict[str, tuple[dict[str, Any], int, dict[str, Any]]] = {
+    "padded": ({"packing": False}, 5, {}),
+    "packed": ({"maxSeqLength": 256}, 4, {}),  # 2-3 examples a block (best-fit decreasing)
+    "lora": ({"packing": False}, 5, {"lora": LORA, "learningRate": 1e-2}),
+    "dpo": ({}, 5, {}),  # preference pairs (test_dpo_run's data), never packed
 }
 
 
 def _config(model: Path, directory: Path, mode: str, tmp: Path, *, resume: bool = False) -> dict[str, Any]:
-    dataset, global_batch = MODES[mode]
-    training = {"maxSteps": STEPS, "globalBatchSize": global_batch, "perDeviceBatchSize": 2}
+    dataset, global_batch, extra = MODES[mode]
+    training = {"maxSteps": STEPS, "globalBatchSize": global_batch, "perDeviceBatchSize": 2, **extra}
     checkpointing = {"everyNSteps": EVERY, "keepLast": 3, "resume": resume}
     if mode == "dpo":
         return dpo_config(model, directory, head(40, tmp), training=training, checkpointing=checkpointing)

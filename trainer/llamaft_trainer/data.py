@@ -773,8 +773,11 @@ def _generator(seed: int) -> torch.Generator:
     return generator
 
 
-def loaders(store: store_mod.Store, spec: DatasetSpec, pad_id: int, batch_size: int, seed: int, rank: int, world: int) -> Data:
-    """Loaders over a store: every rank sees a disjoint, seed-determined share per epoch."""
+def loaders(store: store_mod.Store, spec: DatasetSpec, pad_id: int, batch_size: int, seed: int, rank: int, world: int,
+            *, global_order: bool = False) -> Data:
+    """Loaders over a store: every rank sees a disjoint, seed-determined share per epoch.
+    `global_order`: the steps will come from a global order (global_order.attach), which checks
+    the data against training.globalBatchSize instead of a batch per rank."""
     train: Dataset[dict[str, torch.Tensor]]
     if spec.packing:
         train = packed_dataset(store.train, spec, validation=False)
@@ -783,7 +786,7 @@ def loaders(store: store_mod.Store, spec: DatasetSpec, pad_id: int, batch_size: 
         train = PaddedExamples(store.train)
         validation = PaddedExamples(store.validation)
     n_train = len(train)  # type: ignore[arg-type]
-    if n_train < world * batch_size:
+    if n_train < world * batch_size and not global_order:
         raise ConfigError(
             f"spec.dataset: {n_train} training sequences cannot give {world} ranks a batch of {batch_size}; "
             "use more data, a smaller perDeviceBatchSize or padding instead of packing"

@@ -42,10 +42,11 @@ def build_data(
     started = time.perf_counter()
     if pairs:
         store = prepared_store(spec, tok, seed, rt, root, shared, PairEncoder)
-        data: Data = pair_loaders(store, spec, pad_id, batch_size, seed, rt.rank, rt.world_size)
+        data: Data = pair_loaders(store, spec, pad_id, batch_size, seed, rt.rank, rt.world_size,
+                                  global_order=global_batch is not None)
     else:
         store = prepared_store(spec, tok, seed, rt, root, shared)
-        data = loaders(store, spec, pad_id, batch_size, seed, rt.rank, rt.world_size)
+        data = loaders(store, spec, pad_id, batch_size, seed, rt.rank, rt.world_size, global_order=global_batch is not None)
     if global_batch is not None:
         what = "pairs" if pairs else "packed blocks" if spec.packing else "sequences"
         attach(data, global_batch, rt.rank, rt.world_size, seed, what)

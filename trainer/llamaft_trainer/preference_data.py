@@ -134,12 +134,13 @@ class PairShare(ValidationShare):
 
 
 def pair_loaders(store: store_mod.Store, spec: DatasetSpec, pad_id: int, batch_size: int, seed: int, rank: int,
-                 world: int) -> Data:
+                 world: int, *, global_order: bool = False) -> Data:
     """data.Data over a preference store: training batches of `batch_size` pairs per rank from a
-    ResumableSampler, validation by PairShare; `info` for the setup event."""
+    ResumableSampler, validation by PairShare; `info` for the setup event. `global_order`: as
+    data.loaders'."""
     train = PreferencePairs(store.train)
     n_train = len(train)
-    if n_train < world * batch_size:
+    if n_train < world * batch_size and not global_order:
         raise ConfigError(
             f"spec.dataset: {n_train} training pairs cannot give {world} ranks a batch of {batch_size}; "
             "use more data or a smaller perDeviceBatchSize"
