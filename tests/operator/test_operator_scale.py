@@ -61,6 +61,25 @@ def test_one_cel_evaluation_per_distinct_spec_shared_by_objects(monkeypatch: pyt
     assert other is not first and len(calls) == 2
 
 
+def test_one_capacity_verdict_per_distinct_spec_shared_by_objects(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The capacity planner reads the spec alone: objects made from one template share a verdict."""
+    from llamaft.api.status import read_status
+
+    memo = state.new_memo(OperatorSettings(), kube=RecordingKube())
+
+    planned: list[Any] = []
+    real = step_module.admission
+    monkeypatch.setattr(step_module, "admission", lambda spec: planned.append(spec) or real(spec))
+    verdicts = []
+    for name, spec in (("a", tiny_spec()), ("b", tiny_spec()), ("c", tiny_spec(cluster={"workers": 4}))):
+        obj = {"metadata": {"name": name, "namespace": "default", "generation": 1}, "spec": spec}
+        step = Step(kopf.Memo(memo), "default", name, logger=None)  # each object's memo: its own ObjectState
+        step.event = lambda *_: None  # type: ignore[method-assign]
+        verdicts.append(step._capacity(obj, specs.cached_spec(memo, spec), read_status({}), 1))
+    assert len(planned) == 2 and verdicts[0] is verdicts[1] and verdicts[2] is not verdicts[0]
+    assert verdicts[0] == real(specs.cached_spec(memo, tiny_spec()))
+
+
 def test_an_invalid_spec_is_cached_as_its_errors(monkeypatch: pytest.MonkeyPatch, memo: Any) -> None:
     calls = counting_validate(monkeypatch)
     broken = tiny_spec(fsdp={"shardingStrategy": "HYBRID_SHARD", "hybridShard": {"shardGroupSize": 3, "replicaGroupSize": 2}})

@@ -65,10 +65,11 @@ SPEC_CACHE_SIZE = 256
 
 
 class SpecCache:
-    """Validation results by spec content, the latest `size` distinct specs (OperatorState.specs):
-    LlamaFineTunes made from one template cost one validation, not one each, and concurrent steps
-    with the same spec wait for the one running (a future per key, where functools.lru_cache would
-    run them all). Keyed by a hash of the canonical JSON."""
+    """What is pure per spec, by spec content, the latest `size` distinct specs (OperatorState.specs:
+    validation, OperatorState.capacities: the capacity planner's verdict): LlamaFineTunes made from
+    one template cost one computation, not one each, and concurrent steps with the same spec wait
+    for the one running (a future per key, where functools.lru_cache would run them all). Keyed by
+    a hash of the canonical JSON."""
 
     def __init__(self, size: int = SPEC_CACHE_SIZE) -> None:
         self.size = size
@@ -78,8 +79,9 @@ class SpecCache:
     def __len__(self) -> int:
         return len(self._futures)
 
-    def get(self, spec: Mapping[str, Any], validate: Callable[[dict[str, Any]], Any], invalid: type[Exception]) -> Any:
-        """validate(spec), or the `invalid` exception it raised, computed once per content."""
+    def get(self, spec: Mapping[str, Any], validate: Callable[[dict[str, Any]], Any],
+            invalid: type[Exception] | tuple[type[Exception], ...] = ()) -> Any:
+        """validate(spec), or the `invalid` exception it raised (a verdict too), computed once per content."""
         key = hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":"), default=repr).encode()).hexdigest()
         with self._lock:
             future = self._futures.get(key)
@@ -125,6 +127,8 @@ class OperatorState:
     """Objects whose children someone else edited or deleted (children.note_drift)."""
     specs: SpecCache = field(default_factory=SpecCache)
     """Validated specs by content (specs.cached_spec)."""
+    capacities: SpecCache = field(default_factory=SpecCache)
+    """The capacity planner's verdict by spec content (Step._capacity): it reads the spec alone."""
     checks: CheckCache = field(default_factory=CheckCache)
     """The children's admission check of each template found clean (admission.checked_children):
     LlamaFineTunes made from one template are checked once."""

@@ -217,15 +217,16 @@ class Step(ChildReconciler):
 
     def _capacity(self, obj: Obj, spec: LlamaFineTuneSpec, status: LlamaFineTuneStatus,
                   generation: int | None) -> Admission | None:
-        """The capacity planner's verdict (once per generation): the CapacityFits condition, a
-        Warning event when it will not fit, and, with spec.preflight Enforce, no job at all."""
+        """The capacity planner's verdict (once per generation, and once per spec content in the
+        operator: OperatorState.capacities): the CapacityFits condition, a Warning event when it
+        will not fit, and, with spec.preflight Enforce, no job at all."""
         if spec.preflight is PreflightMode.OFF:
             return None
         cached = self.own.capacity
         if cached is not None and cached[0] == generation:
             verdict: Admission = cached[1]
         else:
-            verdict = admission(spec)
+            verdict = self.shared.capacities.get(obj.get("spec") or {}, lambda _: admission(spec))
             self.own.capacity = (generation, verdict)
         # The condition goes into every status written (a step that failed before writing must
         # not lose it); the event only when the verdict is new.
