@@ -47,7 +47,7 @@ def kopf_fields() -> set[Any]:
 ])
 def test_the_essence_is_kopfs_own(meta: dict[str, Any]) -> None:
     raw = body(**meta)
-    for fields in (kopf_fields(), [persistence.SPEC_FIELD], ["status.phase"], []):
+    for fields in (kopf_fields(), [persistence.SPEC_FIELD], ["spec.model.source", "spec.nothing"], ["status.phase"], []):
         assert persistence.DIFFBASE.build(body=kopf.Body(raw), extra_fields=fields) == \
             KOPF.build(body=kopf.Body(raw), extra_fields=fields), fields
     assert kopf_fields() <= {(persistence.SPEC_FIELD,)}, "a handler watches another field: creation_essence must add it"

@@ -36,22 +36,24 @@ def _under(field: str | Iterable[str], stanzas: tuple[str, ...]) -> bool:
 
 
 class SpecEssenceStorage(kopf.AnnotationsDiffBaseStorage):
-    """kopf's annotation diff base with the same essence, built without copying the status and
-    the system metadata: kopf's `DiffBaseStorage.build` deep-copies the whole body (status,
-    managedFields and all) only to delete those stanzas, on every watch event of every
-    LlamaFineTune. Here they are left out before the copy; what the essence keeps of the
-    metadata (labels and annotations) and the body's kind and owners (which name the keys:
-    conventions.CollisionEvadingConvention.mark_key) go in as they are. A handler field under
-    metadata or status takes kopf's own path."""
+    """kopf's annotation diff base with the same essence, built with less copying, on every watch
+    event of every LlamaFineTune. kopf's `DiffBaseStorage.build` (kopf/_cogs/configs/diffbase.py)
+    deep-copies the whole body (status, managedFields and all) only to delete those stanzas: here
+    they are left out before the copy, and what the essence keeps of the metadata (labels and
+    annotations) and the body's kind and owners (which name the keys:
+    conventions.CollisionEvadingConvention.mark_key) go in as they are. It then copies each
+    handler field again over the copy it already holds: a field under a stanza the essence keeps
+    whole (the spec) is left to that first copy. A handler field under metadata or status takes
+    kopf's own path."""
 
     def build(self, *, body: kopf.Body, extra_fields: Iterable[Any] | None = None) -> kopf.BodyEssence:
         fields = list(extra_fields or ())
-        if any(_under(field, ("metadata", "status")) for field in fields):
+        if any(_under(field, ("metadata", "status", "apiVersion", "kind")) for field in fields):
             return super().build(body=body, extra_fields=fields)
         meta = body.get("metadata") or {}
         slim = {key: value for key, value in body.items() if key not in ("metadata", "status")}
         slim["metadata"] = {key: meta[key] for key in ("labels", "annotations", "ownerReferences") if key in meta}
-        return super().build(body=kopf.Body(cast(kopf.RawBody, slim)), extra_fields=fields)
+        return super().build(body=kopf.Body(cast(kopf.RawBody, slim)))
 
 
 PROGRESS = kopf.AnnotationsProgressStorage(prefix=PREFIX)
