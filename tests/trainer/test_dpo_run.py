@@ -1,8 +1,8 @@
 """training.method dpo end to end through the trainer (torchrun, FSDP on CPU with gloo): preference
-accuracy rises on a learnable set, the per-step loss and TRL's metrics equal TRL's DPOTrainer on the
-same batches, 2 ranks equal 1, LoRA's reference is the adapter-disabled base, a resumed run
-continues with the same losses (the precomputed reference read back), and a bad record is a
-configuration error naming its file and line.
+accuracy rises on a learnable set, 2 ranks equal 1, LoRA's reference is the adapter-disabled base, a
+resumed run continues with the same losses (the precomputed reference read back), and a bad record
+is a configuration error naming its file and line. Each mode's per-step equality with TRL's
+DPOTrainer on the same batches is tests/trainer/test_dpo_trl.py's.
 
 The data is examples/data/preference-tiny.jsonl (generate_preference_tiny.py: chosen = the
 dialogue's own summary, rejected = another dialogue's)."""
@@ -19,7 +19,6 @@ import pytest
 
 from tests.conftest import REPO
 from tests.trainer.conftest import launch_trainer
-from tests.trainer.trl_compare import run_trl
 
 PAIRS = REPO / "examples" / "data" / "preference-tiny.jsonl"
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
@@ -79,26 +78,6 @@ def test_preference_accuracy_rises_on_a_learnable_set(tiny_model: Path, tmp_path
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] < math.log(2)
     reference = of(events, "reference")
     assert reference and reference[0]["reused"] is False and reference[0]["pairs"] == 320
-
-
-def test_each_step_equals_trls_dpo_trainer_on_the_same_batches(tiny_model: Path, tmp_path: Path) -> None:
-    """The whole set (8 pairs) is every step's batch, so order cannot matter: AdamW, constant lr,
-    clip 1.0, fp32, the precomputed reference, 4 steps."""
-    source = head(8, tmp_path)
-    cfg = dpo_config(tiny_model, tmp_path / "ck", source, dataset={"validationSplit": 0})
-    rc, events, out = train(cfg, tmp_path, "ours")
-    assert rc == 0, out[-3000:]
-    records = [{k: v for k, v in json.loads(line).items() if k != "id"} for line in source.read_text().splitlines()]
-    theirs = run_trl({"do": "train", "model": str(tiny_model), "records": records, "max_length": 128, "beta": 0.1,
-                      "loss": "sigmoid", "lr": 1e-3, "steps": 4, "batch_size": 8})["steps"]
-    ours = of(events, "step")
-    assert [s["step"] for s in ours] == [s["step"] for s in theirs] == [1, 2, 3, 4]
-    for mine, trl in zip(ours, theirs, strict=True):
-        assert mine["loss"] == pytest.approx(trl["loss"], rel=1e-4, abs=1e-5), (mine, trl)
-        for name in METRICS:
-            assert mine[name] == pytest.approx(trl[name], rel=1e-4, abs=1e-5), (name, mine, trl)
-    assert ours[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # the policy is the reference at step 1
-    assert ours[-1]["loss"] < 0.6
 
 
 def test_lora_trains_against_the_base_model_with_adapters_disabled(tiny_model: Path, tmp_path: Path) -> None:

@@ -13,8 +13,15 @@ Reads one JSON object on stdin:
   per-row summed log-probabilities.
 * `{"do": "train", "model": DIR, "records": [...], "max_length": N, "beta": B, "loss": ..., "lr": LR,
   "steps": S, "batch_size": N}`: TRL's DPOTrainer itself trained for S steps (AdamW, constant lr,
-  clip 1.0, no weight decay, fp32 (bf16=False: TrainingArguments defaults to bf16 autocast, on CPU too), the precomputed reference, one batch of `batch_size` pairs per
-  step, a log every step): its logged loss and metrics per step.
+  clip 1.0, no weight decay, fp32 (bf16=False: TrainingArguments defaults to bf16 autocast, on CPU
+  too), one batch of `batch_size` pairs per step, a log every step): its logged loss and metrics
+  per step. The model directory's tokenizer (and chat template) tokenizes the records. Optional:
+  `"reference": "precomputed"` (the default: `precompute_ref_log_probs`) or `"live"` (TRL's
+  `ref_model`, loaded again from the model directory, run on every batch); `"lora": {"r", "alpha",
+  "targets", "adapters": FILE}`: a peft LoraConfig (dropout 0) given to DPOTrainer as
+  `peft_config`, its adapters then set to the safetensors FILE's tensors (the trainer's own
+  initial adapters, so both sides start identical), the reference being the base model with the
+  adapters disabled (TRL's `use_adapter(..., adapter_name=None)`).
 
 `_prepare_dataset` and `_compute_loss` are called unbound on a stand-in for the trainer that
 holds just the attributes they read (a single process: gather is the identity), so the code that
@@ -87,12 +94,20 @@ def train(job: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(job["model"])
     model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32)
+    lora = job.get("lora")
+    live = job.get("reference", "precomputed") == "live"
     args = _config(
         job["max_length"], per_device_train_batch_size=job["batch_size"], max_steps=job["steps"],
         learning_rate=job["lr"], lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0,
-        beta=job["beta"], loss_type=[job["loss"]], precompute_ref_log_probs=True, logging_steps=1,
+        beta=job["beta"], loss_type=[job["loss"]], precompute_ref_log_probs=not live and lora is None, logging_steps=1,
         optim="adamw_torch", save_strategy="no", bf16=False, disable_tqdm=True, seed=0, gradient_accumulation_steps=1,
     )
+    peft_config = None
+    if lora is not None:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=0.0,
+                                 target_modules=lora["targets"], task_type="CAUSAL_LM")
     steps: list[dict[str, Any]] = []
 
     class Keep(TrainerCallback):  # type: ignore[misc]
@@ -101,9 +116,26 @@ def train(job: dict[str, Any]) -> dict[str, Any]:
                 steps.append({"step": state.global_step, **logs})
 
     trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(job["records"]),
-                         processing_class=tokenizer, callbacks=[Keep()])
+                         processing_class=tokenizer, callbacks=[Keep()], peft_config=peft_config)
+    if lora is not None:
+        _set_adapters(trainer.model, lora["adapters"])
     trainer.train()
-    return {"steps": steps}
+    return {"steps": steps, "reference_model": type(trainer.ref_model).__name__ if trainer.ref_model is not None else None}
+
+
+def _set_adapters(model: Any, path: str) -> None:
+    """The peft model's adapters := the file's tensors (same names: the same peft on the same model)."""
+    from safetensors.torch import load_file
+
+    adapters = load_file(path)
+    params = dict(model.named_parameters())
+    trainable = {name for name, p in params.items() if p.requires_grad}
+    if set(adapters) != trainable:
+        raise SystemExit(f"adapter names differ: ours only {sorted(set(adapters) - trainable)[:4]}, "
+                         f"TRL's only {sorted(trainable - set(adapters))[:4]}")
+    with torch.no_grad():
+        for name, value in adapters.items():
+            params[name].copy_(value)
 
 
 def main() -> None:
