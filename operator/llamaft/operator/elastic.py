@@ -64,16 +64,25 @@ def _time(text: Any) -> datetime | None:
         return None
 
 
-def placement(pods: Sequence[Mapping[str, Any]]) -> Placement:
+def _index(pod: Mapping[str, Any], index_label: str) -> int | None:
+    value = str(((pod.get("metadata") or {}).get("labels") or {}).get(index_label, ""))
+    return int(value) if value.isdigit() else None
+
+
+def placement(pods: Sequence[Mapping[str, Any]], index_label: str | None = None, size: int | None = None) -> Placement:
     """Count the pods the scheduler could not place. A pod is unschedulable while it is Pending,
     unbound (no spec.nodeName) and its PodScheduled condition says False/Unschedulable: the
     condition kube-scheduler's failure handler writes (pkg/scheduler/schedule_one.go,
-    handleSchedulingFailure -> updatePod with reason v1.PodReasonUnschedulable); a pod being deleted
-    no longer counts."""
+    handleSchedulingFailure -> updatePod with reason v1.PodReasonUnschedulable). A pod being deleted
+    no longer counts, nor one whose replica index (`index_label`) is `size` or more: a job just
+    scaled down in place still shows the pods its controller is about to remove."""
     count, since, message = 0, None, ""
     for pod in pods:
         meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
         if meta.get("deletionTimestamp") or spec.get("nodeName") or status.get("phase", "Pending") != "Pending":
+            continue
+        index = _index(pod, index_label) if index_label is not None else None
+        if size is not None and index is not None and index >= size:
             continue
         cond = next((c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"), None)
         if cond is None or cond.get("status") != "False" or cond.get("reason") != "Unschedulable":
@@ -92,8 +101,8 @@ def unschedulable_indices(pods: Sequence[Mapping[str, Any]], index_label: str) -
     out = []
     for pod in pods:
         if placement([pod]).unschedulable:
-            value = str(((pod.get("metadata") or {}).get("labels") or {}).get(index_label, ""))
-            out.append(int(value) if value.isdigit() else -1)
+            index = _index(pod, index_label)
+            out.append(-1 if index is None else index)
     return out
 
 

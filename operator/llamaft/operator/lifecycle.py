@@ -291,7 +291,7 @@ def _elastic(obs: Observed, seen: Observation, attempt: int, d: Decision) -> Non
     if spec.cluster.elastic is None:
         return
     current = elastic.current_workers(spec, st.workers)
-    placed = elastic.placement(obs.pods)
+    placed = elastic.placement(obs.pods, obs.index_label, current)
     step = _last_step(obs, seen)
     base = c.workers or st.workers
     resize = elastic.shrink(spec, current, placed, obs.now, obs.fits or (lambda n: None), parse_time(st.attempt_start_time))
