@@ -35,7 +35,6 @@ Reference:
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -59,11 +58,8 @@ from llamaft_trainer.dpo import METRIC_NAMES, DpoMetrics, dpo_losses, sequence_l
 from llamaft_trainer.errors import ConfigError
 from llamaft_trainer.metrics import log_json
 from llamaft_trainer.preference_data import PairCollate, PairShare, PreferencePairs, is_filler, pairs_in
-from llamaft_trainer.records import digest
+from llamaft_trainer.reference_files import REFERENCE_DIR, read_reference, reference_key, write_reference
 from llamaft_trainer.runtime import Runtime
-
-REFERENCE_DIR = "reference"
-"""Under the token store's folder: <store>/reference/<key>/{train,validation}.f32."""
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -200,11 +196,6 @@ def evaluate(method: DpoMethod, model: nn.Module, data: Any, rt: Runtime) -> dic
 
 
 # --------------------------------------------------------------------------- the reference
-def reference_key(cfg: TrainingJobConfig) -> str:
-    """What the initial model's log-probabilities depend on besides the stored pairs."""
-    return digest(cfg.model.model_dump(mode="json", by_alias=True), cfg.fsdp.mixed_precision.value)
-
-
 def _score(model: nn.Module, pairs: PreferencePairs, collate: PairCollate, rt: Runtime, batch_size: int,
            method: DpoMethod) -> np.ndarray[Any, Any]:
     """(chosen, rejected) log-probabilities of every pair of the part, float32 [pairs, 2], on every rank."""
@@ -231,21 +222,6 @@ def reshard(model: nn.Module) -> None:
             module.reshard()
 
 
-def _read(path: Path, n: int) -> np.ndarray[Any, Any] | None:
-    try:
-        values = np.fromfile(path, dtype=np.float32)
-    except OSError:
-        return None
-    return values.reshape(n, 2) if values.size == 2 * n else None
-
-
-def _write(path: Path, values: np.ndarray[Any, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    np.ascontiguousarray(values, dtype=np.float32).tofile(partial)
-    os.replace(partial, path)
-
-
 def precompute_reference(cfg: TrainingJobConfig, rt: Runtime, model: nn.Module, data: Any) -> dict[str, Any]:
     """Set the batches' reference log-probabilities: read back from beside the token store, or
     scored by the initial model now and stored (see the module docstring). Collective: every rank
@@ -253,13 +229,18 @@ def precompute_reference(cfg: TrainingJobConfig, rt: Runtime, model: nn.Module, 
     if data.stream is not None:  # dataset.streaming: one pass over the stream (preference_stream.py)
         from llamaft_trainer.preference_stream import precompute_stream_reference
 
-        return precompute_stream_reference(cfg, rt, model, data, DpoMethod.of(cfg))
+        method, size = DpoMethod.of(cfg), cfg.training.per_device_batch_size
+        try:
+            return precompute_stream_reference(cfg, rt, model, data,
+                                               lambda pairs, collate: _score(model, pairs, collate, rt, size, method))
+        finally:
+            reshard(model)
     assert data.store_path is not None and data.loader is not None
     folder = Path(data.store_path) / REFERENCE_DIR / reference_key(cfg)
     parts: list[tuple[str, PreferencePairs, PairCollate]] = [("train", data.train, data.loader.collate_fn)]
     if data.validation is not None and data.validation_loader is not None:
         parts.append(("validation", data.validation, data.validation_loader.collate))
-    found = [_read(folder / f"{name}.f32", len(pairs)) for name, pairs, _ in parts]
+    found = [read_reference(folder / f"{name}.f32", len(pairs)) for name, pairs, _ in parts]
     have = torch.tensor([1.0 if all(f is not None for f in found) else 0.0], dtype=torch.float64, device=rt.device)
     dist.all_reduce(have, op=dist.ReduceOp.MIN)  # every rank reads, or every rank scores
     reused = bool(have.item() > 0)
@@ -273,7 +254,7 @@ def precompute_reference(cfg: TrainingJobConfig, rt: Runtime, model: nn.Module, 
             if values is None:
                 values = _score(model, pairs, collate, rt, cfg.training.per_device_batch_size, method)
                 if rt.local_rank == 0:  # one writer per node (the store may be per node); same bytes anyway
-                    _write(folder / f"{name}.f32", values)
+                    write_reference(folder / f"{name}.f32", values)
             collate.reference = values
     finally:
         model.train(was_training)

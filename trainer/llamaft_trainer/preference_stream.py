@@ -16,14 +16,16 @@ streaming.WINDOW + its place in the file's window). The batches carry it as `ind
 reference (`precompute_stream_reference`) is one float32 (chosen, rejected) row per training
 record, scored once by the initial model in a pass over the stream in file order before training
 (dropped records keep a row of zeros no batch reads), stored beside the stream's index and read
-back by later attempts, exactly as dpo_step stores a token store's.
+back by later attempts, exactly as dpo_step stores a token store's. Where the ranks share no
+folder for it (several nodes without a shared checkpoint volume) every attempt scores it again: the
+same initial model over the same pairs in the same batches.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,7 @@ from llamaft_trainer import streaming
 from llamaft_trainer.metrics import log_json
 from llamaft_trainer.preference_data import PairCollate, PairEncoder, PairShare, PreferencePairs, pair_of
 from llamaft_trainer.records import Numbered, RecordSource
+from llamaft_trainer.reference_files import REFERENCE_DIR, read_reference, reference_key, write_reference
 from llamaft_trainer.runtime import Runtime
 from llamaft_trainer.streaming import BatchStream
 
@@ -130,53 +133,53 @@ def streaming_pairs(spec: DatasetSpec, tok: PreTrainedTokenizerBase, batch_size:
     return data
 
 
-def precompute_stream_reference(cfg: TrainingJobConfig, rt: Runtime, model: nn.Module, data: data_mod.Data,
-                                 method: Any) -> dict[str, Any]:
-    """dpo_step.precompute_reference for a stream: read back, or scored now in one pass of the
-    initial model over the stream in file order (every rank tokenizes each window and scores its
-    PairShare of the kept pairs; the shares summed across ranks), then stored when the ranks share
-    the stream's folder. Collective: every rank calls it."""
-    from llamaft_trainer.dpo_step import REFERENCE_DIR, _read, _score, _write, reference_key, reshard
+Scorer = Callable[[PreferencePairs, PairCollate], np.ndarray[Any, Any]]
+"""A part's (chosen, rejected) log-probabilities under the initial model, float32 [pairs, 2] on
+every rank (dpo_step's no-grad pass over the part's PairShare, summed across ranks)."""
 
+
+def precompute_stream_reference(cfg: TrainingJobConfig, rt: Runtime, model: nn.Module, data: data_mod.Data,
+                                 score: Scorer) -> dict[str, Any]:
+    """dpo_step.precompute_reference for a stream: read back, or scored now by `score` in one pass
+    over the stream in file order (every rank tokenizes each window and scores the kept pairs) and
+    over the held-out pairs, then stored when the ranks share the stream's folder. Collective:
+    every rank calls it."""
     stream: PairStream = data.stream
     held: PreferencePairs | None = data.validation  # type: ignore[assignment]
     folder = Path(data.store_path) / REFERENCE_DIR / reference_key(cfg) if data.store_path is not None else None
     validation_collate = data.validation_loader.collate if data.validation_loader is not None else None
-    count = _stream_records(stream, folder)
-    found_train = _read(folder / "train.f32", count) if folder is not None and count is not None else None
+    count = _stream_records(folder)
+    found_train = read_reference(folder / "train.f32", count) if folder is not None and count is not None else None
     found_validation = None
     if held is not None and folder is not None:
-        found_validation = _read(folder / "validation.f32", len(held))
+        found_validation = read_reference(folder / "validation.f32", len(held))
     complete = found_train is not None and (held is None or found_validation is not None)
     have = torch.tensor([1.0 if complete else 0.0], dtype=torch.float64, device=rt.device)
     dist.all_reduce(have, op=dist.ReduceOp.MIN)  # every rank reads, or every rank scores
     reused = bool(have.item() > 0)
     started = time.perf_counter()
-    was_training = model.training
-    model.eval()
-    try:
-        if reused:
-            train, held_out = found_train, found_validation
-        else:
-            train = _score_stream(stream, model, rt, cfg.training.per_device_batch_size, method, _score)
-            held_out = None
-            if held is not None and validation_collate is not None:
-                held_out = _score(model, held, validation_collate, rt, cfg.training.per_device_batch_size,
-                                  method)
-            if folder is not None and rt.local_rank == 0:
-                _write(folder / "train.f32", train)
-                if held_out is not None:
-                    _write(folder / "validation.f32", held_out)
-                _write_count(folder, len(train))
-    finally:
-        model.train(was_training)
-        reshard(model)
+    if reused:
+        train, held_out = found_train, found_validation
+    else:
+        was_training = model.training
+        model.eval()
+        try:
+            train = _score_stream(stream, score)
+            held_out = score(held, validation_collate) if held is not None and validation_collate is not None else None
+        finally:
+            model.train(was_training)
+        if folder is not None and rt.local_rank == 0:
+            write_reference(folder / "train.f32", train)
+            if held_out is not None:
+                write_reference(folder / "validation.f32", held_out)
+            _write_count(folder, len(train))
     assert train is not None
     stream.collate.reference = train
     if validation_collate is not None:
         validation_collate.reference = held_out
     if not reused and dist.is_initialized():
         dist.barrier()  # the files are complete before any rank could stop and a retry read them
+    # A kept pair's row is two sums of log-probabilities (< 0); a dropped record's stays zeros.
     report = {"path": str(folder) if folder is not None else None, "reused": reused,
               "pairs": int((np.abs(train).sum(axis=1) > 0).sum()) + (0 if held is None else len(held)),
               "seconds": round(time.perf_counter() - started, 3), "streaming": True}
@@ -190,7 +193,7 @@ COUNT_FILE = "records"
 known only after a pass)."""
 
 
-def _stream_records(stream: PairStream, folder: Path | None) -> int | None:
+def _stream_records(folder: Path | None) -> int | None:
     if folder is None:
         return None
     try:
@@ -206,8 +209,7 @@ def _write_count(folder: Path, count: int) -> None:
     partial.replace(folder / COUNT_FILE)
 
 
-def _score_stream(stream: PairStream, model: nn.Module, rt: Runtime, batch_size: int, method: Any,
-                  score: Any) -> np.ndarray[Any, Any]:
+def _score_stream(stream: PairStream, score: Scorer) -> np.ndarray[Any, Any]:
     """(chosen, rejected) of every training record by ordinal, float32 [records, 2] on every rank."""
     rows: list[np.ndarray[Any, Any]] = []
     for window, records in stream._ordered_windows(None, 0):
@@ -215,7 +217,7 @@ def _score_stream(stream: PairStream, model: nn.Module, rt: Runtime, batch_size:
         stream._learn(window, len(ordinals))
         values = np.zeros((len(records), 2), dtype=np.float32)
         if ordinals:
-            scored = score(model, PreferencePairs(part), stream.collate, rt, batch_size, method)
+            scored = score(PreferencePairs(part), stream.collate)
             values[np.asarray(ordinals) - window * streaming.WINDOW] = scored
         rows.append(values)
     return np.concatenate(rows) if rows else np.zeros((0, 2), dtype=np.float32)
