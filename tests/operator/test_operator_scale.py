@@ -320,6 +320,27 @@ def test_the_phase_gauge_moves_with_one_object() -> None:
     assert value("Creating") == before["Creating"]
 
 
+def test_a_finetunes_event_handler_runs_only_where_it_has_something_to_do() -> None:
+    """kopf's `when=` filter: a modification that leaves the phase as recorded (kopf's own write,
+    a run's progress) is not handed to the handler; a phase change, a creation, a listing and a
+    deletion are."""
+    memo: Any = state.new_memo(OperatorSettings())
+    state.record_phase(memo, "ns", "a", "Running")
+
+    def matters(type_: str | None, status: dict[str, Any]) -> bool:
+        body = kopf.Body({"metadata": {"name": "a", "namespace": "ns"}, "status": status})
+        return daemon_module.finetune_event_matters(type=type_, memo=memo, namespace="ns", name="a", body=body)
+
+    assert not matters("MODIFIED", {"phase": "Running", "progress": {"step": 7}})
+    assert matters("MODIFIED", {"phase": "Succeeded"})
+    assert all(matters(t, {"phase": "Running"}) for t in ("ADDED", None, "DELETED"))
+    state.record_phase(memo, "ns", "a", "Pending")
+    assert not matters("MODIFIED", {}), "no phase yet is Pending, as the gauge counts it"
+    registry = kopf.get_default_registry()
+    [handler] = [h for h in registry._watching.get_all_handlers() if h.fn is handlers.finetune_seen]
+    assert handler.when is daemon_module.finetune_event_matters
+
+
 def test_the_childrens_watches_are_filtered_by_the_api_server() -> None:
     """Every child kind the handlers watch with a label filter gets the same filter as a
     server-side selector (kopf's `labels=` alone filters in the operator)."""

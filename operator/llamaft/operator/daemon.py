@@ -110,6 +110,20 @@ def wake_for_child(memo: kopf.Memo, type: str | None, body: Mapping[str, Any], m
     wake(memo, str(namespace), str(owner))
 
 
+def _phase(status: Mapping[str, Any]) -> str:
+    return str(status.get("phase") or Phase.PENDING.value)
+
+
+def finetune_event_matters(type: str | None, memo: kopf.Memo, namespace: str | None, name: str | None,
+                           body: Mapping[str, Any], **_: Any) -> bool:
+    """kopf's `when=` filter of a LlamaFineTune's event handler (`finetune_event`): a modification
+    that leaves the phase as recorded changes nothing there (kopf's own write on a new object, a
+    run's progress: most of the events), so kopf need not invoke (and log) the handler for it."""
+    if type != "MODIFIED" or not namespace or not name:
+        return True
+    return operator_state(memo).phases.get((namespace, name)) != _phase(body.get("status") or {})
+
+
 def finetune_event(memo: kopf.Memo, type: str | None, namespace: str, name: str, logger: Any, body: Mapping[str, Any],
                    children_index: Any) -> None:
     """A LlamaFineTune's watch event: the per-phase gauge moves, a creation starts the first step
@@ -117,7 +131,7 @@ def finetune_event(memo: kopf.Memo, type: str | None, namespace: str, name: str,
     # The plain dict under kopf's view: each lookup through the view re-resolves its path (a
     # measurable share of the loop's time under a burst, for one field).
     raw_status = body.get("status") or {}
-    record_phase(memo, namespace, name, None if type == "DELETED" else str(raw_status.get("phase") or Phase.PENDING.value))
+    record_phase(memo, namespace, name, None if type == "DELETED" else _phase(raw_status))
     own = object_state(memo)
     if type == "DELETED":
         operator_state(memo).evidence.forget((namespace, name))

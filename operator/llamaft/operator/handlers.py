@@ -94,14 +94,15 @@ async def children_by_owner(resource: kopf.Resource, meta: kopf.Meta, body: kopf
     return children.index_entry(str(resource.kind), meta)
 
 
-@kopf.on.event(*RESOURCE)
+@kopf.on.event(*RESOURCE, when=daemon.finetune_event_matters)
 async def finetune_seen(type: str | None, name: str | None, namespace: str | None, memo: kopf.Memo,
                         logger: Any, body: kopf.Body, patch: kopf.Patch | None = None, children_by_owner: Any = None,
                         **_: Any) -> None:
     """The per-phase gauge, from the phases the API server holds (every object is listed at
     startup, so the gauge is right after a restart too); a LlamaFineTune just created gets its
     first lifecycle step at once (`daemon.finetune_event`), and kopf's creation records go in
-    its finalizer's write (`persistence.record_creation`)."""
+    its finalizer's write (`persistence.record_creation`). Not called for a change that leaves
+    the phase as recorded (`daemon.finetune_event_matters`)."""
     if type == "ADDED" and patch is not None:
         persistence.record_creation(body, patch)
     if name and namespace:
