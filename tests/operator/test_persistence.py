@@ -53,6 +53,20 @@ def test_the_essence_is_kopfs_own(meta: dict[str, Any]) -> None:
     assert kopf_fields() <= {(persistence.SPEC_FIELD,)}, "a handler watches another field: creation_essence must add it"
 
 
+@pytest.mark.parametrize("essence", [
+    {"spec": tiny_spec()},
+    {"spec": tiny_spec(), "metadata": {"labels": {"a": "b"}, "annotations": {"llamaft.io/x": "1", "other.io/y": "2"}}},
+    {"spec": tiny_spec(), "metadata": {"annotations": {"llamaft.io/x": "1"}, "labels": {}}, "status": {}},
+    {"spec": tiny_spec(), "metadata": {"annotations": {"other.io/y": "2"}}, "status": {"phase": "Running"}},
+])
+def test_clearing_the_progress_is_kopfs_own_and_leaves_the_essence_given_alone(essence: dict[str, Any]) -> None:
+    reference = kopf.AnnotationsProgressStorage(prefix="llamaft.io")
+    given = copy.deepcopy(essence)
+    cleared = persistence.PROGRESS.clear(essence=given)  # type: ignore[arg-type]
+    assert cleared == reference.clear(essence=copy.deepcopy(essence))  # type: ignore[arg-type]
+    assert given == essence, "the essence given is not changed"
+
+
 def test_the_creation_is_recorded_as_kopf_would_store_it() -> None:
     raw = body(labels={"team": "a"})
     patch = kopf.Patch()
@@ -63,12 +77,13 @@ def test_the_creation_is_recorded_as_kopf_would_store_it() -> None:
         fn(written)
     # What kopf itself stores once the creation is handled (processing.py: process_changing_cause).
     expected = kopf.Patch()
-    new = persistence.PROGRESS.clear(essence=KOPF.build(body=kopf.Body(raw), extra_fields=kopf_fields()))
+    new = kopf.AnnotationsProgressStorage(prefix="llamaft.io").clear(essence=KOPF.build(body=kopf.Body(raw),
+                                                                                          extra_fields=kopf_fields()))
     KOPF.store(body=kopf.Body(raw), patch=expected, essence=new)
     assert written["metadata"]["annotations"] == dict(expected["metadata"]["annotations"])
     assert KOPF.fetch(body=kopf.Body(written)) == new
     # The next cycle finds nothing changed: kopf's NOOP, no update handler.
-    assert persistence.PROGRESS.clear(essence=KOPF.build(body=kopf.Body(written), extra_fields=kopf_fields())) == new
+    assert persistence.PROGRESS.clear(essence=persistence.DIFFBASE.build(body=kopf.Body(written), extra_fields=kopf_fields())) == new
 
 
 @pytest.mark.parametrize("meta", [

@@ -56,7 +56,29 @@ class SpecEssenceStorage(kopf.AnnotationsDiffBaseStorage):
         return super().build(body=kopf.Body(cast(kopf.RawBody, slim)))
 
 
-PROGRESS = kopf.AnnotationsProgressStorage(prefix=PREFIX)
+class ProgressAnnotations(kopf.AnnotationsProgressStorage):
+    """kopf's annotation progress storage, whose `clear` (the essence less kopf's progress
+    annotations, twice per watch event of every LlamaFineTune: processing.py, _detect_causes)
+    copies only what it changes. kopf's (kopf/_cogs/configs/progress.py:
+    AnnotationsProgressStorage.clear, ProgressStorage.clear) deep-copies the whole essence, spec
+    and all, then drops the annotations and empty stanzas with its conventions' in-place helpers,
+    which reassign metadata's keys and the top level's and mutate nothing below: a copy of those
+    two dicts is enough, the rest is shared with the essence given (a fresh one each time, which
+    kopf only compares, stores or hands to the handlers, as it does this one)."""
+
+    def clear(self, *, essence: kopf.BodyEssence) -> kopf.BodyEssence:
+        cleared = cast(dict[str, Any], dict(essence))
+        meta = cleared.get("metadata")
+        if isinstance(meta, dict):
+            meta = cleared["metadata"] = dict(meta)
+        annotations = (meta or {}).get("annotations") or {}
+        keys = {key for key in annotations if self.prefix and key.startswith(f"{self.prefix}/")}
+        self.remove_annotations(cast(kopf.BodyEssence, cleared), keys)
+        self.remove_empty_stanzas(cast(kopf.BodyEssence, cleared))
+        return cast(kopf.BodyEssence, cleared)
+
+
+PROGRESS = ProgressAnnotations(prefix=PREFIX)
 DIFFBASE = SpecEssenceStorage(prefix=PREFIX, key="last-handled-spec")
 
 
