@@ -95,9 +95,16 @@ def test_lora_trains_against_the_base_model_with_adapters_disabled(tiny_model: P
     assert min(s["loss"] for s in steps[1:]) < math.log(2)
 
 
-def test_resume_continues_with_the_losses_of_an_uninterrupted_run(tiny_model: Path, tmp_path: Path) -> None:
+LORA = {"enabled": True, "r": 8, "alpha": 16, "targetModules": ["q_proj", "v_proj"]}
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_resume_continues_with_the_losses_of_an_uninterrupted_run(tiny_model: Path, tmp_path: Path, lora: bool) -> None:
+    """Bit for bit: full fine-tuning reads its precomputed reference back; LoRA's reference is the
+    adapter-disabled base, so only the adapters and their optimizer state come from the checkpoint."""
     source = head(48, tmp_path)
-    whole = dpo_config(tiny_model, tmp_path / "whole", source, training={"maxSteps": 6, "perDeviceBatchSize": 4},
+    training: dict[str, Any] = {"maxSteps": 6, "perDeviceBatchSize": 4, **({"lora": LORA} if lora else {})}
+    whole = dpo_config(tiny_model, tmp_path / "whole", source, training=training,
                        checkpointing={"everyNSteps": 3, "keepLast": 5})
     rc, events, out = train(whole, tmp_path, "whole")
     assert rc == 0, out[-3000:]
@@ -105,12 +112,15 @@ def test_resume_continues_with_the_losses_of_an_uninterrupted_run(tiny_model: Pa
     # The same run, stopped after its step-3 checkpoint: its directory without step 6.
     shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
     shutil.rmtree(tmp_path / "resumed" / "step-00000006")
-    resumed = dpo_config(tiny_model, tmp_path / "resumed", source, training={"maxSteps": 6, "perDeviceBatchSize": 4},
+    resumed = dpo_config(tiny_model, tmp_path / "resumed", source, training=training,
                          checkpointing={"everyNSteps": 3, "keepLast": 5, "resume": True})
     rc, events, out = train(resumed, tmp_path, "resumed")
     assert rc == 0, out[-3000:]
     assert of(events, "resume")[0]["step"] == 3
-    assert of(events, "reference")[0]["reused"] is True  # read back, not scored again
+    if lora:
+        assert not of(events, "reference")  # the base is the reference: nothing stored, nothing read
+    else:
+        assert of(events, "reference")[0]["reused"] is True  # read back, not scored again
     got = of(events, "step")
     assert [s["step"] for s in got] == [4, 5, 6]
     for s in got:
