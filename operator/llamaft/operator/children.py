@@ -13,7 +13,7 @@ from typing import Any, cast
 import kopf
 
 from llamaft.api.spec import LlamaFineTuneSpec
-from llamaft.operator import lifecycle, observe
+from llamaft.operator import observe, timestamps
 from llamaft.operator.kube import ForeignObject, Kube, MonitoringUnavailable, owned_by
 from llamaft.operator.settings import OperatorSettings
 from llamaft.operator.state import Obj, now, object_state, operator_state, wake
@@ -105,7 +105,7 @@ class ChildReconciler:
     def _condition(self, obj: Obj, patch: Obj, type_: str, ok: bool, reason: str, message: str) -> None:
         patch["conditions"] = observe.set_condition(
             list(patch.get("conditions") or obj.get("status", {}).get("conditions") or []), type_, "True" if ok else "False",
-            reason, message, obj["metadata"].get("generation"), lifecycle.iso(now()))
+            reason, message, obj["metadata"].get("generation"), timestamps.iso(now()))
 
     def _reconcile_children(self, obj: Obj, owner: Owner, spec: LlamaFineTuneSpec, patch: Obj,
                             force: bool = False) -> float | None:

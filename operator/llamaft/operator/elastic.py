@@ -36,6 +36,7 @@ from typing import Any
 
 from llamaft.api.spec import LlamaFineTuneSpec
 from llamaft.api.status import WorkerCounts
+from llamaft.operator.timestamps import parse_time
 
 AS_SPECIFIED = "AsSpecified"
 SHRUNK = "Shrunk"
@@ -53,15 +54,6 @@ class Placement:
     """The earliest of those conditions' lastTransitionTime (the scheduler writes it once per pod)."""
     message: str = ""
     """The scheduler's message on the oldest of them (`0/3 nodes are available: ...`)."""
-
-
-def _time(text: Any) -> datetime | None:
-    if not text:
-        return None
-    try:
-        return datetime.fromisoformat(str(text).replace("Z", "+00:00"))
-    except ValueError:
-        return None
 
 
 def _index(pod: Mapping[str, Any], index_label: str) -> int | None:
@@ -88,7 +80,7 @@ def placement(pods: Sequence[Mapping[str, Any]], index_label: str | None = None,
         if cond is None or cond.get("status") != "False" or cond.get("reason") != "Unschedulable":
             continue
         count += 1
-        at = _time(cond.get("lastTransitionTime"))
+        at = parse_time(cond.get("lastTransitionTime"))
         if at is not None and (since is None or at < since):
             since, message = at, str(cond.get("message") or "")
     return Placement(count, since, message)
@@ -176,7 +168,7 @@ def grow(spec: LlamaFineTuneSpec, current: int, workers: WorkerCounts, step: int
     elastic, wanted = spec.cluster.elastic, spec.cluster.workers
     if elastic is None or current >= wanted or step is None:
         return None
-    since = _time(workers.last_resize_time)
+    since = parse_time(workers.last_resize_time)
     if since is not None and now - since < timedelta(seconds=elastic.grow_back_after_seconds):
         return None
     every = spec.checkpointing.every_n_steps

@@ -57,6 +57,7 @@ from llamaft.api.status import (
 from llamaft.operator import elastic, failures, observe
 from llamaft.operator.failures import Failure
 from llamaft.operator.observe import Event, Observation, StatusChange
+from llamaft.operator.timestamps import iso, parse_time
 
 Obj = Mapping[str, Any]
 MAX_FAILURE_HISTORY = 20
@@ -131,19 +132,6 @@ class Decision:
     def status(self) -> dict[str, Any]:
         """Merge patch for .status (StatusChange.merge_patch)."""
         return self.change.merge_patch()
-
-
-def iso(t: datetime) -> str:
-    return t.isoformat(timespec="seconds").replace("+00:00", "Z")
-
-
-def parse_time(text: Any) -> datetime | None:
-    if not text:
-        return None
-    try:
-        return datetime.fromisoformat(str(text).replace("Z", "+00:00"))
-    except ValueError:
-        return None
 
 
 def backoff(retries_used: int, base_s: float) -> float:

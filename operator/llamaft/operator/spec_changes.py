@@ -10,7 +10,7 @@ import kopf
 
 from llamaft.api.status import read_status
 from llamaft.api.validation import SpecInvalid
-from llamaft.operator import lifecycle, observe, rendezvous
+from llamaft.operator import lifecycle, observe, rendezvous, timestamps
 from llamaft.operator.kube import owned_by
 from llamaft.operator.specs import invalid_message, validated
 from llamaft.operator.state import (
@@ -46,7 +46,7 @@ def spec_changed(body: kopf.Body, old: Any, meta: kopf.Meta, memo: kopf.Memo) ->
             for error in parsed.errors:
                 kopf.warn(body, reason="InvalidSpec", message=str(error))
             conditions = observe.set_condition(list(status.get("conditions", [])), "Valid", "False", "InvalidSpec",
-                                               invalid_message(parsed), generation, lifecycle.iso(now()))
+                                               invalid_message(parsed), generation, timestamps.iso(now()))
             k.patch_finetune_status(namespace, name, {"conditions": conditions})
             return  # the running attempt continues with the last valid spec
         owner = Owner(name, namespace, obj["metadata"].get("uid", ""))

@@ -16,7 +16,7 @@ from llamaft.api.contracts import ProgressDocument, read_progress
 from llamaft.api.spec import Backend, LlamaFineTuneSpec, PreflightMode
 from llamaft.api.status import TERMINAL_PHASES, Condition, LlamaFineTuneStatus, Phase, read_status
 from llamaft.api.validation import SpecInvalid, validate_spec
-from llamaft.operator import elastic, failures, gpu_health, lifecycle, observe, rendezvous
+from llamaft.operator import elastic, failures, gpu_health, lifecycle, observe, rendezvous, timestamps
 from llamaft.operator.children import ChildReconciler, adopted
 from llamaft.operator.http import HttpClient, HttpError
 from llamaft.operator.kube import owned_by
@@ -400,7 +400,7 @@ def _set_condition(status: LlamaFineTuneStatus, type_: str, value: str, reason: 
     """A condition this step decides itself (before the lifecycle decides), on its copy of the
     status: the lifecycle builds on it, and the patch carries it."""
     status.conditions = observe.with_condition(status.conditions, type_, value, reason, message, generation,
-                                               lifecycle.iso(now()))
+                                               timestamps.iso(now()))
 
 
 def _phase_after(patch: Obj, status: LlamaFineTuneStatus) -> str:
