@@ -76,40 +76,20 @@ class PairStream(BatchStream):
         return [o for (o, _), k in zip(records, keep.tolist(), strict=True) if k], part.select(keep)
 
     def batches(self, epoch: int, skip: int) -> Iterator[dict[str, torch.Tensor]]:
-        group = self.world * self.batch_size
-        target = skip * group  # kept pairs of this epoch already trained on
-        first, before = 0, 0
-        while first < len(self.window_tokens) and before + self.window_tokens[first] <= target:
-            before += self.window_tokens[first]
-            first += 1
-        drop = target - before  # pairs to skip from window `first` on
-        pending: list[tuple[int, store_mod.Part, int]] = []
-        for window, records in self._ordered_windows(epoch, first):
-            ordinals, part = self.kept(records)
-            self._learn(window, len(ordinals))
-            pending.extend((ordinal, part, i) for i, ordinal in enumerate(ordinals))
-            if drop:
-                cut = min(drop, len(pending))
-                pending, drop = pending[cut:], drop - cut
-            used = 0
-            while len(pending) - used >= group:
-                mine = pending[used + self.rank * self.batch_size:used + (self.rank + 1) * self.batch_size]
-                used += group
-                yield self.collate([(ordinal, pair_of(p, i)) for ordinal, p, i in mine])
-            pending = pending[used:]
+        first, drop = self._resume_point(skip * self.world * self.batch_size)  # kept pairs already trained on
+
+        def windows() -> Iterator[list[tuple[int, store_mod.Part, int]]]:
+            for window, records in self._ordered_windows(epoch, first):
+                ordinals, part = self.kept(records)
+                self._learn(window, len(ordinals))
+                yield [(ordinal, part, i) for i, ordinal in enumerate(ordinals)]
+        for mine in self._rank_groups(windows(), drop):
+            yield self.collate([(ordinal, pair_of(p, i)) for ordinal, p, i in mine])
 
     def validation(self) -> store_mod.Part | None:
         """The held-out head's kept pairs (empty ones left out, as the token store leaves them out)."""
-        n = self.skip_records
-        if n == 0:
-            return None
-        head: list[Numbered] = []
-        for batch in self.source.batches(n):
-            head.extend(batch)
-            if len(head) >= n:
-                break
-        part = self.encoder.encode(head[:n])
-        return part.select(part.lengths > 0)
+        part = super().validation()
+        return None if part is None else part.select(part.lengths > 0)
 
 
 def streaming_pairs(spec: DatasetSpec, tok: PreTrainedTokenizerBase, batch_size: int, seed: int, rt: Runtime,

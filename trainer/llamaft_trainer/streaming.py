@@ -24,9 +24,9 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -37,6 +37,8 @@ from llamaft_trainer import data as data_mod
 from llamaft_trainer import store as store_mod
 from llamaft_trainer.records import Numbered, RecordSource
 from llamaft_trainer.runtime import Runtime
+
+T = TypeVar("T")
 
 WINDOW = 8192
 """Records shuffled together: the stream's shuffle buffer (and what a rank holds at once)."""
@@ -115,26 +117,40 @@ class BatchStream:
             yield from self._records(epoch, skip)
 
     def _records(self, epoch: int, skip: int) -> Iterator[dict[str, torch.Tensor]]:
-        group = self.world * self.batch_size
-        position = skip * group  # the first stream item still to train on
-        first, offset = divmod(position, WINDOW)
-        pending: list[Numbered] = []
-        for window, records in self._windows(epoch, first):
-            pending.extend(records[offset:] if window == first else records)
-            while len(pending) >= group:
-                mine = pending[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
-                pending = pending[group:]
-                yield self._batch(self.encoder.encode(mine))
+        first, offset = divmod(skip * self.world * self.batch_size, WINDOW)  # windows hold WINDOW records each
+        windows = (records for _, records in self._windows(epoch, first))
+        for mine in self._rank_groups(windows, offset):
+            yield self._batch(self.encoder.encode(mine))
 
-    def _packed(self, epoch: int, skip: int) -> Iterator[dict[str, torch.Tensor]]:
-        length = self.spec.max_seq_length
-        group = self.world * self.batch_size
-        target = skip * group * length  # tokens of this epoch already trained on
+    def _resume_point(self, target: int) -> tuple[int, int]:
+        """(the window to read from, the stream items to drop from it on) to continue after
+        `target` items of the epoch, from the learned items per window (window_tokens)."""
         first, before = 0, 0
         while first < len(self.window_tokens) and before + self.window_tokens[first] <= target:
             before += self.window_tokens[first]
             first += 1
-        drop = target - before  # tokens to skip inside the stream from window `first` on
+        return first, target - before
+
+    def _rank_groups(self, windows: Iterable[list[T]], drop: int) -> Iterator[list[T]]:
+        """This rank's share of each full group (world x batch_size items) of the stream that
+        `windows` yields window by window, after its first `drop` items."""
+        group = self.world * self.batch_size
+        pending: list[T] = []
+        for items in windows:
+            pending.extend(items)
+            if drop:
+                cut = min(drop, len(pending))
+                pending, drop = pending[cut:], drop - cut
+            used = 0
+            while len(pending) - used >= group:
+                yield pending[used + self.rank * self.batch_size:used + (self.rank + 1) * self.batch_size]
+                used += group
+            pending = pending[used:]
+
+    def _packed(self, epoch: int, skip: int) -> Iterator[dict[str, torch.Tensor]]:
+        length = self.spec.max_seq_length
+        group = self.world * self.batch_size
+        first, drop = self._resume_point(skip * group * length)  # tokens of this epoch already trained on
         ids = np.zeros(0, dtype=np.int32)
         loss = np.zeros(0, dtype=np.bool_)
         mine = slice(self.rank * self.batch_size * length, (self.rank + 1) * self.batch_size * length)
@@ -161,27 +177,15 @@ class BatchStream:
 
     def _packed_examples(self, epoch: int, skip: int) -> Iterator[dict[str, torch.Tensor]]:
         """`bfd`: the stream's items are each window's best-fit-decreasing blocks, in block order."""
-        group = self.world * self.batch_size
-        target = skip * group  # blocks of this epoch already trained on
-        first, before = 0, 0
-        while first < len(self.window_tokens) and before + self.window_tokens[first] <= target:
-            before += self.window_tokens[first]
-            first += 1
-        drop = target - before  # blocks to skip from window `first` on
-        pending: list[tuple[data_mod.PackedExamples, int]] = []
-        for window, records in self._windows(epoch, first):
-            blocks = data_mod.PackedExamples(self.encoder.encode(records), self.spec.max_seq_length)
-            self._learn(window, len(blocks))
-            pending.extend((blocks, i) for i in range(len(blocks)))
-            if drop:
-                cut = min(drop, len(pending))
-                pending, drop = pending[cut:], drop - cut
-            used = 0
-            while len(pending) - used >= group:
-                mine = pending[used + self.rank * self.batch_size:used + (self.rank + 1) * self.batch_size]
-                used += group
-                yield self.collate([blocks_of[i] for blocks_of, i in mine])
-            pending = pending[used:]
+        first, drop = self._resume_point(skip * self.world * self.batch_size)  # blocks already trained on
+
+        def windows() -> Iterator[list[tuple[data_mod.PackedExamples, int]]]:
+            for window, records in self._windows(epoch, first):
+                blocks = data_mod.PackedExamples(self.encoder.encode(records), self.spec.max_seq_length)
+                self._learn(window, len(blocks))
+                yield [(blocks, i) for i in range(len(blocks))]
+        for mine in self._rank_groups(windows(), drop):
+            yield self.collate([blocks_of[i] for blocks_of, i in mine])
 
     def _batch(self, encoded: store_mod.Part) -> dict[str, torch.Tensor]:
         batch: dict[str, torch.Tensor] = self.collate([data_mod.training_item(*encoded.example(i))
