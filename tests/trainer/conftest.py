@@ -10,13 +10,37 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import pytest
+import torch
+from llamaft_trainer import streaming
 from llamaft_trainer.local_etcd import free_port
+from llamaft_trainer.runtime import Runtime
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tests.conftest import REPO
 from tests.tiers import starts_processes
 
 DATASET = REPO / "examples" / "data" / "samsum-tiny.jsonl"
 HARNESS = Path(__file__).with_name("harness.py")
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model: Path) -> PreTrainedTokenizerBase:
+    """The tiny model's tokenizer, as the trainer loads it."""
+    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(tiny_model)
+    return tokenizer
+
+
+@pytest.fixture
+def small_stream_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Streaming shuffle windows of 50 records: the tiny sets (320 records) span several windows
+    and end in a partial one."""
+    monkeypatch.setattr(streaming, "WINDOW", 50)
+
+
+def cpu_runtime(rank: int, world: int = 2) -> Runtime:
+    """Rank `rank` of `world` as the data code sees it, without a process group."""
+    return Runtime(rank=rank, local_rank=rank, world_size=world, local_world_size=world, device=torch.device("cpu"))
 
 
 

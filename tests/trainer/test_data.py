@@ -9,14 +9,8 @@ import pytest
 from llamaft.api.spec import DatasetSpec
 from llamaft_trainer import data as d
 from llamaft_trainer.errors import ConfigError
-from transformers import AutoTokenizer
 
 from tests.trainer.conftest import DATASET
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model: Path):  # type: ignore[no-untyped-def]
-    return AutoTokenizer.from_pretrained(tiny_model)
 
 
 def spec(**kw: object) -> DatasetSpec:

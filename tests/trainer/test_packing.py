@@ -45,10 +45,6 @@ WORKER = Path(__file__).with_name("packing_worker.py")
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module")
-def tok(tiny_model: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_model)
-
 
 def dspec(**kw: Any) -> DatasetSpec:
     return DatasetSpec.model_validate({"format": "samsum", "source": str(DATASET), "maxSeqLength": 256, "packing": True,

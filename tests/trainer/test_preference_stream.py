@@ -17,24 +17,17 @@ from llamaft_trainer.dpo import concatenated_batch
 from llamaft_trainer.preference_data import PairEncoder, pair_of
 from llamaft_trainer.preference_stream import PairStream
 from llamaft_trainer.records import read_numbered
-from llamaft_trainer.runtime import Runtime
-from transformers import AutoTokenizer
 
 from tests.conftest import REPO
+from tests.trainer.conftest import cpu_runtime
 
 PAIRS = REPO / "examples" / "data" / "preference-tiny.jsonl"
 MAX_LENGTH = 64
 """The tiny tokenizer's prompts of preference-tiny fill 64 tokens in 47 of 320 records: those pairs are dropped."""
 
 
-@pytest.fixture(scope="module")
-def tok(tiny_model: Path):  # type: ignore[no-untyped-def]
-    return AutoTokenizer.from_pretrained(tiny_model)
 
-
-@pytest.fixture(autouse=True)
-def small_windows(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(streaming, "WINDOW", 50)  # 320 records: several windows and a partial last one
+pytestmark = pytest.mark.usefixtures("small_stream_windows")
 
 
 def spec(**kw: object) -> DatasetSpec:
@@ -43,8 +36,7 @@ def spec(**kw: object) -> DatasetSpec:
 
 
 def stream(s: DatasetSpec, tok: Any, r: int, world: int = 2, index: Path | None = None) -> PairStream:
-    rt = Runtime(rank=r, local_rank=r, world_size=world, local_world_size=world, device=torch.device("cpu"))
-    return PairStream(s, tok, 3, 5, rt, index)
+    return PairStream(s, tok, 3, 5, cpu_runtime(r, world), index)
 
 
 def test_ranks_share_one_order_of_the_kept_pairs_and_each_batch_names_its_records(tok: Any) -> None:

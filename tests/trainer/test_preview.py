@@ -40,12 +40,6 @@ SEED = 7
 CHAT_CASES = [f"chat-{t.value}" for t in TrainOn]
 
 
-@pytest.fixture(scope="module")
-def tok(tiny_model: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model)
-
 
 @pytest.fixture(scope="module")
 def chat_tok() -> Any:

@@ -13,20 +13,10 @@ import torch
 from llamaft.api.spec import DatasetSpec
 from llamaft_trainer import data as d
 from llamaft_trainer import streaming
-from llamaft_trainer.runtime import Runtime
-from transformers import AutoTokenizer
 
-from tests.trainer.conftest import DATASET
+from tests.trainer.conftest import DATASET, cpu_runtime
 
-
-@pytest.fixture(scope="module")
-def tok(tiny_model: Path):  # type: ignore[no-untyped-def]
-    return AutoTokenizer.from_pretrained(tiny_model)
-
-
-@pytest.fixture(autouse=True)
-def small_windows(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(streaming, "WINDOW", 50)  # 320 records: several windows and a partial last one
+pytestmark = pytest.mark.usefixtures("small_stream_windows")
 
 
 def spec(**kw: object) -> DatasetSpec:
@@ -34,12 +24,8 @@ def spec(**kw: object) -> DatasetSpec:
                                        "streaming": True, "validationSplit": 0.1, **kw})
 
 
-def rank(r: int, world: int = 2) -> Runtime:
-    return Runtime(rank=r, local_rank=r, world_size=world, local_world_size=world, device=torch.device("cpu"))
-
-
 def stream(s: DatasetSpec, tok: Any, r: int, index: Path | None = None, world: int = 2) -> streaming.BatchStream:
-    return streaming.BatchStream(s, tok, 2, 5, rank(r, world), index)
+    return streaming.BatchStream(s, tok, 2, 5, cpu_runtime(r, world), index)
 
 
 def rows(batches: Any) -> list[list[int]]:
@@ -68,7 +54,7 @@ def test_ranks_share_one_order_and_take_disjoint_records(tok: Any) -> None:
 def test_the_validation_head_is_never_trained_on(tok: Any) -> None:
     s = spec()
     head = {tuple(ids) for ids, _ in d.pairs_of(d.Encoder(s, tok).encode(d.read_numbered(s)[:5]))}
-    data = streaming.streaming_data(s, tok, 2, 5, rank(0, 1))
+    data = streaming.streaming_data(s, tok, 2, 5, cpu_runtime(0, 1))
     assert data.validation is not None and len(data.validation) == 5
     assert data.batches_per_epoch is None
     trained = {tuple(x) for x in rows(data.batches(0, 0))}

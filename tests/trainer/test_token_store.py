@@ -21,11 +21,6 @@ from transformers import AutoTokenizer
 from tests.trainer.conftest import DATASET, trainer_env
 
 
-@pytest.fixture(scope="module")
-def tok(tiny_model: Path):  # type: ignore[no-untyped-def]
-    return AutoTokenizer.from_pretrained(tiny_model)
-
-
 def spec(**kw: object) -> DatasetSpec:
     return DatasetSpec.model_validate({"format": "samsum", "source": str(DATASET), "maxSeqLength": 96, **kw})
 
