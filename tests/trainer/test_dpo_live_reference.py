@@ -1,7 +1,7 @@
 """training.dpo.reference: live (dpo_step.frozen, main.build_model(reference=True)) through the
-trainer: the frozen copy is the initial policy in the compute dtype under FSDP2 and FSDP1, 2 ranks
-(each holding its shard of the copy) equal 1, and a resumed run continues bit for bit with the
-copy loaded again (checkpoints never hold it). Its per-step equality with TRL's DPOTrainer is
+trainer: the frozen copy is the initial policy in the compute dtype under FSDP2 and FSDP1, and a
+resumed run continues bit for bit with the copy loaded again (checkpoints never hold it). 2 ranks
+(each holding its shard of the copy) equal 1: test_dpo_run.py, for either reference. Its per-step equality with TRL's DPOTrainer is
 tests/trainer/test_dpo_trl.py's."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from tests.trainer.test_dpo_run import METRICS, dpo_config, head, of, train
+from tests.trainer.test_dpo_run import METRICS, REFERENCES, dpo_config, head, of, train
 
-LIVE = {"dpo": {"beta": 0.1, "reference": "live"}}
+LIVE = REFERENCES["live"]
 
 
 def checkpoint_keys(step_dir: Path) -> list[str]:
@@ -78,19 +78,3 @@ def test_the_copy_is_the_initial_policy_in_the_compute_dtype(tiny_model: Path, t
     assert steps[0]["rewards/chosen"] == steps[0]["rewards/rejected"] == steps[0]["rewards/margins"] == 0.0
     assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert steps[-1]["loss"] < steps[0]["loss"] and steps[-1]["rewards/margins"] > 0
-
-
-def test_two_ranks_equal_one(tiny_model: Path, tmp_path: Path) -> None:
-    source = head(8, tmp_path)
-    one = dpo_config(tiny_model, tmp_path / "one", source, dataset={"validationSplit": 0},
-                     training={**LIVE, "maxSteps": 3})
-    two = dpo_config(tiny_model, tmp_path / "two", source, dataset={"validationSplit": 0},
-                     training={**LIVE, "maxSteps": 3, "perDeviceBatchSize": 4})
-    rc1, events1, out1 = train(one, tmp_path, "one", nproc=1)
-    assert rc1 == 0, out1[-3000:]
-    rc2, events2, out2 = train(two, tmp_path, "two", nproc=2)
-    assert rc2 == 0, out2[-3000:]
-    for a, b in zip(of(events1, "step"), of(events2, "step"), strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
-        for name in METRICS:
-            assert b[name] == pytest.approx(a[name], rel=1e-5, abs=1e-5), name

@@ -128,11 +128,17 @@ def test_resume_continues_with_the_losses_of_an_uninterrupted_run(tiny_model: Pa
         assert {k: s[k] for k in METRICS} == {k: expected[s["step"]][k] for k in METRICS}
 
 
-def test_two_ranks_equal_one_on_the_same_global_batch(tiny_model: Path, tmp_path: Path) -> None:
+REFERENCES: dict[str, dict[str, Any]] = {"precomputed": {}, "live": {"dpo": {"beta": 0.1, "reference": "live"}}}
+"""training overrides per dpo.reference (precomputed: the default)."""
+
+
+@pytest.mark.parametrize("reference", list(REFERENCES))
+def test_two_ranks_equal_one_on_the_same_global_batch(tiny_model: Path, tmp_path: Path, reference: str) -> None:
     source = head(8, tmp_path)
-    one = dpo_config(tiny_model, tmp_path / "one", source, dataset={"validationSplit": 0}, training={"maxSteps": 3})
+    one = dpo_config(tiny_model, tmp_path / "one", source, dataset={"validationSplit": 0},
+                     training={**REFERENCES[reference], "maxSteps": 3})
     two = dpo_config(tiny_model, tmp_path / "two", source, dataset={"validationSplit": 0},
-                     training={"maxSteps": 3, "perDeviceBatchSize": 4})
+                     training={**REFERENCES[reference], "maxSteps": 3, "perDeviceBatchSize": 4})
     rc1, events1, out1 = train(one, tmp_path, "one", nproc=1)
     assert rc1 == 0, out1[-3000:]
     rc2, events2, out2 = train(two, tmp_path, "two", nproc=2)
