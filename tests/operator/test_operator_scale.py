@@ -7,10 +7,12 @@ bench/operator_latency.py's to show. Pure where it can be (a Step with a recordi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import threading
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 import kopf
@@ -459,36 +461,21 @@ def test_the_first_step_reads_nothing_it_was_given_and_its_own_job_does_not_wake
     """A first step given the creation event's object makes no read of it; the job it creates is
     remembered, so the job's creation event (the echo of that write) wakes nobody, while any later
     event of the job, or a job created by someone else, does."""
-    from kubernetes import client
-    from llamaft.operator.kube import Kube
-
-    emulator = EmulatorThread(record=True).start()
-    try:
-        config = client.Configuration()
-        config.host = emulator.url
-        api = client.ApiClient(config)
-        custom = client.CustomObjectsApi(api)
-        created = custom.create_namespaced_custom_object("llamaft.io", "v1alpha1", "default", "llamafinetunes", {
-            "apiVersion": "llamaft.io/v1alpha1", "kind": "LlamaFineTune", "metadata": {"name": "x"}, "spec": tiny_spec()})
-        memo = state.new_memo(OperatorSettings(), kube=Kube(api))
-        step = Step(memo, "default", "x", logger=None)
-        step.event = lambda *_: None  # type: ignore[method-assign]
-        step.children_index = {}
-        step.created = created
+    with created_in_emulator() as (emulator, custom, created):
+        step = first_step(custom, created, lambda *_: None)
 
         def finetune_reads() -> int:
             return sum(1 for r in emulator.requests() if r.method == "GET" and r.path.endswith("/llamafinetunes/x"))
 
         step.run()
         assert finetune_reads() == 0
+        memo = step.memo
         created_jobs = state.operator_state(memo).created_jobs
         [(namespace, job_name)] = created_jobs
         job = custom.get_namespaced_custom_object("kubeflow.org", "v1", "default", "pytorchjobs", job_name)
         assert created_jobs == {("default", job_name): job["metadata"]["resourceVersion"]}
         step.run()
         assert finetune_reads() == 1, "later steps read the object afresh"
-    finally:
-        emulator.stop()
 
     woken: list[tuple[str, str]] = []
 
@@ -516,24 +503,10 @@ def test_the_first_step_of_a_new_object_lists_no_jobs_and_records_one_it_meets_a
     """A new object's first step (from its creation event, no attempt recorded) makes no LIST of
     jobs: none can exist yet. Should one be there all the same (a step that created it and died
     before writing the status), creating it meets it and the attempt is recorded, not doubled."""
-    from kubernetes import client
-    from llamaft.operator.kube import Kube
-
-    emulator = EmulatorThread(record=True).start()
-    try:
-        config = client.Configuration()
-        config.host = emulator.url
-        api = client.ApiClient(config)
-        custom = client.CustomObjectsApi(api)
-        created = custom.create_namespaced_custom_object("llamaft.io", "v1alpha1", "default", "llamafinetunes", {
-            "apiVersion": "llamaft.io/v1alpha1", "kind": "LlamaFineTune", "metadata": {"name": "x"}, "spec": tiny_spec()})
+    with created_in_emulator() as (emulator, custom, created):
         events: list[str] = []
         for _ in range(2):  # the second step: the job is there, its status not (the creation event's object)
-            memo = state.new_memo(OperatorSettings(), kube=Kube(api))
-            step = Step(memo, "default", "x", logger=None)
-            step.event = lambda obj, type_, reason, message: events.append(reason)  # type: ignore[method-assign]
-            step.children_index = {}
-            step.created = created
+            step = first_step(custom, created, lambda obj, type_, reason, message: events.append(reason))
             step.run()
         def job_lists() -> int:  # the steps' (by label), not this test's
             return sum(1 for r in emulator.requests() if r.method == "GET" and r.path.endswith("/pytorchjobs")
@@ -546,5 +519,33 @@ def test_the_first_step_of_a_new_object_lists_no_jobs_and_records_one_it_meets_a
         assert events.count("JobCreated") == 1, "the second step met the job: no second creation"
         step.run()  # a later step (no creation event) lists, and finds the job
         assert job_lists() == 1
+
+
+@contextlib.contextmanager
+def created_in_emulator() -> Iterator[tuple[EmulatorThread, Any, dict[str, Any]]]:
+    """A recording API emulator, a CustomObjectsApi client of it, and LlamaFineTune `x` as its
+    creation returned it (what a creation event carries)."""
+    from kubernetes import client
+
+    emulator = EmulatorThread(record=True).start()
+    try:
+        config = client.Configuration()
+        config.host = emulator.url
+        custom = client.CustomObjectsApi(client.ApiClient(config))
+        created = custom.create_namespaced_custom_object("llamaft.io", "v1alpha1", "default", "llamafinetunes", {
+            "apiVersion": "llamaft.io/v1alpha1", "kind": "LlamaFineTune", "metadata": {"name": "x"}, "spec": tiny_spec()})
+        yield emulator, custom, created
     finally:
         emulator.stop()
+
+
+def first_step(custom: Any, created: dict[str, Any], event: Any) -> Step:
+    """The first step of `x` in a fresh operator, given its creation event's object; `event`
+    takes the events the step would post."""
+    from llamaft.operator.kube import Kube
+
+    step = Step(state.new_memo(OperatorSettings(), kube=Kube(custom.api_client)), "default", "x", logger=None)
+    step.event = event  # type: ignore[method-assign]
+    step.children_index = {}
+    step.created = created
+    return step
