@@ -46,7 +46,8 @@ quirks included, because the llamaft operator must cope with the real one:
   when backoffLimit is 0: with ExitCode and backoffLimit >= 1 retryable failures are retried forever;
 - an elastic job succeeds as soon as one worker succeeded; cleanPodPolicy defaults to None;
 - Master replicas' env (MASTER_ADDR, RANK, ...) and its init container are not emulated (llamaft
-  renders Workers only); neither are events, gang scheduling, HPA, activeDeadline requeues.
+  renders Workers only); neither are gang scheduling, HPA, activeDeadline requeues, nor the
+  events of anything but the job's Restarting, Succeeded and Failed conditions.
 """
 
 from __future__ import annotations
@@ -275,6 +276,10 @@ def service_path(namespace: str, name: str = "") -> str:
 
 
 # ------------------------------------------------------------------------ job status helpers
+JOB_EVENT_TYPES = {"Restarting": "Warning", "Succeeded": "Normal", "Failed": "Normal"}
+"""The job conditions the training operator records an Event with, and that Event's type."""
+
+
 def condition_true(status: Obj, kind: str) -> bool:
     return any(c.get("type") == kind and c.get("status") == "True" for c in status.get("conditions") or [])
 
@@ -672,6 +677,13 @@ class SimCluster:
             return job if job is not None and condition_true(job.get("status") or {}, kind) else None
         return self.wait(f"PyTorchJob {name} {kind}", has, timeout)
 
+    def wait_job_event(self, name: str, reason: str, namespace: str = "default", timeout: float = 60.0) -> list[Obj]:
+        """Until the training operator has recorded an Event `reason` for job `name`; returns them.
+        What a test waits on for a condition that holds for one reconcile only (Restarting)."""
+        return self.wait(f"job {name}'s {reason} event", lambda: [
+            e for e in self.api.list(f"/api/v1/namespaces/{namespace}/events")
+            if e["involvedObject"]["name"] == name and e["reason"] == reason], timeout)
+
     def wait_trainers(self, pod: str, namespace: str = "default", count: int = 1, timeout: float = 60.0) -> dict[int, int]:
         """Until torchrun in the pod has started `count` trainer processes."""
         return self.wait(f"{count} trainer(s) in {pod}", lambda: (p := self.trainer_pids(pod, namespace)) and len(p) >= count and p,
@@ -1008,6 +1020,25 @@ class SimCluster:
             if changed:
                 self._log(f"job {meta['name']}: conditions {changed} {status.get('replicaStatuses')}")
             self.api.patch(job_path(meta["namespace"], meta["name"], "status"), {"status": merge_diff(old, status)})
+            for cond in status.get("conditions") or []:
+                if cond not in (old.get("conditions") or []) and cond["status"] == "True" and cond["type"] in JOB_EVENT_TYPES:
+                    self._record_event(job, JOB_EVENT_TYPES[cond["type"]], cond["reason"], cond["message"])
+
+    def _record_event(self, job: Obj, kind: str, reason: str, message: str) -> None:
+        """The Event the training operator records with each Restarting, Succeeded and Failed
+        condition it sets (pytorchjob_controller.go UpdateJobStatus: `r.Recorder.Event(...)` next
+        to each `commonutil.UpdateJobConditions`), named as client-go's recorder names them
+        (`<object>.<unix nanoseconds in hex>`, tools/record/event.go makeEvent). Once per
+        transition: the recorder's correlator folds the repeats of a reconcile loop into a count."""
+        meta, now = job["metadata"], now_rfc3339()
+        self.api.create(f"/api/v1/namespaces/{meta['namespace']}/events", {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"name": f"{meta['name']}.{time.time_ns():x}", "namespace": meta["namespace"]},
+            "involvedObject": {"apiVersion": job.get("apiVersion", "kubeflow.org/v1"), "kind": job.get("kind", "PyTorchJob"),
+                               "name": meta["name"], "namespace": meta["namespace"], "uid": meta["uid"]},
+            "reason": reason, "message": message, "type": kind, "count": 1,
+            "firstTimestamp": now, "lastTimestamp": now, "source": {"component": "pytorchjob-controller"},
+        })
 
     @staticmethod
     def _past_backoff_limit(replicas: dict[str, Obj], pods: list[Obj], limit: int) -> bool:

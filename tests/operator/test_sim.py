@@ -238,8 +238,10 @@ def test_oom_kill_under_exit_code_restarts_the_pod(sim: SimCluster, tiny_model: 
     sim.oom_kill(worker(job, 1))
     terminated = sim.wait("OOM recorded", lambda: sim.history(worker(job, 1)) and sim.terminated(worker(job, 1)))
     assert terminated["exitCode"] == 137 and terminated["reason"] == "OOMKilled"
-    restarting = sim.wait_job_condition(name, "Restarting", timeout=30)
-    assert condition(restarting, "Restarting")["reason"] == "PyTorchJobRestarting"
+    # Restarting holds for one reconcile only (the replacement pod's Running replaces it, as
+    # commonutil.UpdateJobConditions does): the Event the training operator records with it stays.
+    restarting = sim.wait_job_event(name, "PyTorchJobRestarting", timeout=30)
+    assert restarting[0]["type"] == "Warning" and "restarting because 1 Worker replica(s) failed" in restarting[0]["message"]
     again = sim.wait_pod_running(worker(job, 1), timeout=60)
     assert again["metadata"]["uid"] != first["metadata"]["uid"], "137 is retryable: a new pod"
     # (Whether the run then completes is torch's business: with the agents' shared TCP store (the
@@ -303,7 +305,7 @@ def test_lose_node_fails_its_pods_and_the_job_gets_replacements(sim: SimCluster,
     assert lost["status"]["phase"] == "Failed" and lost["status"]["reason"] == "NodeLost" and lost["metadata"]["deletionTimestamp"]
     disruption = condition(lost, "DisruptionTarget")
     assert disruption["status"] == "True" and disruption["reason"] == "DeletionByTaintManager"
-    sim.wait_job_condition(name, "Restarting", timeout=30)
+    sim.wait_job_event(name, "PyTorchJobRestarting", timeout=30)  # Restarting itself lasts one reconcile
     again = sim.wait_pod_running(worker(job, 1), timeout=60)  # PodGC removed the old one, the operator made a new one
     assert again["metadata"]["uid"] != first["metadata"]["uid"] and again["spec"]["nodeName"] != node
 
@@ -407,7 +409,7 @@ def test_exit_codes_under_the_exit_code_policy(make_sim: Any) -> None:
                      mounts=[{"name": "state", "mountPath": "/state"}])
     job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["env"].append({"name": "RUN", "value": uuid.uuid4().hex})
     sim.api.create(job_path(NS), job)
-    sim.wait_job_condition("retry", "Restarting", timeout=20)
+    sim.wait_job_event("retry", "PyTorchJobRestarting", timeout=20)  # Restarting itself lasts one reconcile
     sim.wait_job_condition("retry", "Running", timeout=20)
     assert [p["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] for p in sim.history("retry-worker-0")] == [143]
 
