@@ -26,6 +26,7 @@ from llamaft.api.spec import FsdpSpec
 from llamaft.api.validation import SpecInvalid, validate_spec
 from llamaft_trainer.logline import read_events
 
+from tests.tiers import starts_processes
 from tests.trackers import tensorboard_scalars
 from tests.trainer import feature_matrix as fm
 from tests.trainer.conftest import run_harness
@@ -167,26 +168,48 @@ def _events_of(log: Path) -> list[dict[str, Any]]:
     return read_events(log)
 
 
+class Matrix:
+    """Every row, both launches, run per world size when a test first asks for one of its rows:
+    one torchrun launch trains each row of that world its first 4 steps, then a second launch
+    resumes each (a new process group: nothing of the first run is left in memory). Per world, so
+    that no single test waits for every launch (a test's time limit covers its fixtures), and a
+    worker that takes only some rows runs only their world's launches."""
+
+    def __init__(self, tiny_model: Path, tmp: Path) -> None:
+        self.tmp = tmp
+        self.runs: dict[str, RowRun] = {}
+        for name, row in zip(NAMES, ROWS, strict=True):
+            directory = tmp / name
+            config = _validated(row, tiny_model, directory).training_config().to_k8s()
+            self.runs[name] = RowRun(name, row, directory, config=config)
+        self.launched: dict[str, BaseException | None] = {}
+        """world -> None once both launches ran, or the failure every later row of it reports again."""
+
+    def __getitem__(self, name: str) -> RowRun:
+        world = self.runs[name].row["world"]
+        if world not in self.launched:
+            group = [run for run in self.runs.values() if run.row["world"] == world]
+            try:
+                _launch(self.tmp, f"first-{world}", int(world), group, fm.FIRST_STEPS)
+                _launch(self.tmp, f"resumed-{world}", int(world), group, fm.RESUMED_STEPS)
+                self.launched[world] = None
+            except BaseException as exc:
+                self.launched[world] = exc
+                raise
+            table = [f"{run.first.seconds + run.resumed.seconds:7.1f} s  {run.name}" for run in group
+                     if run.first is not None and run.resumed is not None]
+            (self.tmp / f"seconds-{world}.txt").write_text("\n".join(table) + "\n")
+            print(f"\nfeature matrix, world {world}, seconds per row (both launches, start-up excluded):\n" + "\n".join(table))
+        failure = self.launched[world]
+        if failure is not None:
+            raise AssertionError(f"the launches of world {world} failed: {failure}")
+        return self.runs[name]
+
+
 @pytest.fixture(scope="module")
-def matrix(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, RowRun]:
-    """Every row, both launches; per world size one torchrun launch runs each row's first 4 steps,
-    then a second launch resumes each (a new process group: nothing of the first run is left in
-    memory)."""
-    tmp = tmp_path_factory.mktemp("features")
-    runs = {}
-    for name, row in zip(NAMES, ROWS, strict=True):
-        directory = tmp / name
-        config = _validated(row, tiny_model, directory).training_config().to_k8s()
-        runs[name] = RowRun(name, row, directory, config=config)
-    for world in sorted({row["world"] for row in ROWS}):
-        group = [run for run in runs.values() if run.row["world"] == world]
-        _launch(tmp, f"first-{world}", int(world), group, fm.FIRST_STEPS)
-        _launch(tmp, f"resumed-{world}", int(world), group, fm.RESUMED_STEPS)
-    table = [f"{run.first.seconds + run.resumed.seconds:7.1f} s  {run.name}" for run in runs.values()
-             if run.first is not None and run.resumed is not None]
-    (tmp / "seconds.txt").write_text("\n".join(table) + "\n")
-    print("\nfeature matrix, seconds per row (both launches, start-up excluded):\n" + "\n".join(table))
-    return runs
+@starts_processes  # the rows' launches, when a test first asks for a row
+def matrix(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Matrix:
+    return Matrix(tiny_model, tmp_path_factory.mktemp("features"))
 
 
 def _steps(launch: Launch) -> list[int]:
@@ -194,7 +217,7 @@ def _steps(launch: Launch) -> list[int]:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_row_trains_checkpoints_and_evaluates(matrix: dict[str, RowRun], name: str) -> None:
+def test_row_trains_checkpoints_and_evaluates(matrix: Matrix, name: str) -> None:
     run = matrix[name]
     assert run.first is not None
     setup = run.first.of("setup")[0]
@@ -224,7 +247,7 @@ def _check_generations(run: RowRun, launch: Launch, step: int) -> None:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_row_resumes_from_its_checkpoint_in_a_second_launch(matrix: dict[str, RowRun], name: str) -> None:
+def test_row_resumes_from_its_checkpoint_in_a_second_launch(matrix: Matrix, name: str) -> None:
     run = matrix[name]
     assert run.resumed is not None
     resume = run.resumed.of("resume")
@@ -255,7 +278,7 @@ def _held_out_prompts(run: RowRun, tokenizer: Any) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_row_export_loads_back_with_transformers(matrix: dict[str, RowRun], name: str, tiny_model: Path) -> None:
+def test_row_export_loads_back_with_transformers(matrix: Matrix, name: str, tiny_model: Path) -> None:
     """The export of the resumed run: a plain model (full fine-tune; DoRA's merged root), a peft
     adapter (LoRA; DoRA's adapter/, whose logits equal the merged model's); trained weights; and
     in fp32 rows without float8 the same greedy generations as the trainer's last eval."""
