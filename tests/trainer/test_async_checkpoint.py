@@ -256,7 +256,14 @@ def test_sigterm_waits_for_the_background_write_then_saves_the_stop(tiny_model: 
 
 
 @pytest.mark.slow
-def test_sigterm_abandons_a_background_write_that_outlasts_the_grace_period(tiny_model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("signalled", ["while-training", "while-the-next-save-waits"])
+def test_sigterm_abandons_a_background_write_that_outlasts_the_grace_period(
+    tiny_model: Path, tmp_path: Path, signalled: str,
+) -> None:
+    """The signal comes while training goes on with the step-3 write in flight, or once the loop
+    has logged step 6 and waits for that write before the step-6 save (one save in flight at a
+    time): either way the ranks agree on it within a STOP_CHECK_SECONDS slice and give the write
+    what is left of the grace period."""
     from llamaft_trainer.checkpoint import Checkpointer
 
     directory = tmp_path / "abandoned"
@@ -266,6 +273,8 @@ def test_sigterm_abandons_a_background_write_that_outlasts_the_grace_period(tiny
     try:
         job.read_until("checkpoint_staged", 3)
         _wait_for(lambda: directory.glob("step-00000003/*.sleeping"))
+        if signalled == "while-the-next-save-waits":
+            job.read_until("step", EVERY * 2)  # logged after the step's read: the save's wait comes next
         job.proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()
         job.finish(timeout=120)
@@ -275,6 +284,8 @@ def test_sigterm_abandons_a_background_write_that_outlasts_the_grace_period(tiny
     report = json.loads(job.termination.read_text())
     assert report["reason"] == "Preempted" and report["checkpointStep"] is None, job.log()
     assert "background save of step 3 did not finish within the grace period" in report["message"]
+    if signalled == "while-the-next-save-waits":
+        assert report["step"] == EVERY * 2, report
     # Both ranks gave up before SIGKILL and left cleanly (the write still hung in its thread).
     assert "rank 0 exits with code 143" in job.log() and "rank 1 exits with code 143" in job.log()
     assert seconds < 20, seconds  # torchrun would SIGKILL at 30 s

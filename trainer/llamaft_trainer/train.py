@@ -402,7 +402,7 @@ class Trainer:
                 self._eval()
             if self.checkpointer is not None:
                 self._report_completed()  # a background save that finished (no collective)
-            if self.stop is not None and stop_votes > 0:
+            if self.stop is not None and (stop_votes > 0 or (saving and self._stop_while_previous_save_runs(self.stop))):
                 result.stopped = self._save_on_stop(self.stop)
                 return result
             if saving:
@@ -546,6 +546,37 @@ class Trainer:
             if self.rt.is_leader:
                 log_json("checkpoint", step=done.step, path=done.path, stall_seconds=round(done.stall_seconds, 4),
                          write_seconds=round(done.write_seconds, 4), **{"async": done.background})
+
+    def _stop_while_previous_save_runs(self, stop: StopSignal) -> bool:
+        """Before an async save: wait for the previous one (one in flight at a time) in slices of
+        STOP_CHECK_SECONDS, agreeing on the stop signal after each (collective, the same number of
+        slices on every rank). True when some rank got the signal meanwhile: the caller stops
+        instead, and `_save_on_stop` gives the write what is left of the grace period. Without
+        this, a signal that comes while the loop waits on a write longer than the grace period
+        would go unseen until SIGKILL, with no termination report."""
+        checkpointer = self.checkpointer
+        assert checkpointer is not None
+        if checkpointer.in_flight_step is None:
+            return False
+        while True:
+            error: Exception | None = None
+            try:
+                done = checkpointer.wait(timeout=STOP_CHECK_SECONDS)
+            except Exception as exc:  # noqa: BLE001 - re-raised below, once every rank knows
+                done, error = True, exc
+            still_running, stop_votes, errors = _all_reduce_sum(
+                [0.0 if done else 1.0, 1.0 if stop.requested else 0.0, 0.0 if error is None else 1.0], self.rt.device)
+            if error is not None:
+                raise error
+            if errors > 0:
+                # Checkpointer._commit agrees on a failure, so this rank's write fails too: raise
+                # it here rather than in a collective the failed rank never joins.
+                checkpointer.wait()
+                raise RuntimeError(f"the background save of step {checkpointer.in_flight_step} failed on another rank")
+            if stop_votes > 0:
+                return True
+            if still_running == 0:
+                return False
 
     def _save_on_stop(self, stop: StopSignal) -> StopReport:
         """Save when every rank has time for it (a collective decision), else leave the newest
