@@ -12,15 +12,18 @@ generations are compared with the trainer's last ones.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from filelock import FileLock
 from llamaft.api.sharding import Wrapper, plan_sharding
 from llamaft.api.spec import FsdpSpec
 from llamaft.api.validation import SpecInvalid, validate_spec
@@ -173,43 +176,67 @@ class Matrix:
     one torchrun launch trains each row of that world its first 4 steps, then a second launch
     resumes each (a new process group: nothing of the first run is left in memory). Per world, so
     that no single test waits for every launch (a test's time limit covers its fixtures), and a
-    worker that takes only some rows runs only their world's launches."""
+    worker that takes only some rows runs only their world's launches.
 
-    def __init__(self, tiny_model: Path, tmp: Path) -> None:
-        self.tmp = tmp
+    The launches of a world run once per session, not once per xdist worker (a module fixture is
+    built in each worker, and worksteal hands rows of one world to both): the first worker to ask
+    runs them under a file lock in the session's shared folder and leaves what they logged there
+    (`world-<n>.json`, or `.failed`); a worker asking meanwhile waits on the lock and reads it."""
+
+    def __init__(self, tiny_model: Path, root: Path) -> None:
+        self.root = root
+        self.model = tiny_model
+        """The model the launches trained: a worker that reads another's results gets its path."""
         self.runs: dict[str, RowRun] = {}
         for name, row in zip(NAMES, ROWS, strict=True):
-            directory = tmp / name
+            directory = root / name
             config = _validated(row, tiny_model, directory).training_config().to_k8s()
             self.runs[name] = RowRun(name, row, directory, config=config)
-        self.launched: dict[str, BaseException | None] = {}
-        """world -> None once both launches ran, or the failure every later row of it reports again."""
 
     def __getitem__(self, name: str) -> RowRun:
         world = self.runs[name].row["world"]
-        if world not in self.launched:
-            group = [run for run in self.runs.values() if run.row["world"] == world]
+        group = [run for run in self.runs.values() if run.row["world"] == world]
+        if group[0].resumed is None:
+            with FileLock(self.root / f"world-{world}.lock"):
+                self._launch_or_read(world, group)
+        return self.runs[name]
+
+    def _launch_or_read(self, world: str, group: list[RowRun]) -> None:
+        saved, failed = self.root / f"world-{world}.json", self.root / f"world-{world}.failed"
+        if failed.exists():
+            raise AssertionError(f"the launches of world {world} failed: {failed.read_text()}")
+        if not saved.exists():
             try:
-                _launch(self.tmp, f"first-{world}", int(world), group, fm.FIRST_STEPS)
-                _launch(self.tmp, f"resumed-{world}", int(world), group, fm.RESUMED_STEPS)
-                self.launched[world] = None
+                _launch(self.root, f"first-{world}", int(world), group, fm.FIRST_STEPS)
+                _launch(self.root, f"resumed-{world}", int(world), group, fm.RESUMED_STEPS)
             except BaseException as exc:
-                self.launched[world] = exc
+                failed.write_text(str(exc))
                 raise
+            saved.write_text(json.dumps({"model": str(self.model), "runs": [_saved(run) for run in group]}))
             table = [f"{run.first.seconds + run.resumed.seconds:7.1f} s  {run.name}" for run in group
                      if run.first is not None and run.resumed is not None]
-            (self.tmp / f"seconds-{world}.txt").write_text("\n".join(table) + "\n")
+            (self.root / f"seconds-{world}.txt").write_text("\n".join(table) + "\n")
             print(f"\nfeature matrix, world {world}, seconds per row (both launches, start-up excluded):\n" + "\n".join(table))
-        failure = self.launched[world]
-        if failure is not None:
-            raise AssertionError(f"the launches of world {world} failed: {failure}")
-        return self.runs[name]
+        doc = json.loads(saved.read_text())
+        self.model = Path(doc["model"])
+        for run, stored in zip(group, doc["runs"], strict=True):
+            assert run.name == stored["name"]
+            run.config, run.first, run.resumed = stored["config"], Launch(**stored["first"]), Launch(**stored["resumed"])
+
+
+def _saved(run: RowRun) -> dict[str, Any]:
+    assert run.first is not None and run.resumed is not None
+    return {"name": run.name, "config": run.config, "first": asdict(run.first), "resumed": asdict(run.resumed)}
 
 
 @pytest.fixture(scope="module")
 @starts_processes  # the rows' launches, when a test first asks for a row
 def matrix(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Matrix:
-    return Matrix(tiny_model, tmp_path_factory.mktemp("features"))
+    base = tmp_path_factory.getbasetemp()
+    # Under xdist each worker's basetemp is a folder of the session's own: its parent is shared.
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "feature-matrix"
+    root.mkdir(exist_ok=True)
+    return Matrix(tiny_model, root)
 
 
 def _steps(launch: Launch) -> list[int]:
@@ -278,7 +305,7 @@ def _held_out_prompts(run: RowRun, tokenizer: Any) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_row_export_loads_back_with_transformers(matrix: Matrix, name: str, tiny_model: Path) -> None:
+def test_row_export_loads_back_with_transformers(matrix: Matrix, name: str) -> None:
     """The export of the resumed run: a plain model (full fine-tune; DoRA's merged root), a peft
     adapter (LoRA; DoRA's adapter/, whose logits equal the merged model's); trained weights; and
     in fp32 rows without float8 the same greedy generations as the trainer's last eval."""
@@ -286,6 +313,7 @@ def test_row_export_loads_back_with_transformers(matrix: Matrix, name: str, tiny
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run = matrix[name]
+    tiny_model = matrix.model
     assert run.resumed is not None
     export = run.directory / "export"
     assert [e["path"] for e in run.resumed.of("export")] == [str(export)]
