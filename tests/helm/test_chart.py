@@ -163,6 +163,8 @@ def calls_in_code() -> set[tuple[str, str, str]]:
                         found |= {(group, plural + suffix, verb) for group, _, plural in kube.JOBS.values()}
                     if "LLAMAFINETUNES" in source:
                         found.add(("llamaft.io", "llamafinetunes" + suffix, verb))
+                    if "WORKLOADS" in source:
+                        found.add(("kueue.x-k8s.io", "workloads" + suffix, verb))
                     if "MONITORING" in source:
                         found |= {("monitoring.coreos.com", r, verb) for r in kube.MONITORING.values()}
                 else:

@@ -124,6 +124,8 @@ RESOURCES: dict[str, dict[str, Any]] = {
         "kind": "ClusterTrainingRuntime", "singular": "clustertrainingruntime", "namespaced": False},
     "monitoring.coreos.com/v1/podmonitors": {"kind": "PodMonitor", "singular": "podmonitor", "namespaced": True},
     "monitoring.coreos.com/v1/prometheusrules": {"kind": "PrometheusRule", "singular": "prometheusrule", "namespaced": True},
+    # Kueue's Workloads (v1beta2 since Kueue v0.15): a test plays Kueue's job reconciler and scheduler.
+    "kueue.x-k8s.io/v1beta2/workloads": {"kind": "Workload", "singular": "workload", "namespaced": True, "subresources": ["status"]},
     "llamaft.io/v1alpha1/llamafinetunes": {
         "kind": "LlamaFineTune", "singular": "llamafinetune", "namespaced": True, "subresources": ["status"],
         "shortnames": ["finetune", "finetunes", "lft"], "categories": ["all", "llamaft"],

@@ -114,6 +114,59 @@ def test_the_planner_decides_on_the_smaller_size_with_the_same_spec() -> None:
     assert all(s.model_copy(update={"cluster": spec.cluster}) == spec for s in asked)
 
 
+# ------------------------------------------------------------------------------ Kueue holds the job
+def workload(status: str = "False", since: datetime = NOW - timedelta(seconds=61), deleting: bool = False,
+             message: str = "couldn't assign flavors to pod set worker: insufficient unused quota for nvidia.com/gpu in "
+                            "flavor h100, 8 more needed") -> dict[str, Any]:
+    """A job's Workload as Kueue's scheduler leaves it when it does not fit (QuotaReserved False, Pending)."""
+    meta: dict[str, Any] = {"name": "pytorchjob-ft-abcd-1-9f2c1", "labels": {elastic.WORKLOAD_JOB_UID: "job-uid"}}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-11-30T11:59:00Z"
+    return {"metadata": meta, "status": {"conditions": [
+        {"type": "QuotaReserved", "status": status, "reason": "Pending" if status == "False" else "QuotaReserved",
+         "message": message, "lastTransitionTime": since.isoformat().replace("+00:00", "Z")}]}}
+
+
+def test_the_quota_wait_is_the_workloads_quota_reserved_false() -> None:
+    wait = elastic.quota_wait([workload()])
+    assert wait is not None and wait.since == NOW - timedelta(seconds=61) and "8 more needed" in wait.message
+    assert elastic.quota_wait([workload("True")]) is None, "Kueue reserved quota: admitted or about to be"
+    assert elastic.quota_wait([{"metadata": {"name": "w"}, "status": {}}]) is None, "not looked at by Kueue yet"
+    assert elastic.quota_wait([workload(deleting=True)]) is None and elastic.quota_wait([]) is None
+    assert elastic.quota_wait([workload(deleting=True), workload(since=NOW)]) == elastic.QuotaWait(NOW, workload()["status"][
+        "conditions"][0]["message"]), "the one not being deleted"
+
+
+def waited(seconds: float) -> elastic.QuotaWait:
+    return elastic.QuotaWait(NOW - timedelta(seconds=seconds), "insufficient unused quota for nvidia.com/gpu")
+
+
+QUEUED_SHRINK_ROWS: list[tuple[str, dict[str, Any], tuple[int, str] | None]] = [
+    ("admitted or not looked at: nothing", dict(wait=None), None),
+    ("waiting for quota, not for shrinkAfterSeconds yet", dict(wait=waited(59)), None),
+    ("waiting past the timeout: one worker fewer", dict(), (3, elastic.SHRUNK)),
+    ("shrunk 30 s ago, the condition older (it stays False through Kueue's rewrite): not yet",
+     dict(last_resize=NOW - timedelta(seconds=30)), None),
+    ("... and 61 s after that resize: one fewer again", dict(current=3, last_resize=NOW - timedelta(seconds=61)), (2, elastic.SHRUNK)),
+    ("the planner refuses 3: 2", dict(fits=lambda n: "needs 90 GiB per GPU" if n == 3 else None), (2, elastic.SHRUNK)),
+    ("at minWorkers: it waits in the queue, the reason says so", dict(current=2), (2, elastic.NO_SMALLER_SIZE_FITS)),
+    ("no smaller size fits in memory: it waits", dict(fits=lambda n: "needs 90 GiB per GPU"), (4, elastic.NO_SMALLER_SIZE_FITS)),
+    ("not elastic: nothing", dict(spec=LlamaFineTuneSpec.model_validate({
+        "model": {"source": "/m"}, "dataset": {"format": "samsum", "source": "/d.jsonl"},
+        "cluster": {"workers": 4, "gpusPerWorker": 0}})), None),
+]
+
+
+@pytest.mark.parametrize(("row", "args", "want"), QUEUED_SHRINK_ROWS, ids=[r[0] for r in QUEUED_SHRINK_ROWS])
+def test_the_queued_shrink_table(row: str, args: dict[str, Any], want: tuple[int, str] | None) -> None:
+    base: dict[str, Any] = dict(spec=elastic_spec(4, 2, 4), current=4, wait=waited(3600), now=NOW, fits=fits_all, last_resize=None)
+    base.update(args)
+    got = elastic.shrink_queued(**base)
+    assert (None if got is None else (got.workers, got.reason)) == want, row
+    if got is not None:
+        assert "Kueue has reserved no quota" in got.message and "insufficient unused quota" in got.message, row
+
+
 # ------------------------------------------------------------------------------ grow
 def shrunk(at_step: int | None = 15, ago: float = 301) -> WorkerCounts:
     return WorkerCounts(current=1, desired=2, reason=elastic.SHRUNK, last_resize_step=at_step,
@@ -148,6 +201,13 @@ def test_the_current_size_follows_the_spec_unless_shrunk() -> None:
 
 
 # ------------------------------------------------------------------------------ lifecycle rows
+def queued_spec(workers: int = 2, low: int = 1) -> LlamaFineTuneSpec:
+    """An elastic spec whose job Kueue admits (scheduling.queueName)."""
+    spec = elastic_spec(workers, low, workers)
+    return spec.model_copy(update={"scheduling": spec.scheduling.model_copy(update={"queue_name": "team-a-gpus"})})
+
+
+CREATING = {"phase": "Creating", "attempt": 1, "attemptStartTime": "2026-11-30T08:00:00Z"}
 SHRUNK_STATUS = {**RUNNING, "workers": {"current": 1, "desired": 2, "reason": "Shrunk", "lastResizeTime": "2026-11-30T11:00:00Z",
                                         "lastResizeStep": 5}}
 RUNNING_JOB = job("Created", "Running", replicaStatuses={"Worker": {"active": 1}})
@@ -190,6 +250,18 @@ LIFECYCLE_ROWS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
      dict(start=1, workers=1, size=(1, "Shrunk"))),
     ("a suspended job is not resized", dict(spec=elastic_spec(), job=job("Suspended"), pods=[pending(1)], scalable=True),
      dict(events=["Suspended"])),
+    ("Kueue holds the PyTorchJob, its Workload waits for quota past the timeout: scaled to 1 while queued",
+     dict(spec=queued_spec(), status=CREATING, job=job("Created", "Suspended"), scalable=True, quota=waited(61)),
+     dict(scale=1, size=(1, "Shrunk"), phase="Queued", events=["Shrunk", "Queued"], resized=True)),
+    ("Kueue holds the TrainJob: the next attempt at 1 worker (its size is immutable)",
+     dict(spec=queued_spec(), status=CREATING, job_kind="TrainJob", job=job("Created", "Suspended"), quota=waited(61)),
+     dict(start=2, workers=1, delete=[JOB], size=(1, "Shrunk"), phase="Restarting", events=["Shrunk"], resized=True)),
+    ("Kueue holds it, waiting for quota under the timeout: queued as before",
+     dict(spec=queued_spec(), status=CREATING, job=job("Created", "Suspended"), scalable=True, quota=waited(30)),
+     dict(phase="Queued", events=["Queued"])),
+    ("Kueue holds it at minWorkers: NoSmallerSizeFits, queued",
+     dict(spec=queued_spec(low=2), status=CREATING, job=job("Created", "Suspended"), scalable=True, quota=waited(61)),
+     dict(size=(2, "NoSmallerSizeFits"), phase="Queued", events=["NoSmallerSizeFits", "Queued"])),
 ]
 
 

@@ -53,6 +53,10 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+# An elastic run's job that Kueue holds: its Workload tells whether it waits for quota (a shrink).
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["list"]
 {{- end -}}
 
 

@@ -689,7 +689,9 @@ class ElasticSpec(ApiModel):
     shrink_after_seconds: int = Field(default=300, ge=1, le=86_400)
     """How long a worker pod may stay unschedulable (PodScheduled False, reason Unschedulable: no
     node has room for it) before the run goes on with fewer workers instead of waiting: the most
-    the scheduler placed that the capacity planner fits, never fewer than minWorkers."""
+    the scheduler placed that the capacity planner fits, never fewer than minWorkers. With
+    scheduling.queueName, how long the job's Kueue Workload may wait for quota before the run asks
+    for one worker fewer (again after each further wait, down to minWorkers)."""
     grow_back_after_seconds: int = Field(default=600, ge=1, le=604_800)
     """How long a shrunk run trains at its smaller size before it asks for cluster.workers again,
     at its next checkpoint; pods that still find no room shrink it again after shrinkAfterSeconds."""

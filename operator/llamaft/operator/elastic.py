@@ -23,8 +23,21 @@ maxReplicas nodes and restarts the worker group when the membership changes), a 
 count is immutable, so each size change is a new attempt from the newest checkpoint (lifecycle).
 Neither spends the retry budget: a resize is not a failure.
 
-Kueue holds a Kubeflow job whole (its partial admission covers batch/v1 Jobs only), so a queued job
-is not shrunk here: it waits in its LocalQueue as before.
+With Kueue (`scheduling.queueName`) the pods are not created until Kueue admits the whole job: its
+partial admission (PodSet.minCount) covers batch/v1 Jobs and MPIJobs only (kueue
+keps/420-partial-admission), so Kueue never admits fewer PyTorchJob or TrainJob workers by itself.
+The operator asks for fewer instead (`shrink_queued`): when the job's Workload has had no quota
+reserved (condition QuotaReserved False, as Kueue's scheduler leaves a workload that does not fit:
+kubernetes-sigs/kueue pkg/scheduler/scheduler.go, requeueAndUpdate ->
+workload.UnsetQuotaReservationWithCondition, reason Pending, with the flavor assigner's
+"insufficient unused quota ..." message; the condition keeps its lastTransitionTime while it stays
+False, as apimeta.SetStatusCondition does) for
+`elastic.shrinkAfterSeconds`, the run asks for one worker fewer, down to the largest count the planner
+fits, and again after each further timeout, down to `elastic.minWorkers`. Kueue's job reconciler
+rewrites a suspended job's Workload when the job's pod counts change and it holds no quota
+(pkg/controller/jobframework/reconciler.go, ensureOneWorkload: `toUpdate`), so each smaller size
+queues again at once. Kueue's message names the resource short, not the workers: one worker at a
+time is the probe that needs no parsing of it.
 """
 
 from __future__ import annotations
@@ -84,6 +97,33 @@ def placement(pods: Sequence[Mapping[str, Any]], index_label: str | None = None,
         if at is not None and (since is None or at < since):
             since, message = at, str(cond.get("message") or "")
     return Placement(count, since, message)
+
+
+@dataclass(frozen=True)
+class QuotaWait:
+    """The job's Kueue Workload while Kueue reserves it no quota."""
+
+    since: datetime | None
+    """Its QuotaReserved condition's lastTransitionTime (when it last became False)."""
+    message: str = ""
+    """Kueue's reason on that condition (`couldn't assign flavors to pod set worker: ...`)."""
+
+
+WORKLOAD_JOB_UID = "kueue.x-k8s.io/job-uid"
+"""The label Kueue puts on a job's Workloads (pkg/controller/constants: JobUIDLabel)."""
+
+
+def quota_wait(workloads: Sequence[Mapping[str, Any]]) -> QuotaWait | None:
+    """The wait of the job's Workload (the one not being deleted) when its QuotaReserved condition is
+    False: None when Kueue reserved quota, or has not looked at it yet (no such condition)."""
+    for workload in workloads:
+        if (workload.get("metadata") or {}).get("deletionTimestamp"):
+            continue
+        conditions = (workload.get("status") or {}).get("conditions") or []
+        cond = next((c for c in conditions if c.get("type") == "QuotaReserved"), None)
+        if cond is not None and cond.get("status") == "False":
+            return QuotaWait(parse_time(cond.get("lastTransitionTime")), str(cond.get("message") or ""))
+    return None
 
 
 def unschedulable_indices(pods: Sequence[Mapping[str, Any]], index_label: str) -> list[int]:
@@ -150,16 +190,44 @@ def shrink(spec: LlamaFineTuneSpec, current: int, placed: Placement, now: dateti
         return Resize(current, NO_SMALLER_SIZE_FITS,
                       f"{pending}{scheduler}; the scheduler placed {max(top, 0)}, fewer than elastic.minWorkers "
                       f"{elastic.min_workers}: waiting for room (lower minWorkers to run on fewer)")
+    return _largest_fitting(spec, current, top, f"{pending}{scheduler}", fits)
+
+
+def shrink_queued(spec: LlamaFineTuneSpec, current: int, wait: QuotaWait | None, now: datetime, fits: Fits,
+                  last_resize: datetime | None = None) -> Resize | None:
+    """The shrink rule for a job Kueue holds (module docstring): one worker fewer once its Workload
+    has waited for quota `elastic.shrinkAfterSeconds`, counted from the last resize too (Kueue
+    rewrites the Workload of a resized job, and a condition that stays False keeps its time)."""
+    elastic = spec.cluster.elastic
+    if elastic is None or wait is None or wait.since is None:
+        return None
+    since = wait.since if last_resize is None else max(wait.since, last_resize)
+    if now - since < timedelta(seconds=elastic.shrink_after_seconds):
+        return None
+    pending = f"Kueue has reserved no quota for {current} worker(s) for over {elastic.shrink_after_seconds}s"
+    kueue = f" ({wait.message})" if wait.message else ""
+    if current - 1 < elastic.min_workers:
+        return Resize(current, NO_SMALLER_SIZE_FITS,
+                      f"{pending}{kueue}; {current} is elastic.minWorkers: waiting in the queue (lower minWorkers "
+                      "to run on fewer)")
+    return _largest_fitting(spec, current, current - 1, f"{pending}{kueue}", fits)
+
+
+def _largest_fitting(spec: LlamaFineTuneSpec, current: int, top: int, pending: str, fits: Fits) -> Resize:
+    """The largest size from `top` down to elastic.minWorkers that the planner fits (Shrunk), else
+    NoSmallerSizeFits with each size's refusal."""
+    elastic = spec.cluster.elastic
+    assert elastic is not None
     refused = []
     for n in range(top, elastic.min_workers - 1, -1):
         why = fits(n)
         if why is None:
-            return Resize(n, SHRUNK, f"{pending}{scheduler}: shrinking to {n} worker(s) (elastic.minWorkers "
+            return Resize(n, SHRUNK, f"{pending}: shrinking to {n} worker(s) (elastic.minWorkers "
                           f"{elastic.min_workers}); it grows back to {spec.cluster.workers} at a checkpoint "
                           f"{elastic.grow_back_after_seconds}s or more from now")
         refused.append(f"{n}: {why}")
     return Resize(current, NO_SMALLER_SIZE_FITS,
-                  f"{pending}{scheduler}; no size from {top} down to elastic.minWorkers {elastic.min_workers} fits "
+                  f"{pending}; no size from {top} down to elastic.minWorkers {elastic.min_workers} fits "
                   f"in memory ({'; '.join(refused)}): waiting for room")
 
 

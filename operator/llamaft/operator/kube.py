@@ -42,7 +42,12 @@ API_CALLS: list[tuple[str, str, tuple[str, ...]]] = [
     ("", "pods", ("list",)),
     ("monitoring.coreos.com", "podmonitors", ("get", "create", "patch", "list", "delete")),
     ("monitoring.coreos.com", "prometheusrules", ("get", "create", "patch", "list", "delete")),
+    # an elastic run's job that Kueue holds: its Workload says whether it waits for quota (operator/elastic.py)
+    ("kueue.x-k8s.io", "workloads", ("list",)),
 ]
+WORKLOADS = ("kueue.x-k8s.io", "workloads")
+WORKLOAD_VERSIONS = ("v1beta2", "v1beta1")
+"""Kueue serves v1beta2 since v0.15 and v1beta1 before it (apis/kueue/): the newest one served."""
 MONITORING = {"PodMonitor": "podmonitors", "PrometheusRule": "prometheusrules"}
 
 
@@ -291,6 +296,19 @@ class Kube:
             if exc.status == 404:
                 return False
             raise
+
+    def list_workloads(self, namespace: str, selector: str) -> list[Obj]:
+        """Kueue Workloads with the label selector; [] when Kueue is not installed (no version served)."""
+        for version in WORKLOAD_VERSIONS:
+            try:
+                body = cast(Obj, self.custom.list_namespaced_custom_object(WORKLOADS[0], version, namespace, WORKLOADS[1],
+                                                                           label_selector=selector))
+            except ApiException as exc:
+                if exc.status == 404:
+                    continue
+                raise
+            return list(body.get("items") or [])
+        return []
 
     def list_pods(self, namespace: str, selector: str) -> list[Obj]:
         return list(_json(self.core.list_namespaced_pod(namespace, label_selector=selector, **RAW)).get("items") or [])

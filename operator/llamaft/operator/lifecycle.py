@@ -29,6 +29,8 @@ The rules, in order:
 9. An elastic run whose pods stay unschedulable shrinks, and grows back at a later checkpoint
    (`elastic`: which size, when): in place where the backend scales the job and the pods that go are
    the unschedulable ones, else as the next attempt from the newest checkpoint. No retry is spent.
+   A job Kueue holds whose Workload waits for quota asks for one worker fewer at a time
+   (`elastic.shrink_queued`), in place while suspended, or as the next attempt.
 
 A change of .spec is decided by `decide_spec_change` (in place, a restart as the next attempt,
 or nothing), with its own rules.
@@ -106,6 +108,8 @@ class Observed:
     """The backend changes the running job's workers in place (JobBackend.scalable)."""
     index_label: str = "training.kubeflow.org/replica-index"
     """The pods' replica-index label (an in-place scale-down removes the highest indices)."""
+    quota: elastic.QuotaWait | None = None
+    """An elastic run's job Kueue holds: its Workload's wait for quota (elastic.quota_wait)."""
 
 
 @dataclass
@@ -290,15 +294,37 @@ def _elastic(obs: Observed, seen: Observation, attempt: int, d: Decision) -> Non
             d.events.append(Event("Normal", "GrewBack", message))
             return
         resize = elastic.grow(spec, current, st.workers, step, obs.now)
-    if resize is None:
+    if resize is not None:
+        in_place = obs.scalable and all(i >= resize.workers for i in elastic.unschedulable_indices(obs.pods, obs.index_label))
+        _resize(obs, attempt, d, resize, current, step, in_place)
+
+
+def _elastic_queued(obs: Observed, seen: Observation, attempt: int, d: Decision) -> None:
+    """Rule 9 while Kueue holds the job: fewer workers when its Workload waits for quota
+    (`elastic.shrink_queued`); a job that scales in place is patched while suspended (Kueue
+    rewrites its Workload), another is replaced by the next attempt at the smaller size."""
+    spec, st = obs.spec, obs.status
+    if spec.cluster.elastic is None:
         return
+    current = elastic.current_workers(spec, st.workers)
+    resize = elastic.shrink_queued(spec, current, obs.quota, obs.now, obs.fits or (lambda n: None),
+                                   parse_time(st.workers.last_resize_time))
+    if resize is not None:
+        _resize(obs, attempt, d, resize, current, _last_step(obs, seen), obs.scalable)
+
+
+def _resize(obs: Observed, attempt: int, d: Decision, resize: elastic.Resize, current: int, step: int | None,
+            in_place: bool) -> None:
+    """Carry out a size decision: status.workers and an event; the job scaled in place, or the next
+    attempt at the new size."""
+    spec, st, now, c = obs.spec, obs.status, iso(obs.now), d.change
+    base = c.workers or st.workers
     if not resize.resizes:
         c.workers = elastic.status(spec, base, current, resize.reason, resize.message, now, None, resized=False)
         if st.workers.reason != resize.reason:
             d.events.append(Event("Warning", resize.reason, resize.message[:1000]))
         return
     n = resize.workers
-    in_place = obs.scalable and all(i >= n for i in elastic.unschedulable_indices(obs.pods, obs.index_label))
     if not in_place and attempt >= MAX_ATTEMPTS:
         return  # no attempt left to resize into: the pods wait, as without cluster.elastic
     c.workers = elastic.status(spec, base, n, resize.reason, resize.message, now, step, resized=True)
@@ -387,11 +413,14 @@ def _with_job(obs: Observed, seen: Observation, attempt: int, d: Decision) -> De
         _queued_condition(obs, queued, queue, c, now)
     if queued:
         assert queue is not None
+        d.events = [e for e in d.events if e.reason != "Suspended"]
+        _elastic_queued(obs, seen, attempt, d)  # rule 9, queued
+        if d.start_attempt is not None:
+            return d
         c.phase = Phase.QUEUED
         c.message = (f"waiting for Kueue to admit {obs.job_kind} {obs.job_name} (LocalQueue {queue}); it stays suspended "
                      "until then")
         c.attempt_start_time = now  # the startup grace counts from admission, not from queueing
-        d.events = [e for e in d.events if e.reason != "Suspended"]
         if st.phase is not Phase.QUEUED:
             d.events.append(Event("Normal", "Queued", f"{obs.job_kind} {obs.job_name} waits in Kueue LocalQueue {queue}"))
     return d

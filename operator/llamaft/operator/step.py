@@ -279,6 +279,11 @@ class Step(ChildReconciler):
             if not backend.suspended(job):  # a suspension's deletions are not failures (lifecycle._queued)
                 pods = operator_state(self.memo).evidence.recall((self.namespace, self.name), selector, job, listed)
             job = dict(backend.view(job, listed))
+        quota = None
+        if job is not None and current is not None and spec.cluster.elastic is not None and spec.scheduling.queue_name \
+                and backend.suspended(job) and not spec.run_policy.suspend:
+            uid = current["metadata"].get("uid", "")
+            quota = elastic.quota_wait(self.kube.list_workloads(self.namespace, f"{elastic.WORKLOAD_JOB_UID}={uid}"))
         job_phase, _, _ = observe.job_phase(job)
         progress = self._leader_progress(listed, spec, status.leader_pod) if job_phase in (Phase.RUNNING, Phase.RESTARTING) else None
         gpu = self._gpu(obj, owner, job_name, status, job_phase is Phase.RUNNING, progress)
@@ -286,7 +291,7 @@ class Step(ChildReconciler):
             spec=spec, status=status, now=now(), job_name=job_name, job=job, job_kind=kind, job_deleting=deleting,
             stale_jobs=stale, pods=pods, progress=progress, gpu=gpu, retry_backoff_s=self.settings.retry_backoff_s,
             generation=generation, capacity_refusal=capacity_refusal, fits=lambda n: self._fits(spec, generation, n),
-            scalable=backend.scalable(spec),
+            scalable=backend.scalable(spec), quota=quota,
         )
 
     def _fits(self, spec: LlamaFineTuneSpec, generation: int | None, workers: int) -> str | None:
