@@ -50,12 +50,10 @@ from llamaft.api.spec import (
     DpoSpec,
     TrainingJobConfig,
     TrainingMethod,
-    dpo_unsupported,
 )
 from torch import nn
 
 from llamaft_trainer.dpo import METRIC_NAMES, DpoMetrics, dpo_losses, sequence_logps, split_pairs
-from llamaft_trainer.errors import ConfigError
 from llamaft_trainer.metrics import log_json
 from llamaft_trainer.preference_data import PairCollate, PairShare, PreferencePairs, is_filler, pairs_in
 from llamaft_trainer.reference_files import REFERENCE_DIR, read_reference, reference_key, write_reference
@@ -84,14 +82,6 @@ def frozen(model: nn.Module) -> nn.Module:
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     return model.eval()
-
-
-def check(cfg: TrainingJobConfig) -> None:
-    """What this trainer cannot do yet, refused on every rank before any collective (the words are
-    llamaft.api.spec.dpo_unsupported's, which the planner's capacity verdict gives too)."""
-    problem = dpo_unsupported(cfg.training, cfg.dataset)
-    if problem is not None:
-        raise ConfigError(problem)
 
 
 @contextlib.contextmanager

@@ -152,8 +152,6 @@ def _phase(rt: Runtime, phase: str, stop: StopSignal | None = None) -> None:
 def setup(cfg: TrainingJobConfig, rt: Runtime, stop: StopSignal | None = None) -> Session:
     """The session of a run. `stop`: a stop signal the ranks check for at each start-up phase."""
     torch.manual_seed(cfg.training.seed)
-    if cfg.training.method is TrainingMethod.DPO:
-        dpo_step.check(cfg)  # what the DPO loop cannot do yet, on every rank before any collective
     tracking.check(cfg)  # on every rank, before any collective: rank 0 alone must not fail later
     float8.check_device(cfg.fsdp, rt.device)  # likewise: each rank its own GPU
     _phase(rt, "loading the tokenizer and preparing the data", stop)

@@ -438,16 +438,6 @@ class TrainingSpec(ApiModel):
         return self.per_device_batch_size * self.gradient_accumulation_steps * world_size
 
 
-def dpo_unsupported(training: TrainingSpec, dataset: DatasetSpec) -> str | None:
-    """What the trainer cannot do yet for training.method dpo, in the words of its ConfigError
-    (llamaft_trainer.dpo_step.check raises it; the planner's capacity verdict refuses the spec with
-    it), or None. Valid under the API, so not an admission rule of its own. None for every spec at
-    present: streamed pairs (preference_stream.py) and `reference: live` are trained; the trainer's
-    check and the planner's verdict keep asking here for what a later limit adds."""
-    del training, dataset
-    return None
-
-
 # ---------------------------------------------------------------------------------------- fsdp
 class ShardingStrategy(ApiEnum):
     FULL_SHARD = "FULL_SHARD"

@@ -6,7 +6,6 @@ whole plan. See docs/capacity-planning.md for the model behind the numbers and i
 
 from llamaft.planner.capacity import (
     CPU_ONLY,
-    DPO_UNSUPPORTED,
     FITS,
     UNKNOWN_GPU,
     UNKNOWN_MODEL_SHAPE,
@@ -30,7 +29,6 @@ from llamaft.planner.shapes import (
 
 __all__ = [
     "CPU_ONLY",
-    "DPO_UNSUPPORTED",
     "FITS",
     "GPUS",
     "INSTANCES",

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llamaft.api.spec import LlamaFineTuneSpec, PreflightMode
-from llamaft.planner.plan import Plan, build_plan, component_label, dpo_problem, float8_problem, gib
+from llamaft.planner.plan import Plan, build_plan, component_label, float8_problem, gib
 from llamaft.planner.shapes import UnknownShape, resolve_shape
 
 FITS = "Fits"
@@ -16,7 +16,6 @@ UNKNOWN_MODEL_SHAPE = "UnknownModelShape"
 UNKNOWN_GPU = "UnknownGpu"
 CPU_ONLY = "CpuOnly"
 NO_FLOAT8 = "Float8Unsupported"
-DPO_UNSUPPORTED = "DpoUnsupported"
 
 
 @dataclass(frozen=True)
@@ -58,9 +57,6 @@ def verdict(plan: Plan) -> Admission:
     problem = float8_problem(spec)
     if problem is not None:  # the trainer would refuse it at start on these GPUs anyway
         return Admission(False, NO_FLOAT8, problem, plan, spec.preflight)
-    problem = dpo_problem(spec)
-    if problem is not None:  # the trainer refuses it at start (a ConfigError, the same words)
-        return Admission(False, DPO_UNSUPPORTED, problem, plan, spec.preflight)
     if plan.cpu_only:
         return Admission(
             None, CPU_ONLY,

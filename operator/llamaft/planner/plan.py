@@ -18,7 +18,6 @@ from llamaft.api.spec import (
     MixedPrecision,
     ShardingStrategy,
     TrainingMethod,
-    dpo_unsupported,
 )
 from llamaft.planner.catalog import GiB, GpuModel, InstanceType, gpu_model, instance_type
 from llamaft.planner.memory import (
@@ -127,12 +126,6 @@ def resolve_gpu(spec: LlamaFineTuneSpec) -> GpuInfo:
         warnings.append(f"efaDevicesPerWorker {cluster.efa_devices_per_worker} exceeds the {inst.efa_devices} "
                         f"EFA devices of a {inst.name}")
     return GpuInfo(model, memory, inst, source or "unknown", tuple(warnings))
-
-
-def dpo_problem(spec: LlamaFineTuneSpec) -> str | None:
-    """What the trainer would refuse in a DPO spec (its ConfigError's words,
-    llamaft.api.spec.dpo_unsupported), or None."""
-    return dpo_unsupported(spec.training, spec.dataset)
 
 
 def float8_problem(spec: LlamaFineTuneSpec) -> str | None:
