@@ -256,19 +256,43 @@ def test_sigterm_waits_for_the_background_write_then_saves_the_stop(tiny_model: 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signalled", ["while-training", "while-the-next-save-waits"])
+def test_sigterm_after_the_last_step_keeps_its_save_once_written(tiny_model: Path, tmp_path: Path) -> None:
+    """The signal comes after the last step (3) while its background write runs and the write
+    ends within the grace period: that checkpoint is the stop's, not replaced by a second save."""
+    directory = tmp_path / "last"
+    config = _config(tiny_model, f"slowfile://{directory}", resume=True)
+    config["training"]["maxSteps"] = EVERY
+    job = Job(config, tmp_path, "last", LLAMAFT_TERMINATION_GRACE_SECONDS="30", **{SLOW_STEP: "3", SLOW_SECONDS: "3"})
+    try:
+        job.read_until("checkpoint_staged", EVERY)
+        _wait_for(lambda: directory.glob("step-00000003/*.sleeping"))
+        job.proc.send_signal(signal.SIGTERM)
+        job.finish(timeout=120)
+    finally:
+        kill_tree(job.proc)
+    report = json.loads(job.termination.read_text())
+    assert report["reason"] == "Preempted" and report["step"] == EVERY and report["checkpointStep"] == EVERY, job.log()
+    assert "the background save of step 3 completed" in report["message"]
+    saves = [e for e in job.events() if e["event"] in ("checkpoint_staged", "checkpoint")]
+    assert [(e["event"], e.get("step")) for e in saves] == [("checkpoint_staged", EVERY), ("checkpoint", EVERY)], saves
+    assert sorted(p.parent.name for p in directory.glob("step-*/COMPLETE")) == ["step-00000003"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signalled", ["while-training", "while-the-next-save-waits", "after-the-last-step"])
 def test_sigterm_abandons_a_background_write_that_outlasts_the_grace_period(
     tiny_model: Path, tmp_path: Path, signalled: str,
 ) -> None:
     """The signal comes while training goes on with the step-3 write in flight, or once the loop
     has logged step 6 and waits for that write before the step-6 save (one save in flight at a
-    time): either way the ranks agree on it within a STOP_CHECK_SECONDS slice and give the write
-    what is left of the grace period."""
+    time), or after the last step (3) while the run waits for that step's write: each way the
+    ranks agree on it within a STOP_CHECK_SECONDS slice and give the write what is left of the
+    grace period."""
     from llamaft_trainer.checkpoint import Checkpointer
 
     directory = tmp_path / "abandoned"
     config = _config(tiny_model, f"slowfile://{directory}", resume=True)
-    config["training"]["maxSteps"] = 1000
+    config["training"]["maxSteps"] = EVERY if signalled == "after-the-last-step" else 1000
     job = Job(config, tmp_path, "abandoned", LLAMAFT_TERMINATION_GRACE_SECONDS="6", **{SLOW_STEP: "3", SLOW_SECONDS: "600"})
     try:
         job.read_until("checkpoint_staged", 3)
@@ -286,6 +310,8 @@ def test_sigterm_abandons_a_background_write_that_outlasts_the_grace_period(
     assert "background save of step 3 did not finish within the grace period" in report["message"]
     if signalled == "while-the-next-save-waits":
         assert report["step"] == EVERY * 2, report
+    if signalled == "after-the-last-step":
+        assert report["step"] == EVERY, report
     # Both ranks gave up before SIGKILL and left cleanly (the write still hung in its thread).
     assert "rank 0 exits with code 143" in job.log() and "rank 1 exits with code 143" in job.log()
     assert seconds < 20, seconds  # torchrun would SIGKILL at 30 s

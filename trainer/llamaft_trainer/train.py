@@ -411,7 +411,12 @@ class Trainer:
             self._eval()
             record.peak_memory_bytes = int(_all_reduce_max(float(peak_memory_bytes(rt.device)), rt.device))
         if self.checkpointer is not None:
-            self.checkpointer.wait()  # the last save, written in the background during the final eval
+            # The last save, written in the background during the final eval: a stop signal while
+            # it runs is agreed on as in the loop, and the write gets what is left of the grace period.
+            if self.stop is not None and self._stop_while_previous_save_runs(self.stop):
+                result.stopped = self._save_on_stop(self.stop)
+                return result
+            self.checkpointer.wait()
             self._report_completed()
         return result
 
@@ -604,6 +609,13 @@ class Trainer:
             if rt.is_leader:
                 log_json("preempted", step=state.step, save=False, detail=why, signal=stop.name)
             return StopReport(state.step, stop.requested, False, why)
+        if in_flight == state.step:
+            # The save of this very step (the last one's, after the loop) is complete: saving it
+            # again would replace a complete checkpoint with a copy of itself.
+            why = f"the background save of step {in_flight} completed"
+            if rt.is_leader:
+                log_json("preempted", step=state.step, save=True, detail=why, signal=stop.name)
+            return StopReport(state.step, stop.requested, True, why)
         estimate = estimate_save_seconds(checkpointer.save_seconds, local_checkpoint_bytes(self.model, self.optimizer))
         save, why = agree_to_save(stop, estimate, rt.device)
         if rt.is_leader:
