@@ -43,7 +43,7 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,9 @@ from llamaft_trainer.preemption import (
 )
 from llamaft_trainer.runtime import Runtime
 from llamaft_trainer.termination import RunRecord
+
+if TYPE_CHECKING:  # dpo_step is imported where a DPO run needs it
+    from llamaft_trainer.dpo_step import DpoMethod
 
 STOP_CHECK_SECONDS = 1.0
 """With a stop signal: the most training time between two reads, where the ranks agree on it
@@ -321,8 +324,8 @@ class Session:
     n_params: int
     plan: ShardingPlan
     """The sharding plan the model was parallelized by, and the loop syncs gradients by."""
-    dpo: Any = None
-    """training.method dpo: its micro-step (dpo_step.DpoMethod); None for SFT."""
+    dpo: DpoMethod | None = None
+    """training.method dpo: its micro-step; None for SFT."""
 
 
 class Trainer:
@@ -651,6 +654,7 @@ class Trainer:
         """DPO's loss and TRL's metrics on the held-out pairs (dpo_step.evaluate)."""
         from llamaft_trainer.dpo_step import evaluate as evaluate_pairs
 
+        assert self.s.dpo is not None
         report = evaluate_pairs(self.s.dpo, self.model, self.data, self.rt)
         if report is None:
             return
