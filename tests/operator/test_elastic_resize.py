@@ -16,13 +16,16 @@ is immutable, so each resize is a new attempt from the newest checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
+from filelock import FileLock
 from kubernetes import client
 from llamaft.api import crd as crdgen
 from llamaft_trainer.local_etcd import LocalEtcd
@@ -60,6 +63,15 @@ segment wrote, already that far apart by an amount that depends on how many step
 (before a resume and after it, on the other world size, from the same checkpoint) against itself."""
 STRAIGHT_CLAIM = "straight-checkpoints"
 """The uninterrupted run's own volume: the elastic run's checkpoints are not its to resume."""
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's folder that every xdist worker sees (each worker's basetemp is a folder of it)."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "elastic-straight"
+    root.mkdir(exist_ok=True)
+    return root
 
 
 @pytest.fixture
@@ -154,9 +166,31 @@ def job_workers(cluster: Cluster, backend: str, name: str) -> int | None:
     return int(obj["spec"]["trainer"]["numNodes"])
 
 
+def straight_run(cluster: Cluster, sim: SimCluster, tiny_model: Path, backend: str, shared: Path) -> dict[str, Any]:
+    """The same spec without a fault, on 2 workers: per step its loss and the items it trained.
+    One run serves both backends' tests: the backend decides how the worker pods are made and
+    started, not what they train (the same torchrun, ranks, spec and data order), so the other
+    backend's elastic run must continue it as well. The first test to need it runs it on its own
+    cluster under a file lock in the session's shared folder; the other reads what it logged."""
+    saved = shared / "straight.json"
+    weights = hashlib.sha256((tiny_model / "model.safetensors").read_bytes()).hexdigest()
+    with FileLock(shared / "straight.lock"):
+        if saved.exists():
+            out = dict(json.loads(saved.read_text()))
+            assert out["weights"] == weights, "the reference was trained from another tiny model"
+            return out
+        cluster.create(STRAIGHT, elastic_spec(tiny_model, backend, STRAIGHT))
+        straight = finished(cluster, STRAIGHT)
+        assert straight["attempt"] == 1 and straight["workers"]["current"] == 2
+        out = {"backend": backend, "weights": weights, "losses": {str(line["step"]): line["loss"] for line in steps_logged(sim, STRAIGHT)},
+               "items": {str(step): sorted(items) for step, items in items_logged(sim, STRAIGHT).items()}}
+        saved.write_text(json.dumps(out))
+        return out
+
+
 @pytest.mark.parametrize("backend", ["PyTorchJob", "TrainJob"])
 def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back(
-        world: tuple[Cluster, SimCluster, Operator], tiny_model: Path, backend: str) -> None:
+        world: tuple[Cluster, SimCluster, Operator], tiny_model: Path, backend: str, shared: Path) -> None:
     cluster, sim, operator = world
     cluster.create(NAME, elastic_spec(tiny_model, backend))
     running = wait_for("2 workers training past the first checkpoint", lambda: (
@@ -215,15 +249,13 @@ def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back(
     trained = steps_logged(sim, NAME)
     assert {line["step"] for line in trained} == set(range(1, STEPS + 1)), "every step trained"
 
-    # The same spec without a fault, on the 2 nodes there are now: the loss trace the elastic run continued.
-    cluster.create(STRAIGHT, elastic_spec(tiny_model, backend, STRAIGHT))
-    straight = finished(cluster, STRAIGHT)
-    assert straight["attempt"] == 1 and straight["workers"]["current"] == 2
-    reference = {line["step"]: line["loss"] for line in steps_logged(sim, STRAIGHT)}
+    # The same spec without a fault, on 2 workers: the loss trace the elastic run continued.
+    straight = straight_run(cluster, sim, tiny_model, backend, shared)
+    reference = {int(step): loss for step, loss in straight["losses"].items()}
     assert sorted(reference) == list(range(1, STEPS + 1))
     # What the run trained is what the uninterrupted run trained: step for step the same items, on
     # any world size (training.globalBatchSize; every rank logs its items, LLAMAFT_LOG_ITEMS).
-    assert items_logged(sim, NAME) == items_logged(sim, STRAIGHT)
+    assert items_logged(sim, NAME) == {int(step): set(items) for step, items in straight["items"].items()}
     resumed = sorted({line["step"] for line in steps_logged(sim, NAME, "resume")})
     assert len(resumed) >= 2, f"resumed at {resumed}: after the shrink and after the grow-back"
     losses: dict[int, list[float]] = {}  # step -> its losses in the order they were logged (a redone step: several)
