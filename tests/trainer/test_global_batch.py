@@ -5,9 +5,9 @@
    fillers where a share runs short; a world size that cannot carry the batch is refused by field.
 2. Under real torchrun, in three launches (1 rank, 2 ranks, 1 rank) of the harness: the same spec,
    padded (globalBatchSize 5: uneven, a filler on rank 1), packed (4 blocks of several examples),
-   LoRA and DPO (5 pairs), has the same per-step loss and training items on 1 and 2 ranks, the loss to
-   1e-5 relative (fp32); a run stopped after its step-3 checkpoint on 1
-   rank resumes on 2, and one stopped on 2 resumes on 1, each continuing the uninterrupted run's
+   LoRA, DoRA and DPO (5 pairs), has the same per-step loss and training items on 1 and 2 ranks, the
+   loss to 1e-5 relative (fp32); in every one of those modes a run stopped after its step-3 checkpoint
+   on 1 rank resumes on 2, and one stopped on 2 resumes on 1, each continuing the uninterrupted run's
    losses to 1e-5 and its training items step for step (the ranks' `items` events, LLAMAFT_LOG_ITEMS),
    none skipped or repeated, across an epoch boundary.
 """
@@ -120,6 +120,7 @@ MODES: dict[str, tuple[dict[str, Any], int, dict[str, Any]]] = {
     "padded": ({"packing": False}, 5, {}),
     "packed": ({"maxSeqLength": 256}, 4, {}),  # 2-3 examples a block (best-fit decreasing)
     "lora": ({"packing": False}, 5, {"lora": LORA, "learningRate": 1e-2}),
+    "dora": ({"packing": False}, 5, {"lora": {**LORA, "useDora": True}, "learningRate": 1e-2}),
     "dpo": ({}, 5, {}),  # preference pairs (test_dpo_run's data), never packed
 }
 
@@ -162,11 +163,12 @@ def runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     items: dict[str, dict[int, list[int]]] = {}
     launches = [
         (1, "one", [_case(f"{m}/straight-1", _config(tiny_model, tmp / m / "s1", m, tmp)) for m in MODES]
-         + [_case("padded/stopped-1", _config(tiny_model, tmp / "from1", "padded", tmp), STOP)]),
+         + [_case(f"{m}/stopped-1", _config(tiny_model, tmp / m / "from1", m, tmp), STOP) for m in MODES]),
         (2, "two", [_case(f"{m}/straight-2", _config(tiny_model, tmp / m / "s2", m, tmp)) for m in MODES]
-         + [_case("padded/resumed-2", _config(tiny_model, tmp / "from1", "padded", tmp, resume=True)),
-            _case("padded/stopped-2", _config(tiny_model, tmp / "from2", "padded", tmp), STOP)]),
-        (1, "again", [_case("padded/resumed-1", _config(tiny_model, tmp / "from2", "padded", tmp, resume=True))]),
+         + [_case(f"{m}/resumed-2", _config(tiny_model, tmp / m / "from1", m, tmp, resume=True)) for m in MODES]
+         + [_case(f"{m}/stopped-2", _config(tiny_model, tmp / m / "from2", m, tmp), STOP) for m in MODES]),
+        (1, "again", [_case(f"{m}/resumed-1", _config(tiny_model, tmp / m / "from2", m, tmp, resume=True))
+                      for m in MODES]),
     ]
     for nproc, folder, cases in launches:
         where = tmp / folder
@@ -190,17 +192,32 @@ def test_one_and_two_ranks_train_the_same_steps(runs: dict[str, Any], mode: str)
     assert {s: sorted(v) for s, v in items_two.items()} == {s: sorted(v) for s, v in items_one.items()}
 
 
-@pytest.mark.parametrize(("stopped", "resumed"), [("padded/stopped-1", "padded/resumed-2"),
-                                                  ("padded/stopped-2", "padded/resumed-1")])
-def test_a_run_resumes_on_another_world_size_where_it_stopped(runs: dict[str, Any], stopped: str, resumed: str) -> None:
-    straight = runs["results"]["padded/straight-1"]
-    again = runs["results"][resumed]["losses"]
+def _epochs(items: dict[int, list[int]]) -> list[list[int]]:
+    """The steps' items grouped by epoch: an epoch ends before the first step that takes an item
+    again (each epoch is one permutation of the training items)."""
+    epochs: list[list[int]] = [[]]
+    for step in sorted(items):
+        if set(items[step]) & set(epochs[-1]):
+            epochs.append([])
+        epochs[-1].extend(items[step])
+    return epochs
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize(("stopped", "resumed"), [("stopped-1", "resumed-2"), ("stopped-2", "resumed-1")])
+def test_a_run_resumes_on_another_world_size_where_it_stopped(runs: dict[str, Any], mode: str, stopped: str,
+                                                              resumed: str) -> None:
+    straight = runs["results"][f"{mode}/straight-1"]
+    again = runs["results"][f"{mode}/{resumed}"]["losses"]
     assert len(again) == STEPS - EVERY, "resumed from the step-3 checkpoint"
-    assert _close(again, straight["losses"][EVERY:])
-    want = runs["items"]["padded/straight-1"]
-    got = {s: v for s, v in runs["items"][stopped].items() if s <= EVERY} | runs["items"][resumed]
-    assert {s: sorted(v) for s, v in got.items()} == {s: sorted(v) for s, v in want.items()}
-    # 5 items a step, 36 training items: 7 steps per epoch, step 8 the first of the next one
-    first_epoch = [i for s in range(1, 8) for i in got[s]]
-    assert len(first_epoch) == len(set(first_epoch)) == 35, "no item skipped or repeated within the epoch"
+    assert _close(again, straight["losses"][EVERY:]), (again, straight["losses"][EVERY:])
+    want = runs["items"][f"{mode}/straight-1"]
+    got = {s: v for s, v in runs["items"][f"{mode}/{stopped}"].items() if s <= EVERY} | runs["items"][f"{mode}/{resumed}"]
     assert json.dumps(sorted(got)) == json.dumps(list(range(1, STEPS + 1)))
+    assert {s: sorted(v) for s, v in got.items()} == {s: sorted(v) for s, v in want.items()}
+    epochs = _epochs(got)
+    assert len(epochs) >= 2, "the run crosses an epoch boundary"
+    for epoch in epochs:
+        assert len(epoch) == len(set(epoch)), "no item skipped or repeated within an epoch"
+    if mode in ("padded", "lora", "dora", "dpo"):  # 36 training items (or pairs), 5 a step: 7 steps an epoch
+        assert len(epochs[0]) == 35
