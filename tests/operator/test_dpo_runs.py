@@ -7,7 +7,8 @@ real kopf operator, the API emulator, simulated Kubeflow and kubelets running th
 - the Succeeded condition and event say them;
 - a killed container mid-run is classified, the next attempt resumes from the newest checkpoint
   and reads the precomputed reference back (no second pass), and every step is trained once with
-  a redone step reproducing its loss bit for bit.
+  a redone step reproducing its loss bit for bit;
+- the whole model is exported onto the claim as for SFT.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from tests.conftest import REPO
 from tests.operator import test_runs
 from tests.operator.conftest import Cluster, Operator, wait_for
 from tests.operator.sim import SimCluster
+from tests.operator.sim_fixtures import CHECKPOINT_CLAIM, on_claim
 from tests.operator.test_runs import (
     EVERY,
+    RUN,
     STEPS,
     assert_one_live_job,
     attempt_logs,
@@ -99,6 +102,7 @@ def test_a_dpo_run_reports_its_rewards_and_recovers_from_a_killed_container(
     assert [s["step"] for s in second_steps] == list(range(resumed_at + 1, STEPS + 1))
     assert sorted(set(first_steps) | {s["step"] for s in second_steps}) == list(range(1, STEPS + 1))
     redone = [s for s in second_steps if s["step"] in first_steps]
+    assert redone, "the kill came after steps past the checkpoint (stepping), so the retry redoes some"
     for s in redone:  # exact resume: the same pairs, the same reference, the same state
         before = first_steps[s["step"]]
         assert {k: v for k, v in s.items() if k.startswith(("loss", "rewards/", "logps/"))} == \
@@ -115,6 +119,10 @@ def test_a_dpo_run_reports_its_rewards_and_recovers_from_a_killed_container(
                               ("evalRewardMargin", last_eval, "eval_rewards/margins")):
         assert progress[field] == done[field] == pytest.approx(event[key], abs=1e-6), field
     assert at(cluster.finetune(name), reward_column) == progress["rewardAccuracy"]
+    # Exported as an SFT run is: the whole model in Hugging Face's layout, on the claim.
+    assert status["exportPath"] == done["exportPath"]
+    exported = on_claim(sim.claims[CHECKPOINT_CLAIM], RUN, done["exportPath"])
+    assert (exported / "config.json").exists() and (exported / "model.safetensors").exists(), sorted(exported.iterdir())
     assert last_eval["eval_rewards/accuracies"] > 0.5, "the held-out pairs are learnable (generate_preference_tiny.py)"
 
     words = f"reward accuracy {progress['rewardAccuracy']:.3f}"

@@ -92,8 +92,13 @@ def test_loras_reference_is_a_forward_per_micro_batch() -> None:
     sft = build_plan(make_spec(**lora), resolve_shape(spec.model.source))
     assert plan.throughput.recompute_factor == pytest.approx(sft.throughput.recompute_factor + 2 / 6)
     assert plan.throughput.reference_seconds is None and "adapters disabled" in plan.throughput.reference_note
+    # no copy: the base model's shards are the reference, so the memory is LoRA SFT's but the pairs'
+    assert plan.memory.components.get("reference", 0) == 0
+    assert plan.memory.persistent_bytes == sft.memory.persistent_bytes
     # `live` means nothing under LoRA: the base model is the reference
-    assert admission(dpo_spec(**lora, **{"training.dpo.reference": "live"})).reason == FITS
+    live = dpo_spec(**lora, **{"training.dpo.reference": "live"})
+    assert admission(live).reason == FITS
+    assert build_plan(live, resolve_shape(spec.model.source)).memory.components.get("reference", 0) == 0
 
 
 def test_the_live_reference_is_a_second_sharded_copy_and_a_forward_per_micro_batch() -> None:
@@ -147,7 +152,7 @@ def test_streamed_pairs_are_planned_and_trained_as_stored_ones() -> None:
     assert streamed.throughput.reference_seconds == stored.throughput.reference_seconds > 0
 
 
-def test_the_llama3_8b_dpo_example_fits_on_p5() -> None:
+def test_the_llama3_8b_dpo_example_is_lora_and_fits_on_p5() -> None:
     from llamaft.manifests import load_finetune
 
     from tests.conftest import REPO
@@ -155,5 +160,7 @@ def test_the_llama3_8b_dpo_example_fits_on_p5() -> None:
     _, spec = load_finetune(REPO / "examples" / "llama3-8b-dpo.yaml")
     result = admission(spec)
     assert result.reason == FITS and result.plan is not None and result.plan.setup.dpo
+    assert spec.training.lora is not None and not result.plan.setup.dpo_live_reference  # the base is the reference
+    assert result.plan.memory.components.get("reference", 0) == 0
     assert result.plan.setup.batch == 2 * spec.training.per_device_batch_size
     assert result.plan.memory.peak_event == "loss:DPO log-softmax backward"

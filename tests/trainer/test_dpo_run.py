@@ -9,6 +9,7 @@ dialogue's own summary, rejected = another dialogue's)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -58,6 +59,10 @@ def of(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [e for e in events if e.get("event") == kind]
 
 
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def head(n: int, tmp: Path) -> Path:
     path = tmp / f"pairs-{n}.jsonl"
     path.write_text("".join(PAIRS.read_text().splitlines(keepends=True)[:n]))
@@ -74,6 +79,10 @@ def test_preference_accuracy_rises_on_a_learnable_set(tiny_model: Path, tmp_path
     for s in steps:
         assert set(METRICS) <= set(s), s
     assert steps[-1]["loss"] < 0.3 < steps[0]["loss"]
+    for e in evals:  # TRL's metrics on the held-out pairs, under TRL's eval_ names
+        assert {f"eval_{m}" for m in METRICS} <= set(e), e
+        assert e["eval_rewards/margins"] == pytest.approx(e["eval_rewards/chosen"] - e["eval_rewards/rejected"], abs=2e-6)
+        assert e["eval_logps/chosen"] < 0 and e["eval_logps/rejected"] < 0
     assert evals[-1]["step"] == 60 and evals[-1]["eval_rewards/accuracies"] > 0.9
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] < math.log(2)
     reference = of(events, "reference")
@@ -101,19 +110,22 @@ LORA = {"enabled": True, "r": 8, "alpha": 16, "targetModules": ["q_proj", "v_pro
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_resume_continues_with_the_losses_of_an_uninterrupted_run(tiny_model: Path, tmp_path: Path, lora: bool) -> None:
     """Bit for bit: full fine-tuning reads its precomputed reference back; LoRA's reference is the
-    adapter-disabled base, so only the adapters and their optimizer state come from the checkpoint."""
+    adapter-disabled base, so only the adapters and their optimizer state come from the checkpoint.
+    The logged figures (6 decimals) agree exactly, and the exported weights (the whole model, or the
+    adapter) have the same sha256."""
     source = head(48, tmp_path)
     training: dict[str, Any] = {"maxSteps": 6, "perDeviceBatchSize": 4, **({"lora": LORA} if lora else {})}
-    whole = dpo_config(tiny_model, tmp_path / "whole", source, training=training,
-                       checkpointing={"everyNSteps": 3, "keepLast": 5})
+    checkpointing = {"everyNSteps": 3, "keepLast": 5, "exportHuggingFace": True}
+    whole = dpo_config(tiny_model, tmp_path / "whole", source, training=training, checkpointing=checkpointing)
     rc, events, out = train(whole, tmp_path, "whole")
     assert rc == 0, out[-3000:]
     expected = {s["step"]: s for s in of(events, "step")}
-    # The same run, stopped after its step-3 checkpoint: its directory without step 6.
+    # The same run, stopped after its step-3 checkpoint: its directory without step 6 and the export.
     shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
     shutil.rmtree(tmp_path / "resumed" / "step-00000006")
+    shutil.rmtree(tmp_path / "resumed" / "export")
     resumed = dpo_config(tiny_model, tmp_path / "resumed", source, training=training,
-                         checkpointing={"everyNSteps": 3, "keepLast": 5, "resume": True})
+                         checkpointing={**checkpointing, "resume": True})
     rc, events, out = train(resumed, tmp_path, "resumed")
     assert rc == 0, out[-3000:]
     assert of(events, "resume")[0]["step"] == 3
@@ -126,6 +138,8 @@ def test_resume_continues_with_the_losses_of_an_uninterrupted_run(tiny_model: Pa
     for s in got:
         assert s["loss"] == expected[s["step"]]["loss"]
         assert {k: s[k] for k in METRICS} == {k: expected[s["step"]][k] for k in METRICS}
+    weights = "adapter_model.safetensors" if lora else "model.safetensors"
+    assert _sha256(tmp_path / "resumed" / "export" / weights) == _sha256(tmp_path / "whole" / "export" / weights)
 
 
 REFERENCES: dict[str, dict[str, Any]] = {"precomputed": {}, "live": {"dpo": {"beta": 0.1, "reference": "live"}}}
@@ -143,6 +157,7 @@ def test_two_ranks_equal_one_on_the_same_global_batch(tiny_model: Path, tmp_path
     assert rc1 == 0, out1[-3000:]
     rc2, events2, out2 = train(two, tmp_path, "two", nproc=2)
     assert rc2 == 0, out2[-3000:]
+    assert [s["step"] for s in of(events1, "step")] == [1, 2, 3]
     for a, b in zip(of(events1, "step"), of(events2, "step"), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
         for name in METRICS:
