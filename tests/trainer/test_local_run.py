@@ -82,16 +82,20 @@ def test_legacy_etcd_backend(tiny_model: Path, tmp_path: Path) -> None:
 
 def test_a_local_dpo_run_ends_with_its_reward_figures(tiny_model: Path, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    """training.method dpo: the step lines show the reward accuracy, and the last line says the
-    final figures as the operator's Succeeded condition words them (the last step's reward
-    accuracy and margin, the last eval's on the held-out pairs)."""
+    """examples/tiny-dpo.yaml, shortened (6 steps on its first 64 pairs, this test's model and
+    folder): the step lines show the reward accuracy, and the last line says the final figures as
+    the operator's Succeeded condition words them (the last step's reward accuracy and margin, the
+    last eval's on the held-out pairs)."""
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join((REPO / "examples" / "data" / "preference-tiny.jsonl").read_text().splitlines(True)[:64]))
-    path = finetune(tiny_model, tmp_path, "dpo", rendezvous={"backend": "c10d"},
-                    dataset={"format": "preference", "source": str(pairs), "maxSeqLength": 128, "packing": False,
-                             "validationSplit": 0.1},
-                    training={"method": "dpo", "maxSteps": 6, "perDeviceBatchSize": 4, "learningRate": 1e-3,
-                              "evalInterval": 6, "logInterval": 3})
+    body = yaml.safe_load((REPO / "examples" / "tiny-dpo.yaml").read_text())
+    spec = body["spec"]
+    spec["model"]["source"] = str(tiny_model)
+    spec["dataset"]["source"] = str(pairs)
+    spec["training"].update({"maxSteps": 6, "evalInterval": 6, "logInterval": 3})
+    spec["checkpointing"].update({"directory": str(tmp_path / "dpo" / "checkpoints"), "exportHuggingFace": False})
+    path = tmp_path / "tiny-dpo.yaml"
+    path.write_text(yaml.safe_dump(body))
     run_dir = tmp_path / "run-dpo"
     assert cli(["run", "--local", str(path), "--run-dir", str(run_dir)]) == 0
     out = capsys.readouterr().out
