@@ -183,7 +183,7 @@ def straight_run(cluster: Cluster, sim: SimCluster, tiny_model: Path, backend: s
         straight = finished(cluster, STRAIGHT)
         assert straight["attempt"] == 1 and straight["workers"]["current"] == 2
         out = {"backend": backend, "weights": weights, "losses": {str(line["step"]): line["loss"] for line in steps_logged(sim, STRAIGHT)},
-               "items": {str(step): sorted(items) for step, items in items_logged(sim, STRAIGHT).items()}}
+               "items": {str(step): items for step, items in items_of_the_last_run(sim, STRAIGHT).items()}}
         saved.write_text(json.dumps(out))
         return out
 
@@ -255,7 +255,11 @@ def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back(
     assert sorted(reference) == list(range(1, STEPS + 1))
     # What the run trained is what the uninterrupted run trained: step for step the same items, on
     # any world size (training.globalBatchSize; every rank logs its items, LLAMAFT_LOG_ITEMS).
-    assert items_logged(sim, NAME) == {int(step): set(items) for step, items in straight["items"].items()}
+    want_items = {int(step): sorted(items) for step, items in straight["items"].items()}
+    assert items_logged(sim, NAME) == {step: set(items) for step, items in want_items.items()}
+    # ... and the run that last trained each step (the one whose checkpoints the next resumed from)
+    # took each of them exactly once over its ranks: nothing repeated, whatever its world size.
+    assert items_of_the_last_run(sim, NAME) == want_items
     resumed = sorted({line["step"] for line in steps_logged(sim, NAME, "resume")})
     assert len(resumed) >= 2, f"resumed at {resumed}: after the shrink and after the grow-back"
     losses: dict[int, list[float]] = {}  # step -> its losses in the order they were logged (a redone step: several)
@@ -277,6 +281,20 @@ def test_a_lost_node_shrinks_the_run_and_a_returning_one_grows_it_back(
 def close(value: float, want: float) -> bool:
     """Equal to fp32 rounding over a few steps summed in another order."""
     return abs(value - want) <= 1e-5 * abs(want) + 2e-6
+
+
+def items_of_the_last_run(sim: SimCluster, name: str) -> dict[int, list[int]]:
+    """step -> the items the last run of that step logged, every rank's together, sorted. The last
+    run of step s began at the newest `resume` (rank 0's, before any rank's first step of that run:
+    each step's collectives wait for rank 0) from a step below s, or at the start if none; every
+    item event of s after it is that run's (later runs resumed at s or beyond)."""
+    resumes = sorted((line["ts"], line["step"]) for line in steps_logged(sim, name, "resume"))
+    out: dict[int, list[int]] = {}
+    for line in steps_logged(sim, name, "items"):
+        began = max((ts for ts, at in resumes if at < line["step"]), default="")
+        if line["ts"] > began:
+            out.setdefault(line["step"], []).extend(line["items"])
+    return {step: sorted(items) for step, items in out.items()}
 
 
 def items_logged(sim: SimCluster, name: str) -> dict[int, set[int]]:

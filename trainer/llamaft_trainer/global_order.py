@@ -18,7 +18,7 @@ With `globalBatchSize` G they do not:
   tokens and no pairs, and is not counted as tokens trained on.
 
 The loop normalises each step's loss by the global count of target tokens (or pairs), so the same
-spec on 1, 2 or 4 ranks computes the same gradient at each step (float rounding aside), and a
+spec on any number of ranks computes the same gradient at each step (float rounding aside), and a
 checkpoint records the items of the epoch consumed (`TrainState.items_in_epoch`), not a per-rank
 offset: a run checkpointed on N ranks resumes on M at the next item.
 
