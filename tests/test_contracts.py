@@ -146,7 +146,7 @@ def test_a_report_the_operator_cannot_read_is_no_report() -> None:
 
 
 # ------------------------------------------------------------------------------ /progress
-DPO_STEP = {"rewards/chosen": 0.5, "rewards/rejected": 0.25, "rewards/accuracies": 0.75, "rewards/margins": 0.25,
+DPO_STEP = {"rewards/chosen": 0.375, "rewards/rejected": 0.125, "rewards/accuracies": 0.75, "rewards/margins": 0.25,
             "logps/chosen": -12.0, "logps/rejected": -20.0}
 """A DPO step event's TRL metrics (train.py adds them to the step's figures)."""
 DPO_EVAL = {"eval_loss": 0.5, "eval_rewards/chosen": 0.75, "eval_rewards/rejected": 0.25, "eval_rewards/accuracies": 0.875,
@@ -197,7 +197,8 @@ def test_the_progress_document_is_the_model_and_the_operator_reads_it(served_pro
 
 
 def test_an_sft_run_sends_no_dpo_key_and_documents_with_and_without_them_round_trip(served_progress: tuple[Any, str]) -> None:
-    """The DPO fields (rewardAccuracy, rewardMargin, evalRewardAccuracy, evalRewardMargin) are
+    """The DPO fields (each of TRL's step metrics: rewardAccuracy, rewardMargin, rewardChosen,
+    rewardRejected, logpsChosen, logpsRejected; the eval's evalRewardAccuracy, evalRewardMargin) are
     optional: an SFT run's document has none of them (an older trainer's neither) and still reads
     back, into a status without them; a DPO run's reads back with them."""
     progress, base = served_progress
@@ -207,7 +208,8 @@ def test_an_sft_run_sends_no_dpo_key_and_documents_with_and_without_them_round_t
                           "eta_seconds": 3})
     progress.record_eval(3, 2.5, 12.2)
     sft = fetch(url)
-    dpo_keys = {"rewardAccuracy", "rewardMargin", "evalRewardAccuracy", "evalRewardMargin"}
+    dpo_keys = {"rewardAccuracy", "rewardMargin", "rewardChosen", "rewardRejected", "logpsChosen", "logpsRejected",
+                "evalRewardAccuracy", "evalRewardMargin"}
     assert not dpo_keys & set(sft)
     parsed = read_progress(sft)
     assert parsed == ProgressDocument.model_validate(sft, strict=True) and parsed.reward_accuracy is None
@@ -219,8 +221,9 @@ def test_an_sft_run_sends_no_dpo_key_and_documents_with_and_without_them_round_t
                           "eta_seconds": 2, **DPO_STEP})
     progress.record_dpo_eval(4, DPO_EVAL)
     dpo = fetch(url)
-    assert {k: dpo[k] for k in dpo_keys} == {"rewardAccuracy": 0.75, "rewardMargin": 0.25, "evalRewardAccuracy": 0.875,
-                                             "evalRewardMargin": 0.5}
+    assert {k: dpo[k] for k in dpo_keys} == {"rewardAccuracy": 0.75, "rewardMargin": 0.25, "rewardChosen": 0.375,
+                                             "rewardRejected": 0.125, "logpsChosen": -12.0, "logpsRejected": -20.0,
+                                             "evalRewardAccuracy": 0.875, "evalRewardMargin": 0.5}
     parsed = read_progress(dpo)
     assert parsed is not None and parsed == ProgressDocument.model_validate(dpo, strict=True)
     assert ProgressDocument.model_validate(parsed.model_dump(by_alias=True, exclude_unset=True)) == parsed

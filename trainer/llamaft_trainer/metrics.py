@@ -5,7 +5,8 @@ every worker serves, on the spec's monitoring.metricsPort,
   GET /metrics   Prometheus text (llamaft_train_* gauges and counters)
   GET /progress  JSON llamaft.api.contracts.ProgressDocument: {"rank", "pod", "phase", "step",
                  "totalSteps", "epoch", "loss", "evalLoss", "tokensPerSecond", "mfu", "etaSeconds",
-                 "rewardAccuracy", "rewardMargin", "evalRewardAccuracy", "evalRewardMargin" (DPO),
+                 "rewardAccuracy", "rewardMargin", "rewardChosen", "rewardRejected", "logpsChosen",
+                 "logpsRejected", "evalRewardAccuracy", "evalRewardMargin" (DPO),
                  "exportPath", "tracking", "trackingWarning", "evaluation", "updatedAt"}, the keys set so far
 and prints every logged step as one JSON line {"event": "step", ...} on stdout.
 """
@@ -81,6 +82,10 @@ REWARD_GAUGES = {
                        "last logged step's chosen completions (TRL's rewards/chosen)"),
     "rewards/rejected": ("llamaft_train_reward_rejected", "DPO: mean beta * (policy - reference) log-probability of "
                          "the last logged step's rejected completions (TRL's rewards/rejected)"),
+    "logps/chosen": ("llamaft_train_logps_chosen", "DPO: mean policy log-probability of the last logged step's "
+                     "chosen completions (TRL's logps/chosen)"),
+    "logps/rejected": ("llamaft_train_logps_rejected", "DPO: mean policy log-probability of the last logged step's "
+                       "rejected completions (TRL's logps/rejected)"),
     "eval_rewards/accuracies": ("llamaft_train_eval_reward_accuracy", "DPO: reward accuracy over the held-out pairs "
                                 "at the last eval (TRL's eval_rewards/accuracies, 0-1)"),
     "eval_rewards/margins": ("llamaft_train_eval_reward_margin", "DPO: mean reward margin over the held-out pairs at "
@@ -165,7 +170,11 @@ class Progress:
         )
         if m.get("rewards/accuracies") is not None:  # a DPO step (dpo.METRIC_NAMES)
             self._set_rewards(m)
-            self.update(rewardAccuracy=m["rewards/accuracies"], rewardMargin=m["rewards/margins"])
+            # Every one of TRL's step metrics (issue 38), each by keyword: test_contracts reads
+            # the keys the trainer writes from these calls.
+            self.update(rewardAccuracy=m["rewards/accuracies"], rewardMargin=m["rewards/margins"],
+                        rewardChosen=m["rewards/chosen"], rewardRejected=m["rewards/rejected"],
+                        logpsChosen=m["logps/chosen"], logpsRejected=m["logps/rejected"])
         for tracker in self.trackers:
             tracker.step(m)
 

@@ -146,6 +146,16 @@ class ProgressDocument(_Document):
     """DPO only (absent for SFT): the last logged step's rewards/accuracies (status.progress)."""
     reward_margin: float | None = None
     """DPO only: the last logged step's rewards/margins."""
+    reward_chosen: float | None = None
+    """DPO only: the last logged step's rewards/chosen. This and the next three are TRL's other
+    step metrics, for whoever reads /progress; status.progress leaves them out (accuracy and
+    margin say how the run is doing, and the trackers and /metrics have them all)."""
+    reward_rejected: float | None = None
+    """DPO only: the last logged step's rewards/rejected."""
+    logps_chosen: float | None = None
+    """DPO only: the last logged step's logps/chosen (the policy's, summed over each completion)."""
+    logps_rejected: float | None = None
+    """DPO only: the last logged step's logps/rejected."""
     eval_reward_accuracy: float | None = None
     """DPO only: the last eval's eval_rewards/accuracies over the held-out pairs."""
     eval_reward_margin: float | None = None
