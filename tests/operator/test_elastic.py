@@ -211,6 +211,8 @@ CREATING = {"phase": "Creating", "attempt": 1, "attemptStartTime": "2026-11-30T0
 SHRUNK_STATUS = {**RUNNING, "workers": {"current": 1, "desired": 2, "reason": "Shrunk", "lastResizeTime": "2026-11-30T11:00:00Z",
                                         "lastResizeStep": 5}}
 RUNNING_JOB = job("Created", "Running", replicaStatuses={"Worker": {"active": 1}})
+STALE = {**RUNNING, "lastProgressTime": "2026-11-30T11:40:00Z"}
+"""No step for 20 minutes: past runPolicy.progressDeadlineSeconds (900 s by default)."""
 LIFECYCLE_ROWS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     # (row, observed state, what the decision does)
     ("first attempt of an elastic run: its size in the status", dict(spec=elastic_spec(), status={}),
@@ -248,6 +250,12 @@ LIFECYCLE_ROWS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
      dict(size=(2, "AsSpecified"), events=["GrewBack"])),
     ("a retry of a shrunk run keeps its size", dict(spec=elastic_spec(), status={**SHRUNK_STATUS, "phase": "Restarting"}),
      dict(start=1, workers=1, size=(1, "Shrunk"))),
+    ("a worker waits for a node past progressDeadlineSeconds, the shrink's clock still runs: no Stalled retry",
+     dict(spec=elastic_spec(shrinkAfterSeconds=1500), status=STALE, job=RUNNING_JOB, scalable=True,
+          pods=[placed(0), pending(1, NOW - timedelta(seconds=1000))]), dict()),
+    ("stalled and the shrink due at one look: the shrink, not a retry",
+     dict(spec=elastic_spec(), status=STALE, job=RUNNING_JOB, pods=[placed(0), pending(1)], scalable=True),
+     dict(scale=1, size=(1, "Shrunk"), events=["Shrunk"], resized=True)),
     ("a suspended job is not resized", dict(spec=elastic_spec(), job=job("Suspended"), pods=[pending(1)], scalable=True),
      dict(events=["Suspended"])),
     ("Kueue holds the PyTorchJob, its Workload waits for quota past the timeout: scaled to 1 while queued",
@@ -286,6 +294,20 @@ def test_the_elastic_lifecycle_table(row: str, state: dict[str, Any], want: dict
     if "phase" in want:
         assert d.status["phase"] == want["phase"], row
     assert "retriesUsed" not in d.status or d.status["retriesUsed"] == obs.status.retries_used, "a resize spends no retry"
+
+
+@pytest.mark.parametrize(("row", "state"), [
+    ("at minWorkers: no smaller size can run", dict(spec=elastic_spec(2, 2, 2))),
+    ("the planner fits no smaller size", dict(spec=elastic_spec(), fits=lambda n: "needs 90 GiB")),
+    ("not elastic", dict(spec=LlamaFineTuneSpec.model_validate({
+        "model": {"source": "/m"}, "dataset": {"format": "samsum", "source": "/d.jsonl"},
+        "cluster": {"workers": 2, "gpusPerWorker": 0}}))),
+])
+def test_a_wait_no_shrink_can_end_is_a_stall_as_for_any_run(row: str, state: dict[str, Any]) -> None:
+    """The shrink rule takes a waiting worker from the stall deadline only where it can end the wait."""
+    d = lifecycle.decide(observed(STALE, job=RUNNING_JOB, pods=[placed(0), pending(1)], scalable=True, **state))
+    assert d.status["failures"][-1]["reason"] == "Stalled", row
+    assert d.scale_to is None, row
 
 
 def test_an_unchanged_size_writes_no_change() -> None:

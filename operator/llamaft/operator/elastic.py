@@ -193,6 +193,22 @@ def shrink(spec: LlamaFineTuneSpec, current: int, placed: Placement, now: dateti
     return _largest_fitting(spec, current, top, f"{pending}{scheduler}", fits)
 
 
+def owns_the_wait(spec: LlamaFineTuneSpec, current: int, placed: Placement, now: datetime, fits: Fits,
+                  attempt_start: datetime | None = None) -> bool:
+    """Whether the shrink rule, not the stall deadline, decides about this attempt's wait: a worker
+    is unschedulable, the scheduler placed at least elastic.minWorkers, and the shrink is either
+    not due yet or due and resizing. A step cannot advance while a worker waits for a node, so
+    runPolicy.progressDeadlineSeconds would otherwise restart the attempt as Stalled, spending a
+    retry on a wait the shrink ends (a shrinkAfterSeconds longer than the deadline, or both due at
+    one look after the operator was away). When no smaller size can run (minWorkers reached, or
+    the planner fits none), the deadline applies as for any run."""
+    elastic = spec.cluster.elastic
+    if elastic is None or placed.unschedulable == 0 or current - placed.unschedulable < elastic.min_workers:
+        return False
+    resize = shrink(spec, current, placed, now, fits, attempt_start)
+    return resize is None or resize.resizes
+
+
 def shrink_queued(spec: LlamaFineTuneSpec, current: int, wait: QuotaWait | None, now: datetime, fits: Fits,
                   last_resize: datetime | None = None) -> Resize | None:
     """The shrink rule for a job Kueue holds (module docstring): one worker fewer once its Workload

@@ -343,6 +343,16 @@ def _resize(obs: Observed, attempt: int, d: Decision, resize: elastic.Resize, cu
                  f"newest checkpoint as attempt {nxt} on {n} worker(s)")
 
 
+def _shrink_owns_the_wait(obs: Observed) -> bool:
+    """An elastic run whose worker waits for a node is rule 9's to shrink, not a stall (`elastic.owns_the_wait`)."""
+    spec, st = obs.spec, obs.status
+    if spec.cluster.elastic is None:
+        return False
+    current = elastic.current_workers(spec, st.workers)
+    return elastic.owns_the_wait(spec, current, elastic.placement(obs.pods, obs.index_label, current), obs.now,
+                                 obs.fits or (lambda n: None), parse_time(st.attempt_start_time))
+
+
 def _stalled(obs: Observed, progress_step: int | None, last_progress: datetime | None) -> Failure | None:
     """No step advance within the deadline (with the startup grace before the attempt's first step)."""
     policy = obs.spec.run_policy
@@ -393,7 +403,7 @@ def _with_job(obs: Observed, seen: Observation, attempt: int, d: Decision) -> De
     last_progress = _progress_clock(obs, seen, d)
     if not suspended:
         failure = failures.classify(obs.job, obs.pods, last_step) or obs.gpu
-        if failure is None and seen.phase is Phase.RUNNING:
+        if failure is None and seen.phase is Phase.RUNNING  and not _shrink_owns_the_wait(obs):
             failure = _stalled(obs, last_step, last_progress)
     if failure is not None:
         return _failed_attempt(obs, seen, attempt, d, failure)  # rule 5
