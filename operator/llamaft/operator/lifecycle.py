@@ -403,7 +403,7 @@ def _with_job(obs: Observed, seen: Observation, attempt: int, d: Decision) -> De
     last_progress = _progress_clock(obs, seen, d)
     if not suspended:
         failure = failures.classify(obs.job, obs.pods, last_step) or obs.gpu
-        if failure is None and seen.phase is Phase.RUNNING  and not _shrink_owns_the_wait(obs):
+        if failure is None and seen.phase is Phase.RUNNING and not _shrink_owns_the_wait(obs):
             failure = _stalled(obs, last_step, last_progress)
     if failure is not None:
         return _failed_attempt(obs, seen, attempt, d, failure)  # rule 5
