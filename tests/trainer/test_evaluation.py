@@ -87,3 +87,37 @@ class _FakeTokenizer:
 
     def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
         return " ".join(str(i) for i in ids if not (skip_special_tokens and i in self.all_special_ids))
+
+
+def test_generation_runs_the_compiled_layers_eagerly(tiny_model: Path) -> None:
+    """With `fsdp.compile` every decoder layer is a torch.compile wrapper; a greedy decode feeds it
+    a new length at every token, which would recompile each layer (up to dynamo's limit) for a few
+    prompts. Generation runs them eagerly (as HF's Seq2SeqTrainer generates with the uncompiled
+    model) and writes what the uncompiled model writes; training forwards still compile."""
+    from llamaft_trainer.parallelize import decoder_layers
+    from llamaft_trainer.runtime import Runtime
+
+    compiled: list[int] = []
+
+    def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        compiled.append(len(gm.graph.nodes))
+        return gm.forward
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).train()
+    rt = Runtime(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+    samples = [evaluation.Sample(prompt_ids=tok("a b c")["input_ids"], prompt="a b c", reference="d"),
+               evaluation.Sample(prompt_ids=tok("hello there friend")["input_ids"], prompt="", reference="x")]
+    eager = evaluation.generate(model, samples, tok, rt, max_new_tokens=6)
+    layers = decoder_layers(model)
+    for index, layer in enumerate(list(layers)):
+        layers[index] = torch.compile(layer, backend=counting_backend)  # type: ignore[assignment]  # as apply_compile
+    torch.compiler.reset()
+    try:
+        assert evaluation.generate(model, samples, tok, rt, max_new_tokens=6) == eager
+        assert compiled == [], f"generation compiled {len(compiled)} graph(s)"
+        assert model.training, "generate puts the model back in training mode"
+        model(input_ids=torch.tensor([samples[0].prompt_ids]))
+        assert compiled, "outside generation the layers compile (the test would pass vacuously otherwise)"
+    finally:
+        torch.compiler.reset()

@@ -122,7 +122,11 @@ def generate(model: nn.Module, samples: list[Sample], tokenizer: PreTrainedToken
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     generator = generating_module(model)
     try:
-        with torch.no_grad(), root_gathered(model):
+        # Eager, as HF's Seq2SeqTrainer generates (`self.model.generate`: the model before accelerate
+        # compiled it): every new length of a greedy decode is a new input shape, and a compiled layer
+        # would recompile on it (up to dynamo's recompile limit, per frame) for a handful of prompts.
+        # The stance leaves the compiled layers in place, so FSDP's hooks on them run as in training.
+        with torch.no_grad(), root_gathered(model), torch.compiler.set_stance("force_eager"):
             for sample in samples:
                 ids = torch.tensor([sample.prompt_ids], device=rt.device)
                 out = generator.generate(  # type: ignore[operator]
