@@ -82,8 +82,37 @@ class Record(TrainerCallback):
                        grad_norm=float(logs.get("grad_norm") or 0.0))
 
 
+def fsdp_on_cpu() -> None:
+    """Let accelerate take its own FSDP branch on a CPU.
+
+    accelerate's AcceleratorState turns FSDP on for accelerator devices only: the branch that sets
+    `distributed_type = FSDP` and keeps the plugin runs for MULTI_GPU, MULTI_XPU, ... and not for
+    MULTI_CPU, which keeps DDP and drops the plugin (accelerate 1.16, state.py). This runs that
+    branch's body after the state chose MULTI_CPU, so the Trainer goes through accelerate's FSDP2
+    code as on a GPU (fsdp2_prepare_model: fully_shard per wrapped layer and the root, its state
+    dict loading, its clipping); the collectives run over gloo, as llamaft's do here.
+    """
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    init = AcceleratorState.__init__
+
+    def __init__(self: Any, *args: Any, fsdp_plugin: Any = None, **kwargs: Any) -> None:
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            if self._mixed_precision != "no":
+                fsdp_plugin.set_mixed_precision(self._mixed_precision)
+            self.fsdp_plugin = fsdp_plugin
+            PartialState._shared_state["distributed_type"] = self.distributed_type
+
+    AcceleratorState.__init__ = __init__  # type: ignore[method-assign]
+
+
 def main() -> None:
     cfg: dict[str, Any] = json.loads(open(sys.argv[1]).read())
+    if cfg.get("fsdp2"):
+        fsdp_on_cpu()  # does nothing where accelerate chose FSDP itself (a GPU)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     tensors: dict[str, torch.Tensor] = torch.load(cfg["batches"])
     batch, steps = int(cfg["batch_size"]), int(cfg["steps"])

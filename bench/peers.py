@@ -27,9 +27,10 @@ Pairs (1 process: tiny.yaml's FULL_SHARD, which on one rank has nothing to commu
   2p-full  the same with llamaft FULL_SHARD (an extra row; HF is DDP again)
   2p-fsdp2 FSDP2 on both sides: llamaft FULL_SHARD, HF through accelerate's FSDP2 plugin with the
            same wrapping unit (each decoder layer, and the root) and reshard_after_forward true.
-           GPUs only: on a CPU accelerate ignores the plugin and runs DDP (the HF side reports its
-           wrapper and sharded parameters, and the pair is refused), so there the HF figure is
-           DDP's and `2p-full` is that comparison.
+           accelerate turns FSDP on for accelerator devices only; on a CPU the HF side runs
+           accelerate's own FSDP branch after its state chose MULTI_CPU (_hf_peer.fsdp_on_cpu),
+           so the Trainer goes through accelerate's FSDP2 code over gloo. The HF side reports
+           its sharded parameters, and the pair is refused unless every one is a DTensor.
 Each round runs every pair's two tools back to back, alternating which goes first; the table is
 the median over rounds (ratio and delta: the median of the per-round ones).
 
@@ -46,11 +47,14 @@ Columns, per run:
              on_step_end of step 1, minus the launch time.
   peak RSS   the largest sum of RSS over the whole process tree (the CLI or torchrun agent and
              every trainer process), polled every 0.2 s with psutil.
-Loss parity: on 1p1t, the largest |llamaft loss - HF loss| over every step (and the learning
-rates, which must agree exactly: the same schedule); above --loss-tolerance (1e-4) the script
-exits 1. fp32 on the same batches leaves only summation-order differences (foreach vs per-tensor
-AdamW and clipping): ~1e-6 after 80 steps; a batch out of order or a schedule off by one step
-moves the loss by 1e-3 or more. The other pairs' differences are reported, not checked.
+Loss parity: on every pair but 2p-full, the largest |llamaft loss - HF loss| over every step (and
+the learning rates, which must agree exactly: the same schedule, on every pair); above
+--loss-tolerance (1e-5) the script exits 1. Those pairs run the same maths on both sides (fp32,
+identical batches, gradients averaged by the same code), which leaves only summation-order
+differences (foreach vs per-tensor AdamW and clipping, a sharded vs a whole-tensor norm): a few
+1e-6 after 80 steps; a batch out of order or a schedule off by one step moves the loss by 1e-3 or
+more. 2p-full's sides average gradients differently (FSDP2 sums then averages, DDP divides before
+its all-reduce): about 3e-5 after 80 steps, reported, not held.
 
 Run it on a quiet machine: on a 2-vCPU machine the 2-process pairs and 1p2t have no spare core, so
 other load changes both sides' figures a lot (the load average is printed at the start and end).
@@ -90,7 +94,7 @@ VENV = REPO / ".venv-peers"
 EXAMPLE = REPO / "examples" / "tiny.yaml"
 SKIP = 5
 """Steps left out of the rates (the first ones: allocator and caches warming up)."""
-TOLERANCE = 1e-4
+TOLERANCE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -102,13 +106,17 @@ class Pair:
     hf_fsdp2: bool = False
     """HF through accelerate's FSDP2 plugin (full_shard auto_wrap of LlamaDecoderLayer,
     reshard_after_forward true: llamaft's FULL_SHARD units and policy), else DDP (or one process)."""
+    same_maths: bool = True
+    """Both sides average the gradients by the same code, so their losses are held to the loss
+    tolerance. Not 2p-full: FSDP2's reduce-scatter sums and then averages, DDP divides each
+    gradient by the world size before its all-reduce, which rounds differently from step 1 on."""
 
 
 PAIRS = {
     "1p1t": Pair(1, 1, "FULL_SHARD"),
     "1p2t": Pair(1, 2, "FULL_SHARD"),
     "2p": Pair(2, 1, "NO_SHARD"),
-    "2p-full": Pair(2, 1, "FULL_SHARD"),
+    "2p-full": Pair(2, 1, "FULL_SHARD", same_maths=False),
     "2p-fsdp2": Pair(2, 1, "FULL_SHARD", hf_fsdp2=True),
 }
 
@@ -386,10 +394,11 @@ def run_hf(name: str, pair: Pair, steps: int, model: Path, batches: Path, work: 
         raise SystemExit(f"{name}: HF recorded steps {[r['step'] for r in rows]}, not 1..{steps}")
     if pair.hf_fsdp2 and result["sharded_parameters"] != result["parameters"]:
         # accelerate enables FSDP for accelerator devices only (AcceleratorState: the FSDP branch is
-        # under MULTI_GPU/XPU/NPU/...; MULTI_CPU keeps DDP), so on a CPU the plugin is ignored.
+        # under MULTI_GPU/XPU/NPU/...); _hf_peer.fsdp_on_cpu takes it on a CPU. Should another
+        # accelerate leave the plugin unused all the same, this is not an FSDP2 pair.
         raise SystemExit(f"{name}: accelerate's FSDP2 plugin sharded {result['sharded_parameters']} of "
                          f"{result['parameters']} parameters (the model ran as {result['wrapper']}): not an FSDP2 "
-                         "pair; accelerate applies FSDP on GPUs (and other accelerators) only")
+                         "pair")
     tokens = [float(result["tokens_per_step"])] * steps
     median, cadence = rates(tokens, [r["seconds"] for r in rows], [r["end"] for r in rows])
     return Run("hf", median, cadence, rows[0]["end"] - tree.launched, tree.peak_rss_mb, tree.seconds,
@@ -452,7 +461,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every pair (medians over them)")
     parser.add_argument("--pairs", default=",".join(PAIRS), help=f"comma-separated, of {', '.join(PAIRS)}")
     parser.add_argument("--json", type=Path, help="write the report here")
-    parser.add_argument("--loss-tolerance", type=float, default=TOLERANCE, help="1p1t's largest loss difference allowed")
+    parser.add_argument("--loss-tolerance", type=float, default=TOLERANCE, help="the largest loss difference allowed, every pair")
     parser.add_argument("--hf-python", type=Path, help="run the HF side with this python (default: .venv-peers, made here)")
     parser.add_argument("--nproc-layout", action="store_true",
                         help="2-process llamaft runs as 1 worker x 2 processes (one torchrun agent, like HF's) instead "
@@ -526,23 +535,25 @@ def main() -> None:
     report["load_average_end"] = os.getloadavg()
     print_table(medians, args.rounds)
     print(f"versions: HF side {hf_versions}; {load_average()} at the end")
-    passed = None
-    if "1p1t" in chosen:
-        checks = [r["parity"] for r in report["pairs"]["1p1t"]["rounds"]]
-        worst_loss = max(c["max_abs_loss_diff"] for c in checks)
-        worst_lr = max(c["max_abs_lr_diff"] for c in checks)
-        passed = worst_loss <= args.loss_tolerance and worst_lr <= 1e-12
-        report["parity"] = {"pair": "1p1t", "steps": args.steps, "max_abs_loss_diff": worst_loss, "max_abs_lr_diff": worst_lr,
-                            "tolerance": args.loss_tolerance, "passed": passed}
-        print(f"loss parity (1p1t, {args.steps} steps, identical batches): max |Δloss| {worst_loss:.2e}, max |Δlr| "
-              f"{worst_lr:.1e}, tolerance {args.loss_tolerance:g}: {'passed' if passed else 'FAILED'}")
-    others = {n: max(r["parity"]["max_abs_loss_diff"] for r in report["pairs"][n]["rounds"]) for n in chosen if n != "1p1t"}
-    if others:
-        print("max |Δloss| elsewhere (not checked): " + ", ".join(f"{n} {v:.1e}" for n, v in others.items()))
+    checks = {n: [r["parity"] for r in report["pairs"][n]["rounds"]] for n in chosen}
+    worst = {n: max(c["max_abs_loss_diff"] for c in cs) for n, cs in checks.items()}
+    held = {n: v for n, v in worst.items() if PAIRS[n].same_maths}
+    worst_lr = max(c["max_abs_lr_diff"] for cs in checks.values() for c in cs)
+    passed = max(held.values(), default=0.0) <= args.loss_tolerance and worst_lr <= 1e-12
+    report["parity"] = {"steps": args.steps, "max_abs_loss_diff": max(held.values(), default=None),
+                        "max_abs_loss_diff_by_pair": held, "max_abs_lr_diff": worst_lr,
+                        "tolerance": args.loss_tolerance, "passed": passed,
+                        "not_held": {n: v for n, v in worst.items() if n not in held}}
+    print(f"loss parity ({args.steps} steps, identical batches): max |Δloss| "
+          + ", ".join(f"{n} {v:.1e}" for n, v in held.items())
+          + f"; max |Δlr| {worst_lr:.1e}; tolerance {args.loss_tolerance:g}: {'passed' if passed else 'FAILED'}")
+    if len(held) < len(worst):
+        print("max |Δloss| of pairs that average gradients by different code (not held to the tolerance): "
+              + ", ".join(f"{n} {v:.1e}" for n, v in worst.items() if n not in held))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
         print(f"report: {args.json}")
-    if passed is False:
+    if not passed:
         raise SystemExit(1)
 
 

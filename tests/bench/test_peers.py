@@ -1,5 +1,6 @@
-"""bench/peers.py end to end on one short pair: both tools measured, the loss traces on identical
-batches agree (the HF side runs in .venv-peers, which the bench creates on first use)."""
+"""bench/peers.py end to end on two short pairs: both tools measured, the loss traces on identical
+batches agree (the HF side runs in .venv-peers, which the bench creates on first use), and the
+FSDP2 pair's HF side really ran accelerate's FSDP2 (every parameter sharded) on this CPU."""
 
 from __future__ import annotations
 
@@ -16,21 +17,27 @@ from tests.trainer.conftest import trainer_env
 
 
 @pytest.mark.slow
-def test_peers_one_pair(tmp_path: Path) -> None:
+def test_peers_one_and_fsdp2_pair(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     python = peer_python()
     out = tmp_path / "peers.json"
     proc = subprocess.run(
-        [sys.executable, str(PEERS), "--steps", "8", "--rounds", "1", "--pairs", "1p1t", "--hf-python", str(python),
+        [sys.executable, str(PEERS), "--steps", "8", "--rounds", "1", "--pairs", "1p1t,2p-fsdp2", "--hf-python", str(python),
          "--work-dir", str(tmp_path / "work"), "--json", str(out)],
         env=trainer_env(), capture_output=True, text=True, timeout=600, cwd=REPO,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    (run,) = report["pairs"]["1p1t"]["rounds"]
-    for tool in ("llamaft", "hf"):
-        assert run[tool]["tps"] > 0 and run[tool]["cadence_tps"] > 0, run[tool]
-        assert run[tool]["startup_s"] > 0 and run[tool]["peak_rss_mb"] > 0, run[tool]
-        assert len(run[tool]["losses"]) == 8
-    assert report["parity"]["passed"] is True and report["parity"]["max_abs_loss_diff"] <= 1e-4
-    assert report["versions"]["hf_side"]["transformers"] and "| 1p1t |" in proc.stdout
+    for pair in ("1p1t", "2p-fsdp2"):
+        (run,) = report["pairs"][pair]["rounds"]
+        for tool in ("llamaft", "hf"):
+            assert run[tool]["tps"] > 0 and run[tool]["cadence_tps"] > 0, run[tool]
+            assert run[tool]["startup_s"] > 0 and run[tool]["peak_rss_mb"] > 0, run[tool]
+            assert len(run[tool]["losses"]) == 8
+        assert f"| {pair} |" in proc.stdout
+    fsdp2 = report["pairs"]["2p-fsdp2"]["rounds"][0]["hf"]["extra"]
+    assert fsdp2["sharded_parameters"] == fsdp2["parameters"] > 0, fsdp2  # accelerate's FSDP2, not DDP
+    assert fsdp2["wrapper"] != "DistributedDataParallel", fsdp2
+    assert report["parity"]["passed"] is True and report["parity"]["max_abs_loss_diff"] <= 1e-5
+    assert set(report["parity"]["max_abs_loss_diff_by_pair"]) == {"1p1t", "2p-fsdp2"}
+    assert report["versions"]["hf_side"]["transformers"]
