@@ -333,7 +333,7 @@ def main() -> None:
                     for who, pid in (("operator", proc.pid), ("emulator", emulator.pid)):
                         spies.append(subprocess.Popen(
                             [str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(pid), "--format", "raw",
-                             "--output", str(out_dir / f"{who}-{count}.txt"), "--rate", "100", "--nonblocking", "--gil"],
+                             "--output", str(out_dir / f"{who}-{count}.txt"), "--rate", "1000", "--nonblocking", "--gil"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
                 with Sampler(proc) as sampler:
                     threads = [threading.Thread(target=create, args=(n,)) for n in names]

@@ -4,7 +4,6 @@ them as the spec says, and the pure helpers the child watches use."""
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -177,11 +176,12 @@ class ChildReconciler:
         """The children to apply: the ones this generation's validation rendered and checked
         (`validated`), handed over once (the memo does not keep them); rendered again only for a
         later apply of the same generation (a repair, the next attempt's start) or when there are
-        none (a step that did not validate, e.g. in tests). Copies: adoption must not change them."""
+        none (a step that did not validate, e.g. in tests). Not copied: that render made them for
+        this hand-over alone, and nothing else holds them once it is taken (adoption changes them)."""
         own = object_state(self.memo)
         handed, own.rendered = own.rendered, None
         if handed is not None and handed[0] == source:
-            return copy.deepcopy(handed[1])  # type: ignore[no-any-return]
+            return handed[1]  # type: ignore[no-any-return]
         return objects.children(owner, spec, self.settings.etcd_image, dict(self.settings.dashboard_labels))
 
     def _indexed_children(self) -> dict[str, list[Obj]]:

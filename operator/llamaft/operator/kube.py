@@ -91,16 +91,27 @@ def refresh_at_most_every(seconds: float, hook: Callable[[Any], None] | None,
     up in the whole environment (urllib's getproxies_environment), and a pod's environment holds
     a variable per Service of its namespace. The loaders refresh a token well before it is due
     (in-cluster: the token file every minute; a kubeconfig token 5 minutes before its expiry), so
-    looking every `seconds` (well under both) changes nothing but the cost."""
+    looking every `seconds` (well under both) changes nothing but the cost.
+
+    Each run of a loader's hook installs a new hook on the configuration it was given (both
+    loaders' `_set_config` end with `refresh_api_key_hook = _refresh_api_key`): the wrapper takes
+    that one as the hook to run next time and puts itself back, or the first request would
+    unwrap it for good."""
     if hook is None:
         return None
     due = [clock()]
+    current = [hook]
 
     def refresh(configuration: Any) -> None:
         now = clock()
-        if now >= due[0]:
-            hook(configuration)
-            due[0] = now + seconds
+        if now < due[0]:
+            return
+        current[0](configuration)
+        due[0] = now + seconds
+        installed = getattr(configuration, "refresh_api_key_hook", None)
+        if installed is not None and installed is not refresh:
+            current[0] = installed
+            configuration.refresh_api_key_hook = refresh
 
     return refresh
 
@@ -109,8 +120,8 @@ def throttle_credential_refresh(seconds: float = 30.0) -> None:
     """Wrap the default configuration's refresh hook (see refresh_at_most_every); call once the
     credentials are loaded, before any client is made from the default configuration."""
     configuration = client.Configuration.get_default_copy()
-    hook = refresh_at_most_every(seconds, configuration.refresh_api_key_hook)
-    configuration.refresh_api_key_hook = hook  # type: ignore[assignment]  # the client types it as None only
+    configuration.refresh_api_key_hook = refresh_at_most_every(  # type: ignore[assignment]  # typed as None only
+        seconds, configuration.refresh_api_key_hook)
     client.Configuration.set_default(configuration)
 
 
