@@ -13,7 +13,8 @@ each rank exactly llamaft's batches, in llamaft's order; every batch is checked 
 
 Writes (rank 0) CONFIG["out"]: per optimizer step its wall-clock end (time.time() at on_step_end),
 its span (from the start of fetching the step's batch to on_step_end: the span llamaft's
-step_seconds covers) and the logged loss, learning rate and grad norm.
+step_seconds covers), the logged loss, learning rate and grad norm, and with CONFIG["phases"] the
+milliseconds of each phase of the step (TimedTrainer).
 """
 
 from __future__ import annotations
@@ -49,31 +50,84 @@ class Blocks(Dataset[dict[str, torch.Tensor]]):
         return {name: self.tensors[name][index] for name in NAMES}
 
 
+PHASES = ("data", "forward", "backward", "grad_norm", "optimizer", "other")
+"""The step's phases this side can time (`--phases`), named as llamaft's profiling.PHASES. FSDP2's
+and DDP's collectives run inside forward and backward here: no hook of HF's separates them."""
+
+
 class TimedTrainer(Trainer):
-    """Trainer, plus: when each step's batch fetch starts, and a check that it is llamaft's batch."""
+    """Trainer, plus: when each step's batch fetch starts, a check that it is llamaft's batch, and
+    (`phases`) the wall time of each phase of the step through the Trainer's own methods: the
+    batch fetch (get_batch_samples), forward and loss (compute_loss), backward (the rest of
+    training_step: accelerator.backward), the clipping norm (_clip_grad_norm, _get_grad_norm), and
+    optimizer.step + scheduler + zero_grad (on_pre_optimizer_step to on_step_end, in Record)."""
 
     expected: torch.Tensor
     """This rank's input_ids, (steps, batch, seq)."""
     fetch_started = 0.0
     mismatches = 0
+    phases = False
+    spent: dict[str, float]
+    """Seconds per phase of the current step (`phases`)."""
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> Any:
         self.fetch_started = time.perf_counter()
+        self.spent = dict.fromkeys(PHASES, 0.0)
         batches, items = super().get_batch_samples(epoch_iterator, num_batches, device)
         step = self.state.global_step
         if batches and step < len(self.expected) and not torch.equal(batches[0]["input_ids"].cpu(), self.expected[step]):
             self.mismatches += 1
+        self.spent["data"] += time.perf_counter() - self.fetch_started
         return batches, items
+
+    def _timed(self, phase: str, call: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self.phases:
+            return call(*args, **kwargs)
+        started = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            self.spent[phase] += time.perf_counter() - started
+
+    def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed("forward", super().compute_loss, *args, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        # backward: training_step's time less the forward timed inside it
+        forward_before = self.spent["forward"]
+        started = time.perf_counter()
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            if self.phases:
+                self.spent["backward"] += time.perf_counter() - started - (self.spent["forward"] - forward_before)
+
+    def _clip_grad_norm(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed("grad_norm", super()._clip_grad_norm, *args, **kwargs)
+
+    def _get_grad_norm(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed("grad_norm", super()._get_grad_norm, *args, **kwargs)
 
 
 class Record(TrainerCallback):
     def __init__(self, trainer: TimedTrainer) -> None:
         self.trainer = trainer
-        self.steps: dict[int, dict[str, float]] = {}
+        self.steps: dict[int, dict[str, Any]] = {}
+        self.optimizer_started = 0.0
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.optimizer_started = time.perf_counter()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         now, wall = time.perf_counter(), time.time()
-        self.steps[state.global_step] = {"step": state.global_step, "end": wall, "seconds": now - self.trainer.fetch_started}
+        seconds = now - self.trainer.fetch_started
+        row: dict[str, Any] = {"step": state.global_step, "end": wall, "seconds": seconds}
+        if self.trainer.phases:
+            spent = self.trainer.spent
+            spent["optimizer"] += now - self.optimizer_started
+            spent["other"] = max(0.0, seconds - sum(v for k, v in spent.items() if k != "other"))
+            row["phases"] = {k: round(v * 1e3, 3) for k, v in spent.items()}
+        self.steps[state.global_step] = row
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kwargs: Any) -> None:
         row = self.steps.get(state.global_step)
@@ -157,6 +211,7 @@ def main() -> None:
     )
     trainer = TimedTrainer(model=model, args=args, train_dataset=Blocks(tensors), data_collator=default_data_collator)
     trainer.expected = mine
+    trainer.phases = bool(cfg.get("phases"))
     record = Record(trainer)
     trainer.add_callback(record)
     trainer.train()

@@ -62,6 +62,13 @@ other load changes both sides' figures a lot (the load average is printed at the
     .venv/bin/python bench/peers.py                         # 3 rounds of every pair, 80 steps
     .venv/bin/python bench/peers.py --rounds 1 --steps 20   # a quick look
     .venv/bin/python bench/peers.py --pairs 1p1t,2p --json peers.json
+    .venv/bin/python bench/peers.py --pairs 2p,2p-fsdp2 --phases        # where each step's time goes
+
+--phases times each step's phases on both sides and prints them per pair (rank 0, ms per step):
+llamaft's LLAMAFT_PHASE_TIMERS (llamaft_trainer/profiling.py: data, forward, backward, FSDP2's
+all-gathers and reduce-scatters, grad norm, optimizer, the loop's syncs, other) and the HF peer's
+timers on the Trainer's own methods (data, forward = compute_loss, backward, grad norm, optimizer =
+optimizer.step + scheduler + zero_grad, other; the collectives stay inside forward and backward).
     .venv/bin/python bench/peers.py --hf-python .venv/bin/python   # HF side in another venv
 """
 
@@ -323,7 +330,7 @@ def rates(tokens: list[float], seconds: list[float], ends: list[float]) -> tuple
 
 
 def run_llamaft(name: str, pair: Pair, steps: int, model: Path, store_root: Path, work: Path, timeout_s: float,
-                nproc_layout: bool) -> Run:
+                nproc_layout: bool, phases: bool = False) -> Run:
     import yaml
 
     folder = work / "llamaft" / name
@@ -339,6 +346,8 @@ def run_llamaft(name: str, pair: Pair, steps: int, model: Path, store_root: Path
     (folder / "finetune.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
     env = dict(os.environ, OMP_NUM_THREADS=str(pair.threads),
                PYTHONPATH=os.pathsep.join([str(REPO / "operator"), str(REPO / "trainer")]))
+    if phases:
+        env["LLAMAFT_PHASE_TIMERS"] = "1"  # profiling.py: a `phases` event per step and rank
     tree = run_tree(argv, env, folder, folder / "cli.log", timeout_s)
     events = [e for log in sorted((folder / "run").glob("worker-*.log")) for e in read_events(log)]
     data = next((e for e in events if e.get("event") == "data"), {})
@@ -351,9 +360,15 @@ def run_llamaft(name: str, pair: Pair, steps: int, model: Path, store_root: Path
     ends = [datetime.fromisoformat(r["ts"]).timestamp() for r in rows]
     median, cadence = rates([r["tokens"] for r in rows], [r["tokens"] / r["tokens_per_second"] for r in rows], ends)
     stamps = {e["event"]: datetime.fromisoformat(e["ts"]).timestamp() - tree.launched for e in reversed(events) if "ts" in e}
+    extra: dict[str, Any] = {"spawned": tree.spawned,
+                             "trainer_events_s": {k: round(stamps[k], 2) for k in ("data", "setup") if k in stamps}}
+    if phases:
+        timed = {e["step"]: e for e in events if e.get("event") == "phases" and e.get("rank") == 0}
+        if sorted(timed) != list(range(1, steps + 1)):
+            raise SystemExit(f"{name}: llamaft logged phases for steps {sorted(timed)}, not 1..{steps}")
+        extra["phases"] = phase_medians([timed[k] for k in range(1, steps + 1)], LLAMAFT_PHASES)
     return Run("llamaft", median, cadence, ends[0] - tree.launched, tree.peak_rss_mb, tree.seconds,
-               [r["loss"] for r in rows], [r["lr"] for r in rows], [r["grad_norm"] for r in rows],
-               {"spawned": tree.spawned, "trainer_events_s": {k: round(stamps[k], 2) for k in ("data", "setup") if k in stamps}})
+               [r["loss"] for r in rows], [r["lr"] for r in rows], [r["grad_norm"] for r in rows], extra)
 
 
 HF_SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
@@ -361,7 +376,7 @@ HF_SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_w
 
 
 def run_hf(name: str, pair: Pair, steps: int, model: Path, batches: Path, work: Path, python: Path, doc: dict[str, Any],
-           timeout_s: float) -> Run:
+           timeout_s: float, phases: bool = False) -> Run:
     from llamaft.api.spec import LlamaFineTuneSpec
 
     tc = LlamaFineTuneSpec.model_validate(doc["spec"]).training
@@ -375,6 +390,7 @@ def run_hf(name: str, pair: Pair, steps: int, model: Path, batches: Path, work: 
         "warmup_steps": tc.warmup_steps, "lr_scheduler_type": HF_SCHEDULERS[tc.scheduler.value],
         "weight_decay": tc.weight_decay, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8,
         "max_grad_norm": tc.max_grad_norm, "optim": "adamw_torch", "seed": tc.seed, "fsdp2": pair.hf_fsdp2,
+        "phases": phases,
     }
     (folder / "config.json").write_text(json.dumps(cfg))
     argv = [str(python), str(HF_PEER), str(folder / "config.json")]
@@ -405,7 +421,8 @@ def run_hf(name: str, pair: Pair, steps: int, model: Path, batches: Path, work: 
                [r["loss"] for r in rows], [r["lr"] for r in rows], [r["grad_norm"] for r in rows],
                {"spawned": tree.spawned, "threads": result["threads"], "versions": result["versions"],
                 "wrapper": result["wrapper"], "sharded_parameters": result["sharded_parameters"],
-                "parameters": result["parameters"]})
+                "parameters": result["parameters"],
+                **({"phases": phase_medians([r["phases"] for r in rows], HF_PHASES)} if phases else {})})
 
 
 def timeline(run: Run) -> str:
@@ -421,6 +438,37 @@ def parity(a: Run, b: Run) -> dict[str, float]:
 
     return {"max_abs_loss_diff": worst(a.losses, b.losses), "max_abs_lr_diff": worst(a.lrs, b.lrs),
             "max_abs_grad_norm_diff": worst(a.grad_norms, b.grad_norms)}
+
+
+LLAMAFT_PHASES = ("data", "forward", "backward", "all_gather", "reduce_scatter", "grad_norm", "optimizer", "sync", "other")
+"""llamaft_trainer.profiling.PHASES: exclusive, they sum to the step's wall time."""
+HF_PHASES = ("data", "forward", "backward", "grad_norm", "optimizer", "other")
+"""bench/_hf_peer.PHASES: the collectives are inside forward and backward there."""
+
+
+def phase_medians(rows: list[dict[str, Any]], names: tuple[str, ...]) -> dict[str, float]:
+    """Median milliseconds per phase over the steps after SKIP (rows indexed by step - 1), and
+    `step`: the median of each step's sum."""
+    skip = min(SKIP, len(rows) // 2)
+    kept = rows[skip:]
+    out = {name: float(statistics.median(float(r.get(name, 0.0)) for r in kept)) for name in names}
+    out["step"] = float(statistics.median(sum(float(r.get(name, 0.0)) for name in names) for r in kept))
+    return out
+
+
+def print_phases(report: dict[str, Any]) -> None:
+    """Per pair and tool, the median over rounds of each phase's median ms per step (rank 0)."""
+    print()
+    print("phases, ms per step (rank 0; the median over rounds of each run's median after the first "
+          f"{SKIP} steps; · = inside forward/backward on that side):")
+    print("| run | tool | " + " | ".join(LLAMAFT_PHASES) + " | step |")
+    print("|---|---|" + "---:|" * (len(LLAMAFT_PHASES) + 1))
+    for name, entry in report["pairs"].items():
+        for tool in ("llamaft", "hf"):
+            runs = [r[tool]["extra"]["phases"] for r in entry["rounds"]]
+            cells = [f"{statistics.median(p[k] for p in runs):.1f}" if k in runs[0] else "·"
+                     for k in (*LLAMAFT_PHASES, "step")]
+            print(f"| {name} | {tool} | " + " | ".join(cells) + " |")
 
 
 # ------------------------------------------------------------------------------------ reporting
@@ -466,6 +514,9 @@ def main() -> None:
     parser.add_argument("--nproc-layout", action="store_true",
                         help="2-process llamaft runs as 1 worker x 2 processes (one torchrun agent, like HF's) instead "
                              "of 2 workers x 1 process (examples/tiny.yaml's)")
+    parser.add_argument("--phases", action="store_true",
+                        help="time each step's phases on both sides (llamaft: LLAMAFT_PHASE_TIMERS; HF: the Trainer's "
+                             "own methods) and print them per pair; the timers cost a little on both sides")
     parser.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
     parser.add_argument("--work-dir", type=Path, help="keep every run's files here (default: a temporary directory)")
     args = parser.parse_args()
@@ -510,10 +561,10 @@ def main() -> None:
                 for tool in order:
                     if tool == "llamaft":
                         done[tool] = run_llamaft(run_name, pair, args.steps, model, store_root, work, args.timeout,
-                                                 args.nproc_layout)
+                                                 args.nproc_layout, args.phases)
                     else:
                         done[tool] = run_hf(run_name, pair, args.steps, model, batches[pair.processes], work, python, doc,
-                                            args.timeout)
+                                            args.timeout, args.phases)
                 ll, hf = done["llamaft"], done["hf"]
                 check = parity(ll, hf)
                 report["pairs"][name]["rounds"].append(
@@ -534,6 +585,8 @@ def main() -> None:
                           "hf_side": hf_versions}
     report["load_average_end"] = os.getloadavg()
     print_table(medians, args.rounds)
+    if args.phases:
+        print_phases(report)
     print(f"versions: HF side {hf_versions}; {load_average()} at the end")
     checks = {n: [r["parity"] for r in report["pairs"][n]["rounds"]] for n in chosen}
     worst = {n: max(c["max_abs_loss_diff"] for c in cs) for n, cs in checks.items()}
