@@ -29,7 +29,6 @@ def test_the_throttle_survives_the_kubeconfig_loaders_own_hook(tmp_path: Any, mo
     import yaml
     from kubernetes import client, config
     from kubernetes.config import kube_config
-
     from llamaft.operator import kube
 
     path = tmp_path / "kubeconfig"
