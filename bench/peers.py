@@ -63,13 +63,13 @@ other load changes both sides' figures a lot (the load average is printed at the
     .venv/bin/python bench/peers.py --rounds 1 --steps 20   # a quick look
     .venv/bin/python bench/peers.py --pairs 1p1t,2p --json peers.json
     .venv/bin/python bench/peers.py --pairs 2p,2p-fsdp2 --phases        # where each step's time goes
+    .venv/bin/python bench/peers.py --hf-python .venv/bin/python   # HF side in another venv
 
 --phases times each step's phases on both sides and prints them per pair (rank 0, ms per step):
 llamaft's LLAMAFT_PHASE_TIMERS (llamaft_trainer/profiling.py: data, forward, backward, FSDP2's
 all-gathers and reduce-scatters, grad norm, optimizer, the loop's syncs, other) and the HF peer's
 timers on the Trainer's own methods (data, forward = compute_loss, backward, grad norm, optimizer =
 optimizer.step + scheduler + zero_grad, other; the collectives stay inside forward and backward).
-    .venv/bin/python bench/peers.py --hf-python .venv/bin/python   # HF side in another venv
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -366,7 +367,9 @@ def run_llamaft(name: str, pair: Pair, steps: int, model: Path, store_root: Path
         timed = {e["step"]: e for e in events if e.get("event") == "phases" and e.get("rank") == 0}
         if sorted(timed) != list(range(1, steps + 1)):
             raise SystemExit(f"{name}: llamaft logged phases for steps {sorted(timed)}, not 1..{steps}")
-        extra["phases"] = phase_medians([timed[k] for k in range(1, steps + 1)], LLAMAFT_PHASES)
+        from llamaft_trainer.profiling import PHASES
+
+        extra["phases"] = phase_medians([timed[k] for k in range(1, steps + 1)], PHASES)
     return Run("llamaft", median, cadence, ends[0] - tree.launched, tree.peak_rss_mb, tree.seconds,
                [r["loss"] for r in rows], [r["lr"] for r in rows], [r["grad_norm"] for r in rows], extra)
 
@@ -422,7 +425,7 @@ def run_hf(name: str, pair: Pair, steps: int, model: Path, batches: Path, work: 
                {"spawned": tree.spawned, "threads": result["threads"], "versions": result["versions"],
                 "wrapper": result["wrapper"], "sharded_parameters": result["sharded_parameters"],
                 "parameters": result["parameters"],
-                **({"phases": phase_medians([r["phases"] for r in rows], HF_PHASES)} if phases else {})})
+                **({"phases": phase_medians([r["phases"] for r in rows], list(rows[0]["phases"]))} if phases else {})})
 
 
 def timeline(run: Run) -> str:
@@ -440,15 +443,11 @@ def parity(a: Run, b: Run) -> dict[str, float]:
             "max_abs_grad_norm_diff": worst(a.grad_norms, b.grad_norms)}
 
 
-LLAMAFT_PHASES = ("data", "forward", "backward", "all_gather", "reduce_scatter", "grad_norm", "optimizer", "sync", "other")
-"""llamaft_trainer.profiling.PHASES: exclusive, they sum to the step's wall time."""
-HF_PHASES = ("data", "forward", "backward", "grad_norm", "optimizer", "other")
-"""bench/_hf_peer.PHASES: the collectives are inside forward and backward there."""
-
-
-def phase_medians(rows: list[dict[str, Any]], names: tuple[str, ...]) -> dict[str, float]:
+def phase_medians(rows: list[dict[str, Any]], names: Sequence[str]) -> dict[str, float]:
     """Median milliseconds per phase over the steps after SKIP (rows indexed by step - 1), and
-    `step`: the median of each step's sum."""
+    `step`: the median of each step's sum. llamaft's names are its profiling.PHASES (exclusive,
+    summing to the step); HF's are the ones its rows carry (_hf_peer.PHASES, the collectives
+    inside forward and backward)."""
     skip = min(SKIP, len(rows) // 2)
     kept = rows[skip:]
     out = {name: float(statistics.median(float(r.get(name, 0.0)) for r in kept)) for name in names}
@@ -458,16 +457,18 @@ def phase_medians(rows: list[dict[str, Any]], names: tuple[str, ...]) -> dict[st
 
 def print_phases(report: dict[str, Any]) -> None:
     """Per pair and tool, the median over rounds of each phase's median ms per step (rank 0)."""
+    from llamaft_trainer.profiling import PHASES
+
     print()
     print("phases, ms per step (rank 0; the median over rounds of each run's median after the first "
           f"{SKIP} steps; · = inside forward/backward on that side):")
-    print("| run | tool | " + " | ".join(LLAMAFT_PHASES) + " | step |")
-    print("|---|---|" + "---:|" * (len(LLAMAFT_PHASES) + 1))
+    print("| run | tool | " + " | ".join(PHASES) + " | step |")
+    print("|---|---|" + "---:|" * (len(PHASES) + 1))
     for name, entry in report["pairs"].items():
         for tool in ("llamaft", "hf"):
             runs = [r[tool]["extra"]["phases"] for r in entry["rounds"]]
             cells = [f"{statistics.median(p[k] for p in runs):.1f}" if k in runs[0] else "·"
-                     for k in (*LLAMAFT_PHASES, "step")]
+                     for k in (*PHASES, "step")]
             print(f"| {name} | {tool} | " + " | ".join(cells) + " |")
 
 

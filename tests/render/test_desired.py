@@ -147,28 +147,6 @@ def test_config_map_carries_the_trainer_part_of_the_spec() -> None:
     assert env["LLAMAFT_SPEC"] == "/etc/llamaft/spec.json"
 
 
-def test_config_map_texts_follow_the_spec_content() -> None:
-    """The texts are kept per spec content (desired._config_texts): a spec that differs in one
-    field gets its own, an equal spec made apart gets the same, and a spec whose free-form
-    overrides are past pydantic's JSON depth (no key) is rendered all the same."""
-    spec = example("llama2-70b.yaml")
-    changed = spec.model_copy(update={"training": spec.training.model_copy(update={"learning_rate": 1e-3})})
-    twin = LlamaFineTuneSpec.model_validate(spec.to_k8s())
-    texts = [desired.config_map(OWNER, s)["data"]["config.json"] for s in (spec, changed, twin)]
-    assert json.loads(texts[1])["training"]["learningRate"] == 1e-3 != json.loads(texts[0])["training"]["learningRate"]
-    assert texts[2] == texts[0]
-    deep: dict[str, Any] = {}
-    cursor = deep
-    for _ in range(300):
-        cursor["a"] = {}
-        cursor = cursor["a"]
-    raw = spec.to_k8s()
-    raw["cluster"]["podTemplateOverrides"] = {"metadata": {"annotations": {"deep": "yes"}}, "spec": {"x": deep}}
-    nested = LlamaFineTuneSpec.model_validate(raw)
-    whole = json.loads(desired.config_map(OWNER, nested)["data"]["spec.json"])
-    assert whole["cluster"]["podTemplateOverrides"]["metadata"]["annotations"] == {"deep": "yes"}
-
-
 def test_pvc_sources_are_mounted_read_only() -> None:
     spec = example("llama2-7b-lora.yaml")
     job = desired.pytorch_job(OWNER, spec, 1)

@@ -46,43 +46,20 @@ Obj = dict[str, Any]
 
 
 # --------------------------------------------------------------------------------- config map
-_CONFIG_TEXTS: dict[str, tuple[str, str]] = {}
-"""The config map's two texts by the spec's content: they depend on the spec alone, and every
-fine-tune made from one template has the same (indented JSON runs the pure-Python encoder: most
-of a render's time). Bounded: the oldest entry goes first."""
-_CONFIG_TEXTS_MAX = 256
-
-
-def _config_texts(spec: LlamaFineTuneSpec) -> tuple[str, str]:
-    """(the trainer's config, the whole spec) as the config map's JSON texts."""
-    try:
-        key: str | None = spec.model_dump_json()
-    except ValueError:  # a free-form field past pydantic's JSON depth limit (see ApiModel.to_k8s): not cached
-        key = None
-    texts = _CONFIG_TEXTS.get(key) if key is not None else None
-    if texts is None:
-        texts = (json.dumps(spec.training_config().to_k8s(), indent=2, sort_keys=True),
-                 json.dumps(spec.to_k8s(), indent=2, sort_keys=True))
-        if key is not None:
-            if len(_CONFIG_TEXTS) >= _CONFIG_TEXTS_MAX:
-                _CONFIG_TEXTS.pop(next(iter(_CONFIG_TEXTS)), None)
-            _CONFIG_TEXTS[key] = texts
-    return texts
-
-
 def config_map(owner: Owner, spec: LlamaFineTuneSpec) -> Obj:
     """The trainer's part of the spec, as JSON, for every worker; and the whole spec, which the
     trainer reads only to log it as the tracker run's parameters (the cluster fields too: a
     comparison of runs of several sizes needs `cluster.workers`)."""
-    config_text, spec_text = _config_texts(spec)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {"name": owner.config_map, "namespace": owner.namespace, "labels": owner.labels("config")},
-        "data": {CONFIG_FILE: config_text, SPEC_FILE: spec_text},
+        "data": {CONFIG_FILE: json.dumps(spec.training_config().to_k8s(), indent=2, sort_keys=True),
+                 SPEC_FILE: json.dumps(spec.to_k8s(), indent=2, sort_keys=True)},
     }
 
 
+# ---------------------------------------------------------------------------------- rendezvous
 def uses_managed_etcd(spec: LlamaFineTuneSpec) -> bool:
     return spec.rendezvous.backend is not RendezvousBackend.C10D and spec.rendezvous.endpoint is None
 
