@@ -47,9 +47,16 @@ def pytorchjob_schema() -> dict[str, Any]:
     return crd_schema(str(PYTORCHJOB_CRD), "v1")
 
 
+@functools.lru_cache(maxsize=8)
+def crd_validator(path: str, version_name: str) -> jsonschema.Draft7Validator:
+    """One validator per CRD version (it only reads its schema: the emulator checks every PyTorchJob
+    created with the same one)."""
+    return jsonschema.Draft7Validator(crd_schema(path, version_name))
+
+
 def schema_errors(obj: dict[str, Any], path: Path, version: str) -> list[str]:
     return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
-            for e in jsonschema.Draft7Validator(crd_schema(str(path), version)).iter_errors(obj)]
+            for e in crd_validator(str(path), version).iter_errors(obj)]
 
 
 def validate_pytorchjob(job: dict[str, Any], *, llamaft_rules: bool = True) -> list[str]:
@@ -58,7 +65,7 @@ def validate_pytorchjob(job: dict[str, Any], *, llamaft_rules: bool = True) -> l
     the emulator's admission passes False."""
     errors = [
         f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
-        for e in jsonschema.Draft7Validator(pytorchjob_schema()).iter_errors(job)
+        for e in crd_validator(str(PYTORCHJOB_CRD), "v1").iter_errors(job)
     ]
     name = job.get("metadata", {}).get("name", "")
     if not DNS1035.match(name) or len(name) > 63:
