@@ -53,6 +53,28 @@ def test_the_essence_is_kopfs_own(meta: dict[str, Any]) -> None:
     assert kopf_fields() <= {(persistence.SPEC_FIELD,)}, "a handler watches another field: creation_essence must add it"
 
 
+def test_the_children_get_an_empty_essence_because_no_cause_of_theirs_reads_it() -> None:
+    """kopf hands the essence only to changing and spawning causes (processing.py: _detect_causes):
+    no child kind has such handlers, so their watch events skip the copy. A handler added on a
+    child kind's updates would need the real essence: this fails then."""
+    from llamaft.operator.startup import CHILD_SELECTORS
+
+    registry = kopf.get_default_registry()
+    kinds = {"pytorchjobs": "PyTorchJob", "trainjobs": "TrainJob", "pods": "Pod", "configmaps": "ConfigMap",
+             "services": "Service", "deployments": "Deployment", "podmonitors": "PodMonitor",
+             "prometheusrules": "PrometheusRule"}
+    for group, version, plural in CHILD_SELECTORS:
+        child = kopf.Resource(group, version, plural, kind=kinds[plural], namespaced=True, preferred=True)
+        assert not registry._changing.has_handlers(resource=child), plural
+        assert not registry._spawning.has_handlers(resource=child), plural
+        job = {"apiVersion": f"{group}/{version}" if group else version, "kind": kinds[plural],
+               "metadata": {"name": "x", "namespace": "default", "labels": {"llamaft.io/finetune": "x"}},
+               "spec": {"template": {"spec": {"containers": [{"name": "c"}]}}}}
+        assert persistence.DIFFBASE.build(body=kopf.Body(job), extra_fields=kopf_fields()) == {}
+    assert registry._changing.has_handlers(resource=RESOURCE) and registry._spawning.has_handlers(resource=RESOURCE)
+    assert persistence.DIFFBASE.build(body=kopf.Body(body()), extra_fields=kopf_fields())["spec"] == tiny_spec()
+
+
 @pytest.mark.parametrize("essence", [
     {"spec": tiny_spec()},
     {"spec": tiny_spec(), "metadata": {"labels": {"a": "b"}, "annotations": {"llamaft.io/x": "1", "other.io/y": "2"}}},

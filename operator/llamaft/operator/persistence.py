@@ -23,6 +23,8 @@ from typing import Any, cast
 
 import kopf
 
+from llamaft.api import resource
+
 PREFIX = "llamaft.io"
 FINALIZER = f"{PREFIX}/finalizer"
 SPEC_FIELD = "spec"
@@ -44,9 +46,16 @@ class SpecEssenceStorage(kopf.AnnotationsDiffBaseStorage):
     conventions.CollisionEvadingConvention.mark_key) go in as they are. It then copies each
     handler field again over the copy it already holds: a field under a stanza the essence keeps
     whole (the spec) is left to that first copy. A handler field under metadata or status takes
-    kopf's own path."""
+    kopf's own path.
+
+    kopf builds the essence of every object it watches, on every event, but only a kind with
+    changing or spawning handlers uses it (processing.py: _detect_causes hands `old`, `new` and
+    `diff` to those causes only). Here that is the LlamaFineTune alone: the children's watch
+    events (each PyTorchJob's whole pod template among them) get an empty essence, nothing copied."""
 
     def build(self, *, body: kopf.Body, extra_fields: Iterable[Any] | None = None) -> kopf.BodyEssence:
+        if body.get("kind") and body.get("apiVersion") != resource.API_VERSION:
+            return cast(kopf.BodyEssence, {})
         fields = list(extra_fields or ())
         if any(_under(field, ("metadata", "status", "apiVersion", "kind")) for field in fields):
             return super().build(body=body, extra_fields=fields)
