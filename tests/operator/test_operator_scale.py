@@ -168,6 +168,56 @@ def indexed(kind: str, name: str, uid: str, deleting: bool = False) -> dict[str,
                                        "deletionTimestamp": "2026-11-30T12:00:00Z" if deleting else None}}
 
 
+class CreatingKube(RecordingKube):
+    """RecordingKube whose job creations succeed and whose managed etcd is ready as given."""
+
+    def __init__(self, etcd_ready: bool = True) -> None:
+        super().__init__()
+        self.etcd_ready = etcd_ready
+
+    def create_job(self, namespace: str, job: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append(("create_job", (job,)))
+        return {**job, "metadata": {**job["metadata"], "resourceVersion": "2"}}
+
+    def deployment_ready(self, namespace: str, name: str) -> bool:
+        return self.etcd_ready
+
+
+def start_attempt(kube: RecordingKube, **spec: Any) -> tuple[float | None, list[tuple[str, str]]]:
+    """A first attempt's start (Step._start_attempt) with the events it posts, as (reason, message)."""
+    from llamaft.api.status import read_status
+
+    memo: Any = state.new_memo(OperatorSettings(), kube=kube)
+    step = Step(memo, "default", "x", logger=None)
+    events: list[tuple[str, str]] = []
+    step.event = lambda obj, type_, reason, message: events.append((reason, message))  # type: ignore[method-assign]
+    step.children_index = {}
+    obj = {"apiVersion": "llamaft.io/v1alpha1", "kind": "LlamaFineTune",
+           "metadata": {"name": "x", "namespace": "default", "uid": UID, "generation": 1}, "spec": tiny_spec(**spec),
+           "status": {}}
+    parsed = specs.cached_spec(memo, obj["spec"])
+    assert not isinstance(parsed, SpecInvalid)
+    return step._start_attempt(obj, Owner("x", "default", UID), parsed, 1, read_status({}), {}, 1), events
+
+
+def test_a_start_says_what_it_applied_in_its_job_created_event() -> None:
+    """One event per start (each is an API write and a watch event for whoever reads events): the
+    children applied are named in JobCreated, not in an event of their own."""
+    kube = CreatingKube()
+    requeue, events = start_attempt(kube)
+    assert requeue is None and [reason for reason, _ in events] == ["JobCreated"], events
+    applied = [args[0] for name, args in kube.calls if name == "apply"]
+    assert applied and all(f"{o['kind']} {o['metadata']['name']}" in events[0][1] for o in applied), events[0][1]
+
+
+def test_children_applied_for_a_job_not_created_yet_get_their_own_event() -> None:
+    """A start that waits (here for its managed etcd) still says what it applied."""
+    kube = CreatingKube(etcd_ready=False)
+    requeue, events = start_attempt(kube, rendezvous={"backend": "etcd-v2"})
+    assert requeue == 2.0 and "create_job" not in kube.names()
+    assert [reason for reason, _ in events] == ["ChildrenApplied"] and "Deployment x-etcd" in events[0][1], events
+
+
 def test_a_new_incarnation_applies_from_the_index_without_a_read() -> None:
     step, kube = step_with({})
     assert reconcile(step)[0] is None

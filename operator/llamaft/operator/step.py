@@ -360,22 +360,37 @@ class Step(ChildReconciler):
         """Ensure the attempt's children exist and its rendezvous is clean, then create its job
         with `workers` workers (spec.cluster.workers, or an elastic run's size: the children are
         the spec's, whatever the size). Returns a requeue delay when something it needs is not
-        ready yet."""
+        ready yet. What the children's apply did is said once: in the JobCreated event when the job
+        is created now, else in its own ChildrenApplied event."""
+        self.held_children_event = None
+        waiting = self._reconcile_children(obj, owner, spec, patch, force=True, hold_event=True)
+        applied, self.held_children_event = self.held_children_event, None
+        created = False
+        try:
+            if waiting is not None:
+                return waiting
+            waiting, created = self._create_job(obj, owner, spec, attempt, status, patch, workers, applied)
+            return waiting
+        finally:
+            if applied is not None and not created:
+                self.event(obj, "Normal", "ChildrenApplied", applied)
+
+    def _create_job(self, obj: Obj, owner: Owner, spec: LlamaFineTuneSpec, attempt: int, status: LlamaFineTuneStatus,
+                    patch: Obj, workers: int, applied: str | None) -> tuple[float | None, bool]:
+        """The attempt's job, once its managed etcd is ready and its rendezvous is clean: (a
+        requeue delay or None, whether this created the job)."""
         k, ns = self.kube, self.namespace
         job_name = owner.job_name(attempt)
-        waiting = self._reconcile_children(obj, owner, spec, patch, force=True)
-        if waiting is not None:
-            return waiting
         if desired.uses_managed_etcd(spec) and not k.deployment_ready(ns, owner.etcd):
             self._condition(obj, patch, "RendezvousReady", False, "WaitingForEtcd", f"etcd {owner.etcd} is not ready yet")
             patch["message"] = "waiting for the managed etcd"
-            return 2.0
+            return 2.0, False
         previous = attempt - 1 if attempt > 1 else None
         try:
             self._reset(obj, owner, spec, [a for a in (previous, attempt) if a is not None])
         except rendezvous.RendezvousResetError as exc:
             self._condition(obj, patch, "RendezvousReady", False, "RendezvousResetFailed", str(exc))
-            return 5.0
+            return 5.0, False
         excluded = patch.get("excludedNodes", status.excluded_nodes) or []
         rendered = self.backend.render(owner, elastic.sized(spec, workers), attempt, excluded)
         job = adopted(rendered, obj)
@@ -385,12 +400,13 @@ class Step(ChildReconciler):
             self.shared.created_jobs[(ns, job_name)] = str(created["metadata"].get("resourceVersion"))
             self.event(obj, "Normal", "JobCreated", f"created {self.job_kind} {job_name} (attempt {attempt}, "
                        f"{workers} worker(s), rendezvous {owner.rendezvous_id(attempt)})"
-                       + (f", avoiding {', '.join(excluded)}" if excluded else ""))
+                       + (f", avoiding {', '.join(excluded)}" if excluded else "")
+                       + (f"; {applied}" if applied is not None else ""))
         self._condition(obj, patch, "RendezvousReady", True, "RendezvousReady",
                         f"{spec.rendezvous.backend.value} rendezvous {owner.rendezvous_id(attempt)}")
         patch.update(attempt=attempt, jobName=job_name, rendezvousId=owner.rendezvous_id(attempt),
                      totalGpus=workers * spec.cluster.gpus_per_worker)
-        return None
+        return None, created is not None
 
     def _reset(self, obj: Obj, owner: Owner, spec: LlamaFineTuneSpec, attempts: list[int]) -> None:
         rendezvous.reset_attempts(self.settings, self.http, owner, spec, attempts,
