@@ -13,8 +13,9 @@ cumulative: the 200 CRs meet the 52 before them, as an operator meets the CRs th
 Per batch it prints the emulator's own request latency (arrival to response, watches excluded),
 CPU seconds of the operator (and per CR) and the emulator, the emulator's event-loop lag (how long
 a request can wait before the emulator reads it), the operator's peak and final RSS, the API requests
-per CR by who made them (llamaft's client, kopf), and the load average (2 cores shared with other
-work make absolute figures noisy: compare within one run).
+per CR by who made them (llamaft's client, kopf), the load average, and the machine's speed just
+before the batch (a fixed Python workload's time on the operator's core): a shared machine's speed
+drifts between runs, and the p99 follows it.
 
 --probe loads bench/_operator_probe.py into the operator: the time each lifecycle step waited for
 a worker thread, its duration, its API round trips and pure work by kind, and the event loop's lag.
@@ -87,6 +88,30 @@ def request_kind(method: str, path: str, params: dict[str, str]) -> str:
     elif method == "PATCH":
         verb = "apply" if params.get("fieldManager") and sub is None else "patch"
     return f"{verb} {plural}{'/' + sub if sub else ''}"
+
+
+REFERENCE_WORKLOAD = """
+import copy, json, time
+obj = {"metadata": {"name": "x", "labels": {f"k{i}": f"v{i}" for i in range(20)}},
+       "spec": {"items": [{"a": i, "b": [i, str(i)], "c": {"d": float(i)}} for i in range(200)]}}
+times = []
+for _ in range(9):
+    began = time.perf_counter()
+    for _ in range(5):
+        json.loads(json.dumps(copy.deepcopy(obj), indent=2, sort_keys=True))
+    times.append(time.perf_counter() - began)
+print(sorted(times)[len(times) // 2])
+"""
+"""Dict copies and the pure-Python JSON encoder, as an operator's work is: its time says how fast
+the machine runs now. A shared machine's speed drifts (the same burst cost the operator 14 to 24
+ms of CPU per fine-tune on one evening), so each batch reports it, and runs compare by it."""
+
+
+def reference_ms(cores: set[int]) -> float:
+    """The median time of REFERENCE_WORKLOAD's rounds on `cores`, in ms (lower: a faster machine)."""
+    done = subprocess.run([sys.executable, "-c", REFERENCE_WORKLOAD], capture_output=True, text=True, check=True,
+                          preexec_fn=lambda: os.sched_setaffinity(0, cores))
+    return float(done.stdout.strip()) * 1000
 
 
 class JobWatch:
@@ -323,6 +348,7 @@ def main() -> None:
                     cluster.create(name, tiny_spec())
                     acked[name] = time.perf_counter()
 
+                speed = reference_ms(own)
                 emulator.stats(reset=True)
                 load_before, cpu_op, cpu_emu, cpu_me = load(), cpu(proc), cpu(emulator_proc), cpu(psutil.Process())
                 cpu_loop = loop_cpu(proc)
@@ -371,6 +397,8 @@ def main() -> None:
                       f"{ms(operator_loop / count)}, threads {ms((operator_cpu - operator_loop) / count)}), "
                       f"emulator {cpu(emulator_proc) - cpu_emu:.1f}, this client {cpu(psutil.Process()) - cpu_me:.1f}; "
                       f"load average {load_before} -> {load()}")
+                print(f"      machine speed: the reference workload took {speed:.1f} ms on the operator's core before "
+                      f"the batch (bench/operator_latency.py: REFERENCE_WORKLOAD; compare runs by it)")
                 requests_report(stats["requests"], count)
                 dump_memory(f"after {count}")
                 if args.probe:
