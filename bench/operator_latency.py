@@ -398,7 +398,7 @@ def main() -> None:
                       f"emulator {cpu(emulator_proc) - cpu_emu:.1f}, this client {cpu(psutil.Process()) - cpu_me:.1f}; "
                       f"load average {load_before} -> {load()}")
                 print(f"      machine speed: the reference workload took {speed:.1f} ms on the operator's core before "
-                      f"the batch (bench/operator_latency.py: REFERENCE_WORKLOAD; compare runs by it)")
+                      f"the batch, {reference_ms(own):.1f} ms after (REFERENCE_WORKLOAD; compare runs by it)")
                 requests_report(stats["requests"], count)
                 dump_memory(f"after {count}")
                 if args.probe:
