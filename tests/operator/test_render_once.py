@@ -104,3 +104,30 @@ def test_objects_of_one_template_are_checked_once(renders: list[Any], monkeypatc
     assert checks == ["run-a-config", "run-c-config"], "without a cache every call checks in full"
     too_long = admission.checked_children(Owner("r" * 60, "team", UID), spec, cache=cache)
     assert too_long.errors and too_long.errors[0].path == "metadata.name"
+
+
+def test_the_config_texts_are_made_once_per_spec_content(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The config map's indented JSON texts (the render's costliest part) are kept per spec
+    content by the operator's check cache: fine-tunes of one template share them, and each gets
+    the same config map an uncached render makes."""
+    from llamaft.api.validation import validate_spec
+    from llamaft.render import desired
+
+    made: list[Any] = []
+    real = desired.config_texts
+    monkeypatch.setattr(desired, "config_texts", lambda spec: made.append(spec) or real(spec))
+    cache = admission.CheckCache()
+    spec = validate_spec(tiny_spec())
+    for name in ("a", "b", "c"):
+        owner = Owner(name, "default", UID)
+        checked = admission.checked_children(owner, spec, cache=cache)
+        assert not checked.errors
+        config = next(c for c in checked.children if c["metadata"]["name"] == owner.config_map)
+        assert config == desired.config_map(owner, spec)
+    assert len(made) == 1 + 3, "once through the cache, then once per uncached render in the comparison"
+    other = validate_spec(tiny_spec(cluster={"workers": 4}))
+    admission.checked_children(Owner("d", "default", UID), other, cache=cache)
+    assert len(made) == 5 and made[-1] is other, "another spec content: its own texts"
+    uncached = admission.checked_children(Owner("e", "default", UID), spec)
+    assert len(made) == 6, "without a cache every render makes them"
+    assert not uncached.errors

@@ -192,7 +192,8 @@ class ChildReconciler:
         handed, own.rendered = own.rendered, None
         if handed is not None and handed[0] == source:
             return handed[1]  # type: ignore[no-any-return]
-        return objects.children(owner, spec, self.settings.etcd_image, dict(self.settings.dashboard_labels))
+        return objects.children(owner, spec, self.settings.etcd_image, dict(self.settings.dashboard_labels),
+                                operator_state(self.memo).checks.config_texts(spec, spec.model_dump_json()))
 
     def _indexed_children(self) -> dict[str, list[Obj]]:
         """This LlamaFineTune's labelled children as kopf's index has them ({} without the index)."""

@@ -115,6 +115,7 @@ class CheckCache:
     def __init__(self, size: int = CHECKED_CACHE_SIZE) -> None:
         self.size = size
         self._verdicts: collections.OrderedDict[tuple[Any, ...], list[FieldError]] = collections.OrderedDict()
+        self._texts: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -132,6 +133,24 @@ class CheckCache:
             self._verdicts[key] = verdict
             while len(self._verdicts) > self.size:
                 self._verdicts.popitem(last=False)
+
+    def config_texts(self, spec: LlamaFineTuneSpec, spec_json: str) -> tuple[str, str]:
+        """The config map's texts of the spec whose JSON is `spec_json` (desired.config_texts): the
+        render's costliest part (indented JSON takes the pure-Python encoder), the same for every
+        object of one template, kept beside that template's verdict (the latest `size`)."""
+        with self._lock:
+            found = self._texts.get(spec_json)
+            if found is not None:
+                self._texts.move_to_end(spec_json)
+                return found
+        from llamaft.render import desired
+
+        texts = desired.config_texts(spec)
+        with self._lock:
+            self._texts[spec_json] = texts
+            while len(self._texts) > self.size:
+                self._texts.popitem(last=False)
+        return texts
 
 
 def _stand_in(length: int) -> str:
@@ -168,14 +187,14 @@ class _Rendered:
 
 
 def _render(owner: Owner, spec: LlamaFineTuneSpec, attempt: int, backend: Backend, etcd_image: str | None = None,
-            dashboard_labels: dict[str, str] | None = None) -> _Rendered:
+            dashboard_labels: dict[str, str] | None = None, config_texts: tuple[str, str] | None = None) -> _Rendered:
     """Every object of one attempt, rendered once (objects.children and the attempt's job)."""
     from llamaft.render import desired, objects
     from llamaft.render.desired import pod_template
 
     errors: list[FieldError] = []
     try:
-        children = objects.children(owner, spec, etcd_image or desired.ETCD_IMAGE, dashboard_labels)
+        children = objects.children(owner, spec, etcd_image or desired.ETCD_IMAGE, dashboard_labels, config_texts)
         base = pod_template(owner, spec.model_copy(update={"cluster": spec.cluster.model_copy(
             update={"pod_template_overrides": None})}), attempt)
         merged = None
@@ -235,9 +254,11 @@ def checked_children(owner: Owner, spec: LlamaFineTuneSpec, *, attempt: int = 1,
     too_deep = _deeper_than(spec.cluster.pod_template_overrides, POD_MAX_DEPTH) is not None
     if too_deep:  # refused before rendering, as child_errors does
         return Checked([], _unique([*errors, *_object_errors(spec, name, namespace, uid, attempt, backend)]))
-    render = _render(owner, spec, attempt, backend, etcd_image, dashboard_labels)
+    spec_json = spec.model_dump_json()
+    texts = cache.config_texts(spec, spec_json) if cache is not None else None
+    render = _render(owner, spec, attempt, backend, etcd_image, dashboard_labels, texts)
     errors += [*render.errors, *_storage(spec, render)]
-    key = ("checked_children", spec.model_dump_json(), namespace, len(name), attempt, backend, etcd_image or "",
+    key = ("checked_children", spec_json, namespace, len(name), attempt, backend, etcd_image or "",
            json.dumps(dashboard_labels, sort_keys=True))
     clean = not errors and cache is not None and cache.get(key) == []
     if not clean:

@@ -46,16 +46,25 @@ Obj = dict[str, Any]
 
 
 # --------------------------------------------------------------------------------- config map
-def config_map(owner: Owner, spec: LlamaFineTuneSpec) -> Obj:
+def config_texts(spec: LlamaFineTuneSpec) -> tuple[str, str]:
+    """The config map's two texts, (the trainer's config, the whole spec), as indented JSON (people
+    read them with kubectl). They depend on the spec alone, so a caller that renders many objects
+    from one template may keep them per spec content (admission.CheckCache.config_texts)."""
+    return (json.dumps(spec.training_config().to_k8s(), indent=2, sort_keys=True),
+            json.dumps(spec.to_k8s(), indent=2, sort_keys=True))
+
+
+def config_map(owner: Owner, spec: LlamaFineTuneSpec, texts: tuple[str, str] | None = None) -> Obj:
     """The trainer's part of the spec, as JSON, for every worker; and the whole spec, which the
     trainer reads only to log it as the tracker run's parameters (the cluster fields too: a
-    comparison of runs of several sizes needs `cluster.workers`)."""
+    comparison of runs of several sizes needs `cluster.workers`). `texts`: config_texts(spec), when
+    the caller kept them."""
+    config_text, spec_text = texts if texts is not None else config_texts(spec)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {"name": owner.config_map, "namespace": owner.namespace, "labels": owner.labels("config")},
-        "data": {CONFIG_FILE: json.dumps(spec.training_config().to_k8s(), indent=2, sort_keys=True),
-                 SPEC_FILE: json.dumps(spec.to_k8s(), indent=2, sort_keys=True)},
+        "data": {CONFIG_FILE: config_text, SPEC_FILE: spec_text},
     }
 
 

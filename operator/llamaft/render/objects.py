@@ -15,11 +15,12 @@ Obj = dict[str, Any]
 
 
 def children(owner: Owner, spec: LlamaFineTuneSpec, etcd_image: str = ETCD_IMAGE,
-             dashboard_labels: dict[str, str] | None = None) -> list[Obj]:
+             dashboard_labels: dict[str, str] | None = None, config_texts: tuple[str, str] | None = None) -> list[Obj]:
     """The run's long-lived children, reconciled by server-side apply: the config, the managed
     etcd and the monitoring objects. What is not in this list (monitoring turned off, etcd after a
-    switch to c10d) is pruned. The attempts' PyTorchJobs are not here: each is created once."""
-    objs = [desired.config_map(owner, spec)]
+    switch to c10d) is pruned. The attempts' PyTorchJobs are not here: each is created once.
+    `config_texts`: desired.config_texts(spec), when the caller kept them."""
+    objs = [desired.config_map(owner, spec, config_texts)]
     if desired.uses_managed_etcd(spec):
         objs += desired.etcd_objects(owner, etcd_image)
     return objs + monitoring_objects(owner, spec, dashboard_labels)
