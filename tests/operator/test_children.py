@@ -206,8 +206,12 @@ def test_a_restart_or_a_status_change_applies_nothing_and_says_so(etcd: LocalEtc
     ignore events. Only a change (here the scrape selector's labels) is reported, with what it
     changed."""
     def applied(own: Cluster) -> list[str]:
+        """Every event that says children were applied: their own, or a start's JobCreated, which
+        names them when the job is created in the same step (whether the etcd Deployment is ready by
+        then decides which of the two the first apply is said in)."""
         events = sorted(own.events("quiet"), key=lambda e: str(e.get("firstTimestamp") or e["metadata"]["creationTimestamp"]))
-        return [f'{e["reason"]}: {e["message"]}' for e in events if e["reason"] in ("ChildrenApplied", "DriftRepaired")]
+        return [f'{e["reason"]}: {e["message"]}' for e in events if e["reason"] in ("ChildrenApplied", "DriftRepaired")
+                or (e["reason"] == "JobCreated" and "; applied " in e["message"])]
 
     with own_emulator(tmp_path) as (own, kubeconfig):
         env = {"LLAMAFT_RENDEZVOUS_ADDRESS_OVERRIDE": etcd.endpoint}
