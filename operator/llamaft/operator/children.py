@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import kopf
@@ -106,18 +106,15 @@ class ChildReconciler:
             list(patch.get("conditions") or obj.get("status", {}).get("conditions") or []), type_, "True" if ok else "False",
             reason, message, obj["metadata"].get("generation"), timestamps.iso(now()))
 
-    held_children_event: str | None = None
-    """What an apply with `hold_event` did, for the caller to say in its own event."""
-
     def _reconcile_children(self, obj: Obj, owner: Owner, spec: LlamaFineTuneSpec, patch: Obj,
-                            force: bool = False, hold_event: bool = False) -> float | None:
+                            force: bool = False, say: Callable[[str], None] | None = None) -> float | None:
         """Server-side apply the children the spec describes (config, managed etcd, monitoring) and
         prune the ones it no longer wants. Skipped when nothing changed since the last apply: the
         rendered children are the same and no child event reported a hand edit or deletion (see
         `children_by_owner`, `child_deleted`). Returns a requeue delay while the previous incarnation's objects go.
-        With `hold_event`, what was applied is left in `held_children_event` instead of its own
-        ChildrenApplied event: a job created next says it in its JobCreated event (one event per
-        start, each an API write and a watch event for every reader of events)."""
+        `say`: who reports what was applied instead of a ChildrenApplied event of its own (a start
+        says it in its JobCreated event: one event per start, each an API write and a watch event
+        for every reader of events)."""
         key = (self.namespace, self.name)
         shared, own = operator_state(self.memo), object_state(self.memo)
         drifted = key in shared.drifted
@@ -168,8 +165,8 @@ class ChildReconciler:
                    (f"pruned {', '.join(pruned)}" if pruned else "")
             if drifted and not force:
                 self.event(obj, "Normal", "DriftRepaired", what)
-            elif hold_event:
-                self.held_children_event = what
+            elif say is not None:
+                say(what)
             else:
                 self.event(obj, "Normal", "ChildrenApplied", what)
         if monitoring_missing is not None:

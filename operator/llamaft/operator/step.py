@@ -362,9 +362,9 @@ class Step(ChildReconciler):
         the spec's, whatever the size). Returns a requeue delay when something it needs is not
         ready yet. What the children's apply did is said once: in the JobCreated event when the job
         is created now, else in its own ChildrenApplied event."""
-        self.held_children_event = None
-        waiting = self._reconcile_children(obj, owner, spec, patch, force=True, hold_event=True)
-        applied, self.held_children_event = self.held_children_event, None
+        said: list[str] = []
+        waiting = self._reconcile_children(obj, owner, spec, patch, force=True, say=said.append)
+        applied = said[0] if said else None
         created = False
         try:
             if waiting is not None:

@@ -37,7 +37,7 @@ import string
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 from llamaft.api.resource import MAX_ATTEMPTS
 from llamaft.api.sources import SourceKind, parse_source
@@ -103,6 +103,8 @@ def child_errors(
 
 
 CHECKED_CACHE_SIZE = 256
+_K = TypeVar("_K")
+_V = TypeVar("_V")
 
 
 class CheckCache:
@@ -122,35 +124,35 @@ class CheckCache:
         return len(self._verdicts)
 
     def get(self, key: tuple[Any, ...]) -> list[FieldError] | None:
-        with self._lock:
-            found = self._verdicts.get(key)
-            if found is not None:
-                self._verdicts.move_to_end(key)
-            return found
+        return self._recall(self._verdicts, key)
 
     def put(self, key: tuple[Any, ...], verdict: list[FieldError]) -> None:
-        with self._lock:
-            self._verdicts[key] = verdict
-            while len(self._verdicts) > self.size:
-                self._verdicts.popitem(last=False)
+        self._keep(self._verdicts, key, verdict)
 
     def config_texts(self, spec: LlamaFineTuneSpec, spec_json: str) -> tuple[str, str]:
         """The config map's texts of the spec whose JSON is `spec_json` (desired.config_texts): the
         render's costliest part (indented JSON takes the pure-Python encoder), the same for every
         object of one template, kept beside that template's verdict (the latest `size`)."""
-        with self._lock:
-            found = self._texts.get(spec_json)
-            if found is not None:
-                self._texts.move_to_end(spec_json)
-                return found
-        from llamaft.render import desired
+        found = self._recall(self._texts, spec_json)
+        if found is None:
+            from llamaft.render import desired
 
-        texts = desired.config_texts(spec)
+            found = desired.config_texts(spec)
+            self._keep(self._texts, spec_json, found)
+        return found
+
+    def _recall(self, table: collections.OrderedDict[_K, _V], key: _K) -> _V | None:
         with self._lock:
-            self._texts[spec_json] = texts
-            while len(self._texts) > self.size:
-                self._texts.popitem(last=False)
-        return texts
+            found = table.get(key)
+            if found is not None:
+                table.move_to_end(key)
+            return found
+
+    def _keep(self, table: collections.OrderedDict[_K, _V], key: _K, value: _V) -> None:
+        with self._lock:
+            table[key] = value
+            while len(table) > self.size:
+                table.popitem(last=False)
 
 
 def _stand_in(length: int) -> str:
