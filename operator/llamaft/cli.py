@@ -59,13 +59,24 @@ def _admission(doc: Document) -> tuple[LlamaFineTuneSpec | None, list[FieldError
     body = doc.body
     if isinstance(body, dict) and body.get("kind") != resource.KIND and isinstance(body.get("kind"), str):
         return None, [FieldError("kind", f"this document (line {doc.line}) is a {short(body.get('kind'))} "
-                                         f"{short(body.get('apiVersion'))}, not a {resource.KIND}: llamaft validate checks "
-                                         f"{resource.KIND} documents only; keep other objects in another file")]
+                                         f"{short(body.get('apiVersion'))}, not a {resource.KIND}: give a file whose document is "
+                                         f"a {resource.KIND}")]
     try:
         return validate_resource(body), []
     except SpecInvalid as exc:
         return None, [FieldError(f"document at line {doc.line}", e.message) if e.path == "<document>" else e
                       for e in exc.errors]
+
+
+def _other_kind(doc: Document) -> bool:
+    """A well-formed document of a kind other than LlamaFineTune (a PersistentVolumeClaim, a
+    Secret): kubectl applies it; validate leaves it alone. A LlamaFineTune with a wrong apiVersion
+    is not one: that is an error of a LlamaFineTune."""
+    from llamaft.api import resource
+
+    body = doc.body
+    return (not doc.errors and isinstance(body, dict) and isinstance(body.get("kind"), str)
+            and body["kind"] != resource.KIND)
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
@@ -85,10 +96,18 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             _print_errors(path, [e.message for e in exc.errors])
             failed += 1
             continue
-        if not docs:
+        others = [doc for doc in docs if _other_kind(doc)]
+        if len(others) == len(docs):
             print(f"{path}: no LlamaFineTune document found (kind: LlamaFineTune)")
             failed += 1
         for doc in docs:
+            if doc in others:
+                # kubectl applies such a file whole (a results claim sits naturally beside its
+                # fine-tune); validate checks only its own kind and says what it left alone.
+                body = doc.body
+                print(_bounded(f"{doc.label}: not checked: a {body['kind']} {body.get('apiVersion') or ''}".rstrip()
+                               + f" (line {doc.line}); llamaft validate checks LlamaFineTune documents only"))
+                continue
             try:
                 failed += not _validate_document(doc, checks, notes)
             except Exception as exc:  # never a traceback: one line naming the document

@@ -43,15 +43,30 @@ def spec_with_overrides(value: str) -> str:
             f"checkpointing: {{discardWithPod: true}}, cluster: {{workers: 2, podTemplateOverrides: {value}}}}}\n")
 
 
+CLAIM = ("apiVersion: v1\nkind: PersistentVolumeClaim\nmetadata: {name: results}\n"
+         "spec: {accessModes: [ReadWriteMany], resources: {requests: {storage: 100Gi}}}\n")
+
 BOMB = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
     f"{chr(98 + i)}: &{chr(98 + i)} [{','.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8))
 
 
 # (case, file content, extra CLI args, exit code, exact output lines that must appear)
 CASES: list[tuple[str, Any, tuple[str, ...], int, list[str]]] = [
-    ("second document of another kind", GOOD + "---\n" + yaml.safe_dump({**base(), "kind": "PyTorchJob"}), (), 1,
-     ["F#1: kind: this document (line 16) is a 'PyTorchJob' 'llamaft.io/v1alpha1', not a LlamaFineTune: llamaft validate "
-      "checks LlamaFineTune documents only; keep other objects in another file"]),
+    ("second document of another kind", GOOD + "---\n" + yaml.safe_dump({**base(), "kind": "PyTorchJob"}), (), 0,
+     ["F: ok (ok: 2 worker(s) x 8 GPU(s), FULL_SHARD, bf16)",
+      "F#1: not checked: a PyTorchJob llamaft.io/v1alpha1 (line 16); llamaft validate checks LlamaFineTune documents only"]),
+    ("a claim for the results beside the fine-tune, as kubectl applies it", CLAIM + "---\n" + GOOD, (), 0,
+     ["F: not checked: a PersistentVolumeClaim v1 (line 1); llamaft validate checks LlamaFineTune documents only",
+      "F#1: ok (ok: 2 worker(s) x 8 GPU(s), FULL_SHARD, bf16)"]),
+    ("a claim beside a broken fine-tune", CLAIM + "---\n" + yaml.safe_dump(with_(("spec.cluster.workers", "2"))), (), 1,
+     ["F: not checked: a PersistentVolumeClaim v1 (line 1); llamaft validate checks LlamaFineTune documents only",
+      "F#1: spec.cluster.workers: must be an integer, got the string '2' (write 2 without quotes)"]),
+    ("only other kinds", CLAIM, (), 1,
+     ["F: not checked: a PersistentVolumeClaim v1 (line 1); llamaft validate checks LlamaFineTune documents only",
+      "F: no LlamaFineTune document found (kind: LlamaFineTune)"]),
+    ("render: a document of another kind", CLAIM, ("render",), 1,
+     ["error: kind: this document (line 1) is a 'PersistentVolumeClaim' 'v1', not a LlamaFineTune: give a file whose "
+      "document is a LlamaFineTune"]),
     ("second document with another apiVersion", GOOD + "---\n" + yaml.safe_dump({**base(), "apiVersion": "llamaft.io/v1"}),
      (), 1, ["F#1: apiVersion: must be 'llamaft.io/v1alpha1', got 'llamaft.io/v1'"]),
     ("second document a scalar", GOOD + "---\njust a string\n", (), 1,
