@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import copy
+import re
+import typing
 from typing import Any
 
 import jsonschema
 import yaml
 from llamaft.api import crd as crdgen
+from llamaft.api.spec import LlamaFineTuneSpec
+from llamaft.api.validation import cel_errors
+from pydantic import BaseModel
 
 from tests.conftest import REPO
+from tests.validation import apiserver_model
 
 CRD_FILE = REPO / "crds" / "llamafinetunes.llamaft.io.yaml"
 
@@ -82,12 +89,76 @@ def test_every_default_is_valid_for_its_own_schema() -> None:
     assert checked > 40
 
 
-def test_nested_defaults_are_reachable_from_an_empty_parent() -> None:
-    """The API server only defaults a child when its parent exists: object fields default to {}."""
-    spec = _schema()["properties"]["spec"]["properties"]
-    for section in ("fsdp", "checkpointing", "cluster", "rendezvous", "monitoring", "runPolicy"):
-        assert spec[section]["default"] == {}, section
-    assert spec["training"]["default"] == {"epochs": 1}
+def _model_defaults(node: dict[str, Any], cls: type[BaseModel], path: str) -> list[tuple[str, Any, Any]]:
+    """(path, the CRD's default, the model's default object) for every field of `cls` and below
+    whose default is a model object (a default_factory), walking the CRD node beside the class."""
+    out = []
+    fields = {(f.alias or n): f for n, f in cls.model_fields.items()}
+    for key, child in node.get("properties", {}).items():
+        field = fields[key]
+        if field.default_factory is not None:
+            value = typing.cast(typing.Callable[[], Any], field.default_factory)()
+            if isinstance(value, BaseModel):
+                out.append((f"{path}.{key}", child.get("default"), value.to_k8s()))
+        inner = [a for a in (field.annotation, *typing.get_args(field.annotation))
+                 if isinstance(a, type) and issubclass(a, BaseModel)]
+        if inner and "properties" in child:
+            out.extend(_model_defaults(child, inner[0], f"{path}.{key}"))
+    return out
+
+
+def test_object_defaults_are_the_whole_default_object_of_their_model() -> None:
+    """An object field's default is its model's default object with every field that has a value,
+    not `{}`: what the operator reads for an absent section is what the API server stores."""
+    found = _model_defaults(_schema()["properties"]["spec"], LlamaFineTuneSpec, ".spec")
+    assert {p for p, _, _ in found} >= {f".spec.{s}" for s in (
+        "training", "fsdp", "checkpointing", "cluster", "rendezvous", "monitoring", "runPolicy")}
+    for path, default, whole in found:
+        assert default == whole, path
+    training = _schema()["properties"]["spec"]["properties"]["training"]["default"]
+    assert training["epochs"] == 1 and "maxSteps" not in training
+    assert training["learningRate"] == 2e-05 and training["method"] == "sft"
+
+
+def test_object_defaults_are_valid_and_complete_as_written() -> None:
+    """The API server validates a default as written, against its own node's schema and CEL rules,
+    without applying the nested defaults first (apiextensions-apiserver
+    pkg/apiserver/schema/defaulting/validation.go), and refuses the CRD if one fails: `{}` for
+    spec.cluster fails `self.workers * ...` with "no such key". So every object (and list) default
+    must pass its node's OpenAPI schema and CEL rules as it stands, and must already be complete:
+    applying the nested defaults to it changes nothing."""
+    checked = 0
+    for path, node in _walk(_schema()):
+        default = node.get("default")
+        if not isinstance(default, dict | list):
+            continue
+        jsonschema.validate(default, _openapi_to_jsonschema(node))
+        assert apiserver_model.cel_problems(node, copy.deepcopy(default), path) == [], path
+        assert [str(e) for e in cel_errors(node, default, path)] == [], path
+        completed = copy.deepcopy(default)
+        apiserver_model.apply_defaults(completed, node)
+        assert completed == default, f"{path}: the nested defaults add to the default"
+        checked += 1
+    assert checked >= 20
+
+
+def test_no_message_expression_prints_a_value_with_string() -> None:
+    """The API server refuses a CRD whose rules' estimated CEL cost exceeds its static limit
+    (apiextensions-apiserver pkg/apis/apiextensions/validation/validation.go,
+    StaticEstimatedCostLimit), and cel-go's estimate gives `string(...)` of a number no size bound,
+    so every `+` after it is estimated at an enormous cost: each such messageExpression was over
+    the limit more than 100 times. Messages that would print a value are static `message` texts
+    instead. Concatenating a bounded string field (`self.name + '...'` on an env var, whose name
+    has a maxLength) is fine. The real API server's verdict is tested in tests/controlplane."""
+    expressions = {
+        f"{path or '.'}: {rule['messageExpression']}"
+        for path, node in _walk(crdgen.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+        for rule in node.get("x-kubernetes-validations", [])
+        if "messageExpression" in rule
+    }
+    assert [e for e in expressions if re.search(r"\bstring\s*\(", e.split(": ", 1)[1])] == []
+    names = [e for e in expressions if e.split(": ", 1)[1].startswith("self.name + '")]
+    assert len(names) == 2 and all(e.startswith(".spec.cluster.env[]") for e in names), expressions
 
 
 def test_every_field_is_described() -> None:

@@ -115,9 +115,9 @@ ADMISSION: list[tuple[str, dict[str, Any], list[str]]] = [
     ("instanceType with a space", with_(("spec.cluster.instanceType", "p4de 24xlarge")),
      [f"spec.cluster.instanceType: {LABEL_VALUE} (got 'p4de 24xlarge')"]),
     ("nodeSelector value over 63", with_(("spec.cluster.nodeSelector", {"gpu": "a" * 64})),
-     [f"spec.cluster.nodeSelector[gpu]: String should have at most 63 characters (got '{'a' * 58}…')"]),
+     [f"spec.cluster.nodeSelector.gpu: String should have at most 63 characters (got '{'a' * 58}…')"]),
     ("nodeSelector value with a space", with_(("spec.cluster.nodeSelector", {"gpu": "a 100"})),
-     [f"spec.cluster.nodeSelector[gpu]: {LABEL_VALUE} (got 'a 100')"]),
+     [f"spec.cluster.nodeSelector.gpu: {LABEL_VALUE} (got 'a 100')"]),
     ("priorityClassName not a DNS name", with_(("spec.cluster.priorityClassName", "High Priority")),
      ["spec.cluster.priorityClassName: must be a DNS-1123 subdomain: lowercase letters, digits, '-' and '.', starting "
       "and ending with a letter or digit (got 'High Priority')"]),
@@ -166,14 +166,14 @@ ADMISSION: list[tuple[str, dict[str, Any], list[str]]] = [
       "LlamaFineTune; put it in a Secret (the Hugging Face token: spec.model.hfTokenSecret) and remove it from cluster.env"]),
     # training and scale
     ("warmupSteps above maxSteps", with_(("spec.training", {"maxSteps": 100, "warmupSteps": 200})),
-     ["spec.training.warmupSteps: warmupSteps 200 exceeds maxSteps 100: the learning rate would never reach "
-      "learningRate; lower warmupSteps"]),
+     ["spec.training.warmupSteps: warmupSteps exceeds maxSteps: the learning rate would never reach learningRate; "
+      "lower warmupSteps"]),
     ("elastic 4096 workers x 64 GPUs", with_(("spec.cluster", {"workers": 4096, "gpusPerWorker": 64,
                                                                "elastic": {"minWorkers": 1, "maxWorkers": 4096}})),
-     ["spec.cluster.elastic.maxWorkers: elastic.maxWorkers x gpusPerWorker = 262144 processes; at most 65536 are "
-      "supported: lower elastic.maxWorkers"]),
+     ["spec.cluster.elastic.maxWorkers: elastic.maxWorkers x gpusPerWorker processes: at most 65536 are supported: "
+      "lower elastic.maxWorkers"]),
     ("4096 workers x 64 GPUs", with_(("spec.cluster", {"workers": 4096, "gpusPerWorker": 64})),
-     ["spec.cluster.workers: workers x gpusPerWorker = 262144 processes; at most 65536 are supported: use fewer workers"]),
+     ["spec.cluster.workers: workers x gpusPerWorker processes: at most 65536 are supported: use fewer workers"]),
     ("HYBRID_SHARD on 1 worker with 0 GPUs", with_(("spec.cluster", {"workers": 1, "gpusPerWorker": 0}),
                                                    ("spec.fsdp", {"shardingStrategy": "HYBRID_SHARD"})),
      ["spec.fsdp.shardingStrategy: HYBRID_SHARD shards inside groups and replicates across them: it needs at least 2 "
@@ -186,7 +186,7 @@ ADMISSION: list[tuple[str, dict[str, Any], list[str]]] = [
      ["spec.fsdp.wrapPolicy.minNumParams: Input should be less than or equal to 1000000000000000 (got 1000000000000000000)"]),
     # monitoring labels
     ("scrapeSelector with an invalid value", with_(("spec.monitoring", {"dcgm": {"scrapeSelector": {"release": "kube prometheus"}}})),
-     [f"spec.monitoring.dcgm.scrapeSelector[release]: {LABEL_VALUE} (got 'kube prometheus')"]),
+     [f"spec.monitoring.dcgm.scrapeSelector.release: {LABEL_VALUE} (got 'kube prometheus')"]),
     # preference tuning (issue 38)
     ("dpo on samsum", with_(("spec.training", DPO)),
      ["spec.dataset.format: training.method dpo learns from pairs of a chosen and a rejected completion: set "
@@ -225,7 +225,7 @@ ADMISSION: list[tuple[str, dict[str, Any], list[str]]] = [
      ["metadata.namespace: must be a DNS-1123 label of at most 63 characters (lowercase letters, digits and '-', starting "
       "and ending with a letter or digit), got 'Team_A'"]),
     ("invalid label value", with_(("metadata.labels", {"team": "ml research"})),
-     [f"metadata.labels[team]: {LABEL_VALUE} (got 'ml research')"]),
+     [f"metadata.labels: 'team': {LABEL_VALUE} (got 'ml research')"]),
     ("invalid label key", with_(("metadata.labels", {"-team": "ml"})),
      ["metadata.labels: invalid key '-team': its name must be at most 63 letters, digits, '-', '_' or '.', starting and "
       "ending with a letter or digit"]),

@@ -30,13 +30,17 @@ _KEPT_KEYWORDS = {
 }
 
 # The root metadata.name feeds child names (PyTorchJob `<name>`, etcd `<name>-etcd`, ...) that
-# must be DNS-1035 labels of at most 63 characters.
+# must be DNS-1035 labels of at most 63 characters. The rule sits at the root (CEL sees metadata
+# only there) and names metadata.name by fieldPath, which the API server accepts because the
+# schema declares metadata.name (a CRD may declare metadata's name and generateName only); without
+# it the server's error names no field.
 NAME_RULE = {
     "rule": f"size(self.metadata.name) <= {resource.MAX_NAME_LENGTH} && self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
     "message": "metadata.name must be a DNS-1035 label (lowercase letters, digits, '-', starting with a "
     f"letter) of at most {resource.MAX_NAME_LENGTH} characters, so child objects (e.g. the Service "
     "`<name>-<uid>-<attempt>-worker-<index>`) fit in 63",
     "reason": "FieldValueInvalid",
+    "fieldPath": ".metadata.name",
 }
 
 
@@ -60,9 +64,14 @@ def _model_classes(root: type[BaseModel]) -> dict[str, type[BaseModel]]:
 
 
 def _factory_default(value: Any) -> Any:
-    """The JSON default for a default_factory value, minimal so nested defaults still apply."""
+    """The JSON default for a default_factory value: the whole default object, every field that
+    has a value. The API server checks a default against its node's CEL rules as written, before
+    (and without) the nested defaults (apiextensions-apiserver's schema/defaulting/validation.go,
+    ValidateDefaults), so a rule on the node reads only what the default itself holds: `{}`
+    would fail `self.workers <= ...` with "no such key" and the CRD would be refused. Defaulting
+    an object that is absent gives the same object either way."""
     if isinstance(value, BaseModel):
-        return value.model_dump(by_alias=True, exclude_defaults=True, mode="json")
+        return value.model_dump(by_alias=True, exclude_none=True, mode="json")
     if isinstance(value, list):
         return [_factory_default(v) for v in value]
     return value
@@ -239,7 +248,7 @@ def crd() -> dict[str, Any]:
                             "properties": {
                                 "apiVersion": {"type": "string"},
                                 "kind": {"type": "string"},
-                                "metadata": {"type": "object"},
+                                "metadata": {"type": "object", "properties": {"name": {"type": "string"}}},
                                 "spec": spec,
                                 "status": status,
                             },

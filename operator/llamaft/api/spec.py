@@ -351,14 +351,14 @@ class TrainingSpec(ApiModel):
         ),
         cel_rule(
             "!has(self.maxSteps) || self.warmupSteps <= self.maxSteps",
-            message_expression="'warmupSteps ' + string(self.warmupSteps) + ' exceeds maxSteps ' + string(self.maxSteps) + ': the learning rate would never reach learningRate; lower warmupSteps'",
+            message="warmupSteps exceeds maxSteps: the learning rate would never reach learningRate; lower warmupSteps",
             field_path=".warmupSteps",
         ),
         cel_rule(
             "!has(self.globalBatchSize) || self.gradientAccumulationSteps == 1",
-            message_expression="'gradientAccumulationSteps is derived from globalBatchSize and the world size (micro-steps per "
+            message="gradientAccumulationSteps is derived from globalBatchSize and the world size (micro-steps per "
             "rank = ceil(globalBatchSize / (ranks x perDeviceBatchSize))): remove gradientAccumulationSteps, or remove "
-            "globalBatchSize to set ' + string(self.gradientAccumulationSteps) + ' accumulation steps per rank yourself'",
+            "globalBatchSize to set the accumulation steps per rank yourself",
             field_path=".gradientAccumulationSteps",
         ),
         cel_rule(
@@ -667,7 +667,7 @@ class ElasticSpec(ApiModel):
     model_config = api_config(
         cel_rule(
             "self.minWorkers <= self.maxWorkers",
-            message_expression="'minWorkers ' + string(self.minWorkers) + ' must be <= maxWorkers ' + string(self.maxWorkers)",
+            message="minWorkers must be <= maxWorkers",
             field_path=".minWorkers",
         ),
     )
@@ -786,7 +786,7 @@ class ClusterSpec(ApiModel):
     model_config = api_config(
         cel_rule(
             "!has(self.elastic) || (self.elastic.minWorkers <= self.workers && self.workers <= self.elastic.maxWorkers)",
-            message_expression="'workers ' + string(self.workers) + ' must lie within elastic.minWorkers..maxWorkers = ' + string(self.elastic.minWorkers) + '..' + string(self.elastic.maxWorkers)",
+            message="workers must lie within elastic.minWorkers..maxWorkers",
             field_path=".workers",
         ),
         cel_rule(
@@ -796,12 +796,12 @@ class ClusterSpec(ApiModel):
         ),
         cel_rule(
             f"has(self.elastic) || self.workers * (self.gpusPerWorker > 0 ? self.gpusPerWorker : 1) <= {MAX_WORLD_SIZE}",
-            message_expression=f"'workers x gpusPerWorker = ' + string(self.workers * (self.gpusPerWorker > 0 ? self.gpusPerWorker : 1)) + ' processes; at most {MAX_WORLD_SIZE} are supported: use fewer workers'",
+            message=f"workers x gpusPerWorker processes: at most {MAX_WORLD_SIZE} are supported: use fewer workers",
             field_path=".workers",
         ),
         cel_rule(
             f"!has(self.elastic) || self.elastic.maxWorkers * (self.gpusPerWorker > 0 ? self.gpusPerWorker : 1) <= {MAX_WORLD_SIZE}",
-            message_expression=f"'elastic.maxWorkers x gpusPerWorker = ' + string(self.elastic.maxWorkers * (self.gpusPerWorker > 0 ? self.gpusPerWorker : 1)) + ' processes; at most {MAX_WORLD_SIZE} are supported: lower elastic.maxWorkers'",
+            message=f"elastic.maxWorkers x gpusPerWorker processes: at most {MAX_WORLD_SIZE} are supported: lower elastic.maxWorkers",
             field_path=".elastic.maxWorkers",
         ),
     )
@@ -1047,12 +1047,12 @@ class PreflightMode(ApiEnum):
 
 HYBRID_GROUPS_RULE = cel_rule(
     "!has(self.fsdp.hybridShard) || self.fsdp.hybridShard.shardGroupSize * self.fsdp.hybridShard.replicaGroupSize == self.cluster.workers * (self.cluster.gpusPerWorker > 0 ? self.cluster.gpusPerWorker : 1)",
-    message_expression="'shardGroupSize x replicaGroupSize = ' + string(self.fsdp.hybridShard.shardGroupSize * self.fsdp.hybridShard.replicaGroupSize) + ' must equal workers x gpusPerWorker = ' + string(self.cluster.workers * (self.cluster.gpusPerWorker > 0 ? self.cluster.gpusPerWorker : 1))",
+    message="shardGroupSize x replicaGroupSize must equal workers x gpusPerWorker (the world size)",
     field_path=".fsdp.hybridShard",
 )
 HYBRID_DIVIDES_RULE = cel_rule(
     "!has(self.fsdp.hybridShard) || (self.cluster.workers * (self.cluster.gpusPerWorker > 0 ? self.cluster.gpusPerWorker : 1)) % self.fsdp.hybridShard.shardGroupSize == 0",
-    message_expression="string(self.fsdp.hybridShard.shardGroupSize) + ' must divide workers x gpusPerWorker = ' + string(self.cluster.workers * (self.cluster.gpusPerWorker > 0 ? self.cluster.gpusPerWorker : 1))",
+    message="shardGroupSize must divide workers x gpusPerWorker (the world size)",
     field_path=".fsdp.hybridShard.shardGroupSize",
 )
 ELASTIC_HYBRID_RULE = cel_rule(
@@ -1241,26 +1241,19 @@ GLOBAL_BATCH_STREAMING_RULE = cel_rule(
     field_path=".training.globalBatchSize",
 )
 _PROCESSES = "(self.cluster.gpusPerWorker > 0 ? self.cluster.gpusPerWorker : 1)"
-_CARRYING_WORKERS = (
-    f"(self.training.globalBatchSize >= {_PROCESSES} ? 'the worker counts that can carry it are 1..' + "
-    f"string(self.training.globalBatchSize / {_PROCESSES}) : 'no worker count can carry it with gpusPerWorker ' + "
-    f"string({_PROCESSES}))"
-)
 GLOBAL_BATCH_WORLD_RULE = cel_rule(
     f"!has(self.training.globalBatchSize) || has(self.cluster.elastic) || "
     f"self.training.globalBatchSize >= self.cluster.workers * {_PROCESSES}",
-    message_expression=f"'globalBatchSize ' + string(self.training.globalBatchSize) + ' is below workers x gpusPerWorker = ' + "
-    f"string(self.cluster.workers * {_PROCESSES}) + ' ranks: every rank needs at least one sequence per step; set "
-    f"globalBatchSize >= ' + string(self.cluster.workers * {_PROCESSES}) + ' (' + {_CARRYING_WORKERS} + ')'",
+    message="globalBatchSize is below workers x gpusPerWorker ranks: every rank needs at least one sequence per step; "
+    "set globalBatchSize >= workers x gpusPerWorker, or use fewer workers",
     field_path=".training.globalBatchSize",
 )
 GLOBAL_BATCH_ELASTIC_RULE = cel_rule(
     f"!has(self.training.globalBatchSize) || !has(self.cluster.elastic) || "
     f"self.training.globalBatchSize >= self.cluster.elastic.maxWorkers * {_PROCESSES}",
-    message_expression=f"'globalBatchSize ' + string(self.training.globalBatchSize) + ' is below elastic.maxWorkers x "
-    f"gpusPerWorker = ' + string(self.cluster.elastic.maxWorkers * {_PROCESSES}) + ' ranks, the most this run may get: "
-    f"every rank needs at least one sequence per step; set globalBatchSize >= ' + "
-    f"string(self.cluster.elastic.maxWorkers * {_PROCESSES}) + ' or lower elastic.maxWorkers (' + {_CARRYING_WORKERS} + ')'",
+    message="globalBatchSize is below elastic.maxWorkers x gpusPerWorker ranks, the most this run may get: every rank "
+    "needs at least one sequence per step; set globalBatchSize >= elastic.maxWorkers x gpusPerWorker or lower "
+    "elastic.maxWorkers",
     field_path=".training.globalBatchSize",
 )
 

@@ -288,7 +288,8 @@ def _rule_errors(
             message = str(_program(rule["messageExpression"]).evaluate(activation))
         else:
             message = str(rule.get("message") or f"failed rule: {rule['rule']}")
-        yield FieldError(path + str(rule.get("fieldPath", "")), message)
+        # fieldPath is relative to the rule's node; a rule at the object's root has path "".
+        yield FieldError((path + str(rule.get("fieldPath", ""))).lstrip("."), message)
 
 
 def cel_errors(schema: Schema, value: Any, path: str, old: Any = None) -> list[FieldError]:
@@ -336,7 +337,9 @@ def _schema_at(loc: Sequence[str | int]) -> Schema | None:
 
 
 def _format_loc(base: str, loc: Sequence[str | int]) -> str:
-    """`spec.cluster.nodeSelector[gpu]`: fields with dots, list indexes and map keys in brackets."""
+    """`spec.cluster.nodeSelector.gpu`, `spec.cluster.env[0].name`: the path the API server's
+    OpenAPI validation names (k8s.io/kube-openapi pkg/validation/validate: a map entry is a child
+    of the map, joined with a dot; a list index in brackets)."""
     text = base
     node: Schema | None = _spec_schema() if base == "spec" else None
     for part in loc:
@@ -344,7 +347,7 @@ def _format_loc(base: str, loc: Sequence[str | int]) -> str:
             text += f"[{part}]"
             node = node.get("items") if node else None
         elif node is not None and part not in node.get("properties", {}) and isinstance(node.get("additionalProperties"), dict):
-            text += f"[{part}]"
+            text += f".{part}"
             node = node["additionalProperties"]
         else:
             text += f".{part}"
@@ -498,7 +501,8 @@ def metadata_errors(metadata: Any) -> list[FieldError]:
         elif kind == "map":
             errors.extend(_string_map_errors(where, value, labels=key == "labels"))
     namespace = metadata.get("namespace")
-    if isinstance(namespace, str) and (len(namespace) > 63 or not DNS1123_LABEL.fullmatch(namespace)):
+    # "" is no namespace: the API server takes the request's (kubectl's current namespace), as for an absent one.
+    if isinstance(namespace, str) and namespace and (len(namespace) > 63 or not DNS1123_LABEL.fullmatch(namespace)):
         errors.append(FieldError("metadata.namespace", "must be a DNS-1123 label of at most 63 characters (lowercase "
                                  f"letters, digits and '-', starting and ending with a letter or digit), got {short(namespace)}"))
     finalizers = metadata.get("finalizers")
@@ -525,7 +529,8 @@ def _string_map_errors(where: str, value: Mapping[str, Any], labels: bool) -> li
         if labels:
             bad = label_value_problem(text)
             if bad:
-                errors.append(FieldError(f"{where}[{key}]", bad))
+                # The API server names the map (apimachinery's ValidateLabels: metadata.labels), with the value.
+                errors.append(FieldError(where, f"{short(key)}: {bad}"))
     if not labels and total > MAX_ANNOTATIONS_BYTES:
         errors.append(FieldError(where, f"annotations total {total} bytes; the API server accepts at most {MAX_ANNOTATIONS_BYTES}"))
     return errors
@@ -579,7 +584,7 @@ def validate_resource(obj: Any) -> LlamaFineTuneSpec:
     if not isinstance(metadata, Mapping) or not isinstance(metadata.get("name"), str):
         errors.append(FieldError("metadata.name", "required: name the fine-tune, e.g. llama2-7b-samsum"))
     else:
-        errors.extend(_rule_errors([NAME_RULE], {"metadata": {"name": metadata["name"]}}, "metadata.name"))
+        errors.extend(_rule_errors([NAME_RULE], {"metadata": {"name": metadata["name"]}}, ""))
     if metadata is not None:
         errors.extend(e for e in metadata_errors(metadata) if e.path != "metadata.name")
     unknown = sorted(str(k) for k in set(obj) - {"apiVersion", "kind", "metadata", "spec", "status"})
