@@ -169,7 +169,10 @@ class Cluster:
         self.apps.patch_namespaced_deployment_status(name, self.ns, {"status": {"readyReplicas": 1, "replicas": 1}})
 
     def create_pod(self, name: str, job: str, *, phase: str = "Running", ip: str = "127.0.0.1",
-                   terminated_message: str | None = None, labels: dict[str, str] | None = None) -> None:
+                   terminated_message: str | None = None, labels: dict[str, str] | None = None,
+                   owner: dict[str, Any] | None = None) -> None:
+        """A trainer pod of `job`; with `owner` (the job object) owned by it as the training
+        operator's pods are, so that the garbage collector takes it with the job."""
         container: dict[str, Any] = {"name": "pytorch", "ready": phase == "Running", "restartCount": 0, "image": "x", "imageID": "x"}
         if terminated_message is not None:
             container["state"] = {"terminated": {"exitCode": 1, "message": terminated_message}}
@@ -182,6 +185,10 @@ class Cluster:
                                                                         **(labels or {})}},
             "spec": {"containers": [{"name": "pytorch", "image": "x"}]},
         }
+        if owner is not None:
+            pod["metadata"]["ownerReferences"] = [{
+                "apiVersion": owner["apiVersion"], "kind": owner["kind"], "name": owner["metadata"]["name"],
+                "uid": owner["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}]
         self.core.create_namespaced_pod(self.ns, pod)
         self.core.patch_namespaced_pod_status(name, self.ns, {"status": {"phase": phase, "podIP": ip, "containerStatuses": [container]}})
 
@@ -198,7 +205,7 @@ class Cluster:
 
     def exists(self, kind: str, name: str) -> bool:
         read = {"ConfigMap": self.core.read_namespaced_config_map, "Service": self.core.read_namespaced_service,
-                "Deployment": self.apps.read_namespaced_deployment}[kind]
+                "Deployment": self.apps.read_namespaced_deployment, "Pod": self.core.read_namespaced_pod}[kind]
         try:
             read(name, self.ns)
             return True

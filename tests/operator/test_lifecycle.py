@@ -259,7 +259,10 @@ def test_budget_used_up_fails_with_the_history() -> None:
     assert d.status["phase"] == "Failed" and "retry budget (3) is used up" in d.status["message"]
     assert [f["attempt"] for f in d.status["failures"]] == [1, 4]
     assert any(e.reason == "RetryBudgetExhausted" for e in d.events)
-    assert d.delete_jobs == [JOB], "the job the training operator did not fail goes, so its pods release the GPUs"
+    assert d.delete_jobs == [], "the training operator fails the job for its failed pod: it stays for kubectl logs"
+    xid = failures.gpu_failure("XidError", "XID 79 on node-4", ["node-4"], 12)
+    d = failing([pod(0), pod(1)], {**RUNNING, "retriesUsed": 3, "attempt": 4, "failures": history}, gpu=xid)
+    assert d.status["phase"] == "Failed" and d.delete_jobs == [JOB], "nothing ends a job whose pods all run: it goes"
 
 
 def test_the_same_failure_at_the_same_step_repeatedly_is_permanent() -> None:
@@ -321,9 +324,16 @@ def test_suspended_runs_are_not_failures() -> None:
     assert "failures" not in d.status and d.status["phase"] == "Suspended" and d.start_attempt is None
 
 
+CONFIG_ERROR = report(phase="Failed", reason="ConfigError", message="spec.dataset.source: /data/x.jsonl: no such file")
+
+
+def config_error(index: int = 0) -> dict[str, Any]:
+    """The pod of a trainer that found no dataset: Failed, its termination message a FailedReport."""
+    return pod(index, "Failed", exit_code=2, message=CONFIG_ERROR)
+
+
 def test_a_permanent_verdict_keeps_a_job_the_training_operator_failed() -> None:
-    config_error = pod(0, "Failed", exit_code=1, message=report(phase="Failed", reason="ConfigError", message="bad"))
-    d = decide(observed(job=job("Created", "Failed"), pods=[config_error]))
+    d = decide(observed(job=job("Created", "Failed"), pods=[config_error()]))
     assert d.status["phase"] == "Failed" and d.delete_jobs == []
 
 
@@ -374,6 +384,29 @@ ROWS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("queued at creation (no attempt recorded yet): nothing to reset",
      dict(spec=queued_spec(), status={}, job=job("Created", "Suspended")), dict(phase="Queued")),
     ("a user's suspend is Suspended, not queued", dict(spec=spec(suspend=True), job=job("Suspended")), dict(phase="Suspended")),
+    # A permanent failure, whichever reaches the operator first: the failed pod's termination report
+    # or the job's Failed condition. The training operator fails the job for its failed pod
+    # (restartPolicy Never) and removes only the pods still running (cleanPodPolicy Running); the
+    # job is never deleted, which would take its failed pods and their logs with it.
+    ("permanent, the pod's report before the job's Failed condition: the job and its failed pod stay",
+     dict(job=job("Created", "Running"), pods=[config_error()]),
+     dict(phase="Failed", failed="ConfigError", events=["ConfigError"])),
+    ("permanent, the job's Failed condition first: the job and its failed pod stay",
+     dict(job=job("Created", "Failed"), pods=[config_error()]),
+     dict(phase="Failed", failed="ConfigError", events=["ConfigError"])),
+    ("permanent on 2 workers, the report first: the training operator stops the running one, the job stays",
+     dict(job=job("Created", "Running"), pods=[pod(0), config_error(1)]),
+     dict(phase="Failed", failed="ConfigError", events=["ConfigError"])),
+    ("permanent on 2 workers, the job's Failed condition first: the job stays",
+     dict(job=job("Created", "Running", "Failed"), pods=[pod(0), config_error(1)]),
+     dict(phase="Failed", failed="ConfigError", events=["ConfigError"])),
+    ("permanent, the failed pod already being deleted: nothing fails the job, it goes",
+     dict(job=job("Created", "Running"), pods=[{**config_error(), "metadata": {"name": f"{JOB}-worker-0",
+                                                                            "deletionTimestamp": "2026-11-30T11:59:59Z"}}]),
+     dict(phase="Failed", failed="ConfigError", delete=[JOB], events=["ConfigError"])),
+    ("permanent on a TrainJob, whose Job replaces a failed pod: the job goes",
+     dict(job_kind="TrainJob", job={**job(), "kind": "TrainJob"}, pods=[config_error()]),
+     dict(phase="Failed", failed="ConfigError", delete=[JOB], events=["ConfigError"])),
 ]
 
 

@@ -4,6 +4,7 @@ progress read from the real trainer's /progress endpoint."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -83,6 +84,39 @@ def test_permanent_failures_are_not_retried(cluster: Cluster, operator: Operator
     time.sleep(1.5)
     assert cluster.attempt_job("deadline", 2) is None
     assert cluster.attempt_job("deadline", 1) is not None, "a job the training operator failed stays for kubectl logs"
+
+
+@pytest.mark.parametrize("job_failed_first", [False, True], ids=["report-first", "job-failed-first"])
+def test_a_permanent_failure_keeps_the_failed_pod_for_kubectl_logs(cluster: Cluster, operator: Operator,
+                                                                    job_failed_first: bool) -> None:
+    """A trainer that finds no dataset (1 worker) ends its pod with a ConfigError report. Whether the
+    operator reads that report before the training operator sets the job's Failed condition or
+    after, the run is Failed and the job is not deleted: its failed pod, which the garbage collector
+    would take with the job, stays for `kubectl logs`."""
+    name = "nodata-late" if job_failed_first else "nodata"
+    cluster.create(name, tiny_spec(rendezvous=ETCD_SPEC, cluster={"workers": 1}))
+    job = wait_for("job", lambda: cluster.attempt_job(name, 1))
+    job_name = job["metadata"]["name"]
+    cluster.set_job_status(job_name, [("Created", "PyTorchJobCreated", "c"), ("Running", "PyTorchJobRunning", "r")],
+                           replicaStatuses={"Worker": {"active": 1}})
+    wait_for("Running", lambda: cluster.status(name)["phase"] == "Running")
+    failed = [("Created", "PyTorchJobCreated", "c"), ("Failed", "PyTorchJobFailed",
+                                                      f"PyTorchJob {job_name} is failed because 1 Worker replica(s) failed.")]
+    report = json.dumps({"phase": "Failed", "reason": "ConfigError", "message": "spec.dataset.source: /data/missing.jsonl: no such file"})
+    pod = f"{job_name}-worker-0"
+    if job_failed_first:
+        cluster.set_job_status(job_name, failed, replicaStatuses={"Worker": {"failed": 1}})
+    cluster.create_pod(pod, job_name, phase="Failed", terminated_message=report, owner=job)
+    status = wait_for("Failed", lambda: (s := cluster.status(name))["phase"] == "Failed" and s)
+    assert "ConfigError is permanent" in status["message"] and status["failures"][0]["reason"] == "ConfigError"
+    time.sleep(1.0)  # a delete would have been issued by now, and collected (the emulator's GC acts in 50 ms)
+    assert cluster.attempt_job(name, 1) is not None, "a permanently failed run's job is not deleted"
+    assert cluster.exists("Pod", pod), "its failed pod stays for kubectl logs"
+    if not job_failed_first:
+        cluster.set_job_status(job_name, failed, replicaStatuses={"Worker": {"failed": 1}})  # the training operator, late
+        time.sleep(0.5)
+        assert cluster.exists("Pod", pod) and cluster.status(name)["phase"] == "Failed"
+    assert cluster.attempt_job(name, 2) is None
 
 
 def test_delete_mid_run_removes_children_keeps_checkpoints(cluster: Cluster, operator: Operator) -> None:

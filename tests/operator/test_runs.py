@@ -494,6 +494,12 @@ def test_config_error_fails_at_once_without_retry(cluster: Cluster, sim: SimClus
     assert "ConfigError is permanent" in status["message"]
     time.sleep(2)
     assert cluster.attempt_job("typo", 2) is None
+    # Whether the operator read a pod's report before the training operator failed the job or after,
+    # the job stays, and with it its failed pods for `kubectl logs`.
+    job = cluster.job_name("typo", 1)
+    assert cluster.job(job) is not None, "a permanently failed run's job is not deleted"
+    pods = cluster.core.list_namespaced_pod("default", label_selector=f"training.kubeflow.org/job-name={job}").items
+    assert any(p.status.phase == "Failed" for p in pods), [(p.metadata.name, p.status.phase) for p in pods]
     delete_and_assert_no_orphans(cluster, sim, "typo")
 
 

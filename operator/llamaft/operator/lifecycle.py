@@ -21,6 +21,9 @@ The rules, in order:
    deadline): a retryable cause within `runPolicy.retryBudget` (and not the same failure at the same
    step `repeatedFailureLimit` times in a row) starts the next attempt from the newest checkpoint,
    the first retry at once and later ones with exponential backoff; anything else ends `Failed`.
+   A failed run keeps a job that failed, or that the training operator is failing for a pod that
+   failed (its failed pods stay for `kubectl logs`, its running ones are removed by
+   cleanPodPolicy Running); a job nothing will end (a stall, an XID) is deleted.
 6. Otherwise the status follows the job (Creating, Running, Restarting, Suspended) and progress.
 7. An attempt the capacity planner refuses (spec.preflight Enforce) is not created: Failed
    (WillNotFit); the API server rejecting a child when it is created is Failed too (`refused`).
@@ -60,6 +63,7 @@ from llamaft.operator import elastic, failures, observe
 from llamaft.operator.failures import Failure
 from llamaft.operator.observe import Event, Observation, StatusChange
 from llamaft.operator.timestamps import iso, parse_time
+from llamaft.render import backends
 
 Obj = Mapping[str, Any]
 MAX_FAILURE_HISTORY = 20
@@ -187,6 +191,17 @@ def _succeeded_since(job: Obj | None) -> datetime | None:
 def _job_failed(job: Obj | None) -> bool:
     return any(c.get("type") == "Failed" and c.get("status") == "True"
                for c in (job or {}).get("status", {}).get("conditions", []) or [])
+
+
+def _failing_with_a_pod(obs: Observed) -> bool:
+    """The job's controller is failing the job for a pod of it that failed and stays (not being
+    deleted: a pod on its way out, or one the pod watch kept after its deletion, is replaced, not
+    a reason to fail the job): with a PyTorchJob (restartPolicy Never), whatever the order in which
+    the pod's end and the job's Failed condition reach the operator (`JobBackend.fails_with_a_pod`)."""
+    if not backends.backend_for(obs.job_kind).fails_with_a_pod:
+        return False
+    return any((p.get("status") or {}).get("phase") == "Failed" and not (p.get("metadata") or {}).get("deletionTimestamp")
+               for p in obs.pods)
 
 
 def _overlay(base: Progress, top: Progress | None) -> Progress:
@@ -535,10 +550,12 @@ def _failed_attempt(obs: Observed, seen: Observation, attempt: int, d: Decision,
         c.phase, c.message, c.completion_time, c.retry_after = Phase.FAILED, message[:2000], now, None
         c.set_conditions(st.conditions, [("Running", False, "NotRunning", ""), ("Failed", True, failure.reason, message[:2000])],
                          obs.generation, now)
-        if not _job_failed(obs.job):
-            # The training operator has not failed the job (a stall, an XID, one pod's evidence):
-            # its pods may still hold GPUs, so the job goes. A Failed job stays for `kubectl logs`
-            # (cleanPodPolicy Running already removed its running pods).
+        if not _job_failed(obs.job) and not _failing_with_a_pod(obs):
+            # Nothing will end the job (a stall, an XID, evidence on pods still running or being
+            # deleted, a backend that replaces a failed pod): its pods may still hold GPUs, so the
+            # job goes. A job the training operator failed, or is about to fail for a pod that
+            # failed (whose termination report can come first), stays: its failed pods keep their
+            # logs for `kubectl logs`, and cleanPodPolicy Running removes the pods still running.
             d.delete_jobs.append(obs.job_name)
         d.events.append(Event("Warning", event_reason, message[:1000]))
         return d

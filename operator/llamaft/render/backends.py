@@ -52,6 +52,11 @@ class JobBackend(Protocol):
     trainer_container: str
     """The trainer container's name in the kind's pods (their containerStatuses, and the
     `container` label kube-state-metrics and dcgm-exporter put on its series)."""
+    fails_with_a_pod: bool
+    """Whether the job's controller fails the job as soon as one of its pods has failed, removing
+    the pods still running and keeping the failed ones (a PyTorchJob: restartPolicy Never and
+    cleanPodPolicy Running); False where it replaces a failed pod instead (a TrainJob's Jobs, up
+    to their backoffLimit)."""
 
     def render(self, owner: Owner, spec: LlamaFineTuneSpec, attempt: int, excluded_nodes: Sequence[str] = ()) -> Obj:
         """The attempt's job object."""
@@ -93,6 +98,7 @@ class PyTorchJobBackend:
     resource = Resource("kubeflow.org", "v1", "pytorchjobs")
     install_hint = "kubeflow.org/v1 PyTorchJobs (install the Kubeflow training operator v1.9)"
     trainer_container = trainjob.TEMPLATE_CONTAINER  # desired.pod_template's, kept as is
+    fails_with_a_pod = True  # desired.pytorch_job: restartPolicy Never, cleanPodPolicy Running
 
     def render(self, owner: Owner, spec: LlamaFineTuneSpec, attempt: int, excluded_nodes: Sequence[str] = ()) -> Obj:
         return desired.pytorch_job(owner, spec, attempt, excluded_nodes)
@@ -133,6 +139,7 @@ class TrainJobBackend:
     install_hint = ("trainer.kubeflow.org/v1alpha1 TrainJobs (install Kubeflow Trainer v2.3 and its "
                     "torch-distributed runtime)")
     trainer_container = trainjob.NODE  # the torch runtime's container, which our runtimePatches patch
+    fails_with_a_pod = False  # JobSet's restartPolicy OnFailure, the Job's backoffLimit 6: the pod is replaced
 
     def render(self, owner: Owner, spec: LlamaFineTuneSpec, attempt: int, excluded_nodes: Sequence[str] = ()) -> Obj:
         return trainjob.train_job(owner, spec, attempt, excluded_nodes)
