@@ -34,7 +34,8 @@ MARK = "_llamaft_starts_processes"
 SLOW = "slow"
 
 # What a real process of the slow tier runs: an argv element equal to, or ending in, one of these.
-REAL_PROGRAMS = ("torchrun", "etcd", "prometheus", "mlflow", "olah", "olah-cli", "kopf")
+REAL_PROGRAMS = ("torchrun", "etcd", "prometheus", "mlflow", "olah", "olah-cli", "kopf",
+                 "kube-apiserver", "kube-controller-manager", "kube-scheduler")
 REAL_MODULES = ("torch.distributed.run", "llamaft_trainer", "llamaft_trainer.main", "mlflow", "kopf")
 REAL_SCRIPTS = (
     "harness.py", "load_worker.py",
