@@ -11,6 +11,7 @@ import itertools
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import yaml
@@ -18,6 +19,7 @@ import yaml
 from tests.conftest import REPO
 from tests.controlplane.binaries import binaries
 from tests.controlplane.cluster import ControlPlane, running
+from tests.controlplane.kubelet import Kubelet, NodeShape
 from tests.tiers import starts_processes
 
 CRDS = sorted((REPO / "crds").glob("*.yaml"))
@@ -78,3 +80,19 @@ def namespace(control_plane: ControlPlane) -> Iterator[str]:
 def tail_logs(plane: ControlPlane) -> str:
     return "\n".join(f"--- {c.name}\n{c.tail(2000)}" for c in (plane.apiserver, plane.controller_manager, plane.scheduler))
 
+
+
+TAINT = "llamaft.io/test"
+
+
+@pytest.fixture
+@starts_processes
+def kubelet(control_plane: ControlPlane, namespace: str, tmp_path: Path) -> Iterator[Kubelet]:
+    """A node of this test's own: tainted for its namespace, so only its pods (which tolerate the
+    taint) land there, whatever other tests of the worker's cluster do."""
+    shape = NodeShape(f"node-{namespace}", labels={"topology.kubernetes.io/zone": "zone-a"},
+                      taints=[{"key": TAINT, "value": namespace, "effect": "NoSchedule"}])
+    node = Kubelet(control_plane, shape, tmp_path / "kubelet").start()
+    yield node
+    node.stop()
+    control_plane.request("DELETE", f"/api/v1/nodes/{shape.name}")

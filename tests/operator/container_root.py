@@ -39,7 +39,7 @@ import ctypes
 import errno
 import os
 import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 CLONE_NEWNS = 0x00020000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
@@ -66,11 +66,40 @@ def mount(source: str | None, target: str, fstype: str | None, flags: int, data:
                        data and data.encode()), f"mount {source or fstype} on {target}")
 
 
+MAX_SYMLINKS = 40
+"""Linux's limit on symlinks followed while resolving one path (ELOOP past it)."""
+
+
 def _inside(root: Path, path: str) -> Path:
-    """`path` (absolute, as the container sees it) under the new root."""
+    """`path` (absolute, as the container sees it) under the new root, its symlinks resolved as the
+    container would read them: an absolute link is read from the new root, and `..` never leaves it
+    (runc's securejoin does the same for mount targets). Without this a mount path through such a
+    link (Debian's /var/run -> /run: the ServiceAccount token's /var/run/secrets/...) would be made,
+    and mounted, on the host's path."""
     if not path.startswith("/"):
         raise ValueError(f"mount path {path!r} must be absolute")
-    return root / path.lstrip("/")
+    parts = list(PurePosixPath(path).parts[1:])
+    current, followed = root, 0
+    while parts:
+        part = parts.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            current = current.parent if current != root else root
+            continue
+        candidate = current / part
+        if candidate.is_symlink():
+            followed += 1
+            if followed > MAX_SYMLINKS:
+                raise OSError(errno.ELOOP, f"too many symlinks resolving {path!r} in the container's root")
+            link = PurePosixPath(os.readlink(candidate))
+            if link.is_absolute():
+                current, parts = root, [*link.parts[1:], *parts]
+            else:
+                parts = [*link.parts, *parts]
+            continue
+        current = candidate
+    return current
 
 
 def _mount_point(target: Path, like: Path) -> None:

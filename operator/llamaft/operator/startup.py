@@ -102,4 +102,8 @@ def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
         config.load_kube_config()  # type: ignore[no-untyped-call]
     throttle_credential_refresh()
     operator_state(memo).kube = Kube()
-    return kopf.login_with_kubeconfig(**kwargs) or kopf.login_with_service_account(**kwargs)
+    # In a pod, kopf's connection is the client's in-cluster one (KUBERNETES_SERVICE_HOST/PORT, as
+    # client-go's InClusterConfig reads it), not login_with_service_account's fixed
+    # https://kubernetes.default.svc, which needs cluster DNS and a Service proxy where the client's
+    # address does not: one API server address for kopf's watches and the handlers' requests.
+    return kopf.login_with_kubeconfig(**kwargs) or kopf.login_via_client(**kwargs)
