@@ -74,7 +74,7 @@ def test_invalid_spec_names_the_field_in_status_and_events(cluster: Cluster, ope
     status = wait_for("Failed", lambda: (s := cluster.status("broken")).get("phase") == "Failed" and s)
     valid = next(c for c in status["conditions"] if c["type"] == "Valid")
     assert valid["status"] == "False" and valid["reason"] == "InvalidSpec"
-    assert "spec.fsdp.hybridShard.shardGroupSize: 3 must divide workers x gpusPerWorker = 16" in valid["message"]
+    assert "spec.fsdp.hybridShard.shardGroupSize: shardGroupSize must divide workers x gpusPerWorker (the world size)" in valid["message"]
     events = wait_for("InvalidSpec events", lambda: [e for e in cluster.events("broken") if e["reason"] == "InvalidSpec"])
     assert any("spec.fsdp.hybridShard.shardGroupSize" in e["message"] for e in events)
     assert cluster.jobs("llamaft.io/finetune=broken") == []
