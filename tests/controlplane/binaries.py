@@ -41,6 +41,15 @@ class Binaries:
     def helm(self) -> Path:
         return self.folder / "helm"
 
+    @property
+    def training_operator(self) -> Path:
+        return self.folder / "training-operator"
+
+    @property
+    def training_operator_manifests(self) -> Path:
+        """manifests/base of the training-operator module it was built from (CRD, RBAC, webhook)."""
+        return self.folder / "training-operator-manifests"
+
 
 class BuildFailed(RuntimeError):
     """tests/controlplane/build failed; the message carries the end of its log."""

@@ -12,8 +12,11 @@ kubeadm set one up, with what envtest leaves out because its tests run no pods:
   same authorizer; kube-scheduler binding pods to the Nodes that our kubelet registers.
 
 The admin identity of the tests is a client certificate in `system:masters`; everything else
-authenticates as itself. `stop_apiserver` / `start_apiserver` stop the API server process and start
-a new one on the same etcd and port: an outage as a real cluster has one.
+authenticates as itself. The API server runs in a mount namespace of its own whose /etc/hosts is
+`hosts` in the root: a webhook server on this machine is called at the name its serving
+certificate holds (`add_host`), as the API server would reach it through a Service.
+`stop_apiserver` / `start_apiserver` stop the API server process and start a new one on the same
+etcd and port: an outage as a real cluster has one.
 """
 
 from __future__ import annotations
@@ -121,7 +124,10 @@ class ControlPlane:
         self.admin_kubeconfig = kubeconfig(root / "admin.kubeconfig", self.server, self.pki.ca,
                                            user="llamaft-test-admin", credential=self.admin)
         self.etcd = LocalEtcd()
-        self.apiserver = Component("kube-apiserver", self._apiserver_argv(serving), root / "kube-apiserver.log")
+        self.hosts = root / "hosts"
+        self.hosts.write_text(Path("/etc/hosts").read_text(encoding="utf-8"), encoding="utf-8")
+        self.apiserver = Component("kube-apiserver", self._private_hosts(self._apiserver_argv(serving)),
+                                   root / "kube-apiserver.log")
         self.controller_manager = self._controller("kube-controller-manager", "system:kube-controller-manager", [
             f"--service-account-private-key-file={self.pki.service_account_key}",
             f"--root-ca-file={self.pki.ca}",
@@ -155,6 +161,18 @@ class ControlPlane:
             "--profiling=false",
             "--v=1",
         ]
+
+    def _private_hosts(self, argv: list[str]) -> list[str]:
+        """`argv` in a mount namespace of its own where /etc/hosts is `self.hosts` (unshare and sh
+        exec, so the pid is the API server's)."""
+        return ["unshare", "--mount", "--propagation", "private", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"',
+                str(self.hosts), *argv]
+
+    def add_host(self, name: str, address: str = HOST) -> None:
+        """Make `name` resolve to `address` for the API server (its /etc/hosts, written in place:
+        the bind mount holds the file's inode; Go rereads it when its modification time changes)."""
+        with self.hosts.open("a", encoding="utf-8") as hosts:
+            hosts.write(f"{address} {name}\n")
 
     def _controller(self, name: str, user: str, flags: list[str]) -> Component:
         credential = self.pki.client(user)

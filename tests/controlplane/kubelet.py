@@ -10,7 +10,8 @@ it, the ConfigMaps, Secrets and ServiceAccount tokens those pods use. It
 - runs each pod that kube-scheduler binds to it: the first container as a process tree in a
   private filesystem (tests/operator/container_root.py), with the pod's volumes (emptyDir,
   configMap, secret, the projected ServiceAccount token + kube-root-ca.crt + namespace that the
-  ServiceAccount admission plugin adds, persistentVolumeClaim from folders the test declares) and
+  ServiceAccount admission plugin adds, persistentVolumeClaim: the hostPath of the PersistentVolume
+  kube-controller-manager bound it to, or a folder the test declares) and
   environment (values, fieldRef, configMapKeyRef, secretKeyRef, and KUBERNETES_SERVICE_HOST/PORT
   pointing at the API server, as kubelet sets them from the `kubernetes` Service);
 - reports the pod's status through the API (phase, conditions, container state, exit code,
@@ -19,12 +20,17 @@ it, the ConfigMaps, Secrets and ServiceAccount tokens those pods use. It
   the pod for good, as kubelet's status manager does.
 
 An image's entrypoint, where a container gives no command, is read from the Dockerfile the image is
-built from (IMAGES). Pods share this machine's network (no CNI): a pod's IP is 127.0.0.1.
+built from (IMAGES). Pods share this machine's network (no CNI, no network namespace): each pod gets
+a loopback address of its own (status.podIP, 127.<128 + pytest-xdist block>.x.y, apart from the
+simulation's blocks) and the trainer is told to bind its metrics server there
+(LLAMAFT_METRICS_HOST), so that two workers of a job can serve the same metrics port, as two pods
+do; a port bound on the wildcard address (an etcd's 2379) is still this machine's.
 """
 
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import os
 import re
@@ -49,6 +55,17 @@ LAUNCHER = REPO / "tests" / "operator" / "container_root.py"
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 IMAGES = {"ghcr.io/llamaft/operator": REPO / "Dockerfile.operator", "ghcr.io/llamaft/trainer": REPO / "Dockerfile.trainer"}
 """Images the kubelet can run without a command: the Dockerfile they are built from gives ENTRYPOINT."""
+_addresses = itertools.count()
+
+
+def pod_address() -> str:
+    """A loopback address no other pod of this process (or worker) has had."""
+    k = next(_addresses)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    block = 128 + (1 + int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0)
+    return f"127.{block}.{k // 250}.{k % 250 + 1}"
+
+
 LEASE_RENEW_S = 10.0
 """kubelet's default (nodeLeaseDurationSeconds 40, renewed every quarter of it)."""
 POLL_S = 0.3
@@ -98,6 +115,7 @@ class Run:
     last_terminated: Obj | None = None
     terminating_since: float | None = None
     log: Path | None = None
+    address: str = field(default_factory=pod_address)
 
 
 class ApiError(RuntimeError):
@@ -257,7 +275,8 @@ class Kubelet:
                                            stdin=subprocess.DEVNULL, start_new_session=True)
         run.started_at = now()
         self._patch_status(pod, {
-            "phase": "Running", "hostIP": HOST, "podIP": HOST, "podIPs": [{"ip": HOST}],
+            "phase": "Running", "hostIP": HOST, "hostIPs": [{"ip": HOST}], "podIP": run.address,
+            "podIPs": [{"ip": run.address}],
             "startTime": (pod.get("status") or {}).get("startTime") or run.started_at,
             "conditions": self._conditions(True),
             "containerStatuses": [self._container_status(container, {"running": {"startedAt": run.started_at}}, run)]})
@@ -267,7 +286,7 @@ class Kubelet:
         namespace = meta["namespace"]
         env: dict[str, str] = {
             "PATH": f"{REPO / '.venv' / 'bin'}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-            "HOME": "/root", "HOSTNAME": meta["name"],
+            "HOME": "/root", "HOSTNAME": spec.get("hostname") or meta["name"], "LLAMAFT_METRICS_HOST": run.address,
             "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO / "trainer")]),
             "KUBERNETES_SERVICE_HOST": HOST, "KUBERNETES_SERVICE_PORT": str(self.plane.port),
             "KUBERNETES_SERVICE_PORT_HTTPS": str(self.plane.port),
@@ -281,7 +300,7 @@ class Kubelet:
                 env[var["name"]] = {
                     "metadata.name": meta["name"], "metadata.namespace": namespace, "metadata.uid": meta["uid"],
                     "spec.nodeName": self.name, "spec.serviceAccountName": spec.get("serviceAccountName", "default"),
-                    "status.podIP": HOST, "status.hostIP": HOST,
+                    "status.podIP": run.address, "status.hostIP": HOST,
                 }.get(source["fieldRef"].get("fieldPath", ""), "")
             elif "configMapKeyRef" in source or "secretKeyRef" in source:
                 kind = "configMapKeyRef" if "configMapKeyRef" in source else "secretKeyRef"
@@ -326,10 +345,10 @@ class Kubelet:
             return folder
         if "persistentVolumeClaim" in volume:
             claim = volume["persistentVolumeClaim"]["claimName"]
-            if claim not in self.claims:
-                raise ValueError(f'persistentvolumeclaim "{claim}" has no folder on this node')
-            self.claims[claim].mkdir(parents=True, exist_ok=True)
-            return self.claims[claim]
+            if claim in self.claims:
+                self.claims[claim].mkdir(parents=True, exist_ok=True)
+                return self.claims[claim]
+            return self._claimed_folder(meta["namespace"], claim)
         files: dict[str, str] = {}
         if "configMap" in volume:
             files = self._data("configmaps", meta["namespace"], volume["configMap"]["name"])
@@ -354,6 +373,21 @@ class Kubelet:
         for path, text in files.items():
             (folder / path).parent.mkdir(parents=True, exist_ok=True)
             (folder / path).write_text(text)
+        return folder
+
+    def _claimed_folder(self, namespace: str, claim: str) -> Path:
+        """The hostPath folder of the PersistentVolume bound to `claim` (kube-controller-manager's
+        binder bound them; the Node authorizer lets a node read both for its pods)."""
+        pvc = self.request("GET", f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{claim}")
+        volume_name = (pvc.get("spec") or {}).get("volumeName")
+        if not volume_name or (pvc.get("status") or {}).get("phase") != "Bound":
+            raise ValueError(f'persistentvolumeclaim "{claim}" is not bound')
+        pv = self.request("GET", f"/api/v1/persistentvolumes/{volume_name}")
+        host_path = ((pv.get("spec") or {}).get("hostPath") or {}).get("path")
+        if not host_path:
+            raise ValueError(f"persistentvolume {volume_name}: the test kubelet mounts hostPath volumes only")
+        folder = Path(host_path)
+        folder.mkdir(parents=True, exist_ok=True)
         return folder
 
     def _token(self, pod: Obj, source: Obj) -> str:

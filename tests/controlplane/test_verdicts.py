@@ -14,12 +14,14 @@ import copy
 import os
 import re
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from llamaft.api.validation import SpecInvalid, validate_spec
+from llamaft.cli import main
 
 from tests.api.rule_cases import RULE_CASES, TRANSITIONS
 from tests.api.test_validation import BROKEN
@@ -28,7 +30,8 @@ from tests.controlplane.cluster import ControlPlane
 from tests.controlplane.verdicts import Verdict, cli_verdict, sendable, server_verdict
 from tests.validation.apiserver_model import crd_schema
 from tests.validation.test_differential import PATHS, _set, documents
-from tests.validation.test_error_messages import ADMISSION, base
+from tests.validation.test_error_messages import ADMISSION, base, with_
+from tests.validation.test_parsing import CLAIM, GOOD
 
 pytestmark = pytest.mark.filterwarnings("ignore:The recursion limit will not be reset")
 
@@ -211,3 +214,28 @@ def test_each_transition_is_refused_by_the_server(crds_applied: ControlPlane, na
         with pytest.raises(SpecInvalid) as info:
             validate_spec(new["spec"], old=old["spec"])
         assert {e.path for e in info.value.errors} == {path}, (case, info.value.errors)
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["valid", "broken"])
+def test_a_file_with_a_claim_beside_the_fine_tune_is_checked_as_kubectl_applies_it(
+        crds_applied: ControlPlane, namespace: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], broken: bool) -> None:
+    """A PersistentVolumeClaim for the results and the LlamaFineTune in one file (found from
+    outside: validate refused the file that `kubectl apply -f` takes): the server admits the claim
+    and gives the fine-tune the verdict llamaft validate gives it, naming the same field; validate
+    says which document it did not check."""
+    fine_tune = yaml.safe_load(GOOD) if not broken else with_(("spec.cluster.workers", 0))
+    path = tmp_path / "run.yaml"
+    path.write_text(CLAIM + "---\n" + yaml.safe_dump(fine_tune, sort_keys=False), encoding="utf-8")
+    code = main(["validate", "--schema-only", str(path)])
+    out = capsys.readouterr().out.replace(str(path), "F")
+    assert "F: not checked: a PersistentVolumeClaim v1 (line 1); llamaft validate checks LlamaFineTune documents only" in out
+
+    claim = yaml.safe_load(CLAIM)
+    status, answer = crds_applied.request(
+        "POST", f"/api/v1/namespaces/{namespace}/persistentvolumeclaims?dryRun=All&fieldValidation=Strict", claim)
+    assert status == 201, answer
+    server = server_verdict(crds_applied, namespace, fine_tune)
+    assert server.accepted is (not broken) and (code == 0) is (not broken), (out, server)
+    assert server.fields == cli_verdict(fine_tune).fields, (out, server)
+    if broken:
+        assert server.fields == {"spec.cluster.workers"} and "F#1: spec.cluster.workers:" in out, (out, server)

@@ -1,0 +1,243 @@
+"""Runs on the real control plane with the real Kubeflow training operator (PyTorchJob controller
+and webhook, tests/controlplane/training_operator.py): the llamaft operator as the chart runs it,
+our kubelet running the real trainer in the pods the training operator creates, a real etcd for
+torchrun's rendezvous (spec.rendezvous.endpoint: an external etcd, as users may give one).
+
+- Every PyTorchJob llamaft renders from examples/ is admitted by the training operator's webhook
+  (a server-side dry-run create, which calls admission webhooks), and a job the webhook refuses is
+  refused there, so the webhook is in the path.
+- A fine-tune trains to Succeeded: 2 workers, the training operator's Succeeded condition, the
+  trainer's last report in the status, the job's pods Succeeded.
+- A run that fails permanently (a dataset that does not exist, 1 worker) keeps its PyTorchJob and
+  its failed pod for `kubectl logs`, whatever order the pod's termination report and the job's
+  Failed condition reach the operator in (found from outside: the operator used to delete the job,
+  and garbage collection took the failed pod).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client, config
+from llamaft.api.validation import validate_resource
+from llamaft.render import backends
+from llamaft.render.naming import Owner
+from llamaft_trainer.local_etcd import LocalEtcd
+from llamaft_trainer.logline import read_events
+
+from tests.conftest import REPO, need_etcd
+from tests.controlplane.cluster import ControlPlane
+from tests.controlplane.conftest import TAINT
+from tests.controlplane.kubelet import Kubelet, NodeShape
+from tests.controlplane.test_chart_install import assert_never_forbidden, install_chart
+from tests.controlplane.training_operator import TrainingOperator
+from tests.operator.conftest import CHECKPOINT_CLAIM, Cluster, Operator, wait_for
+from tests.tiers import starts_processes
+
+DATASET = REPO / "examples" / "data" / "samsum-tiny.jsonl"
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+OPERATOR_ENV = {"LLAMAFT_SYNC_INTERVAL": "1", "LLAMAFT_RETRY_BACKOFF_SECONDS": "1", "LLAMAFT_PROGRESS_TIMEOUT": "0.5"}
+
+
+@pytest.fixture(scope="session")
+@starts_processes
+def training_operator(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrainingOperator]:
+    operator = TrainingOperator(control_plane, tmp_path_factory.mktemp("training-operator")).start()
+    yield operator
+    operator.stop()
+
+
+@pytest.fixture(scope="module")
+def rendezvous() -> Iterator[LocalEtcd]:
+    need_etcd()
+    with LocalEtcd() as server:
+        yield server
+
+
+@pytest.fixture
+def admin(control_plane: ControlPlane) -> client.ApiClient:
+    return config.new_client_from_config(str(control_plane.admin_kubeconfig))
+
+
+@pytest.fixture
+def checkpoint_claim(control_plane: ControlPlane, namespace: str, tmp_path: Path) -> Iterator[Path]:
+    """The claim CHECKPOINT_CLAIM in `namespace`, bound by kube-controller-manager to a hostPath
+    PersistentVolume on a folder of the test's (returned): what the runs keep outlives their pods."""
+    folder = tmp_path / "ckpt"
+    volume = f"{namespace}-{CHECKPOINT_CLAIM}"
+    status, answer = control_plane.request("POST", "/api/v1/persistentvolumes", {
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": volume},
+        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "manual",
+                 "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(folder), "type": "DirectoryOrCreate"},
+                 "claimRef": {"namespace": namespace, "name": CHECKPOINT_CLAIM}}})
+    assert status == 201, answer
+    status, answer = control_plane.request("POST", f"/api/v1/namespaces/{namespace}/persistentvolumeclaims", {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": CHECKPOINT_CLAIM},
+        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "manual", "volumeName": volume,
+                 "resources": {"requests": {"storage": "1Gi"}}}})
+    assert status == 201, answer
+    wait_for("the claim bound", lambda: (control_plane.request(
+        "GET", f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{CHECKPOINT_CLAIM}")[1].get("status") or {}
+    ).get("phase") == "Bound", timeout=30)
+    yield folder
+    control_plane.request("DELETE", f"/api/v1/persistentvolumes/{volume}")
+
+
+@pytest.fixture
+@starts_processes
+def nodes(control_plane: ControlPlane, namespace: str, checkpoint_claim: Path, tmp_path: Path) -> Iterator[list[Kubelet]]:
+    """Two nodes of the test's own, tainted for its namespace (only its pods, which tolerate that, land there)."""
+    kubelets = [Kubelet(control_plane, NodeShape(f"{namespace}-n{i}", taints=[
+        {"key": TAINT, "value": namespace, "effect": "NoSchedule"}]), tmp_path / f"kubelet-{i}").start()
+        for i in range(2)]
+    yield kubelets
+    for kubelet in kubelets:
+        kubelet.stop()
+        control_plane.request("DELETE", f"/api/v1/nodes/{kubelet.name}")
+
+
+def run_spec(model: Path, namespace: str, etcd: LocalEtcd, **overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "backend": "PyTorchJob",
+        "model": {"source": str(model), "dtype": "float32"},
+        "dataset": {"format": "samsum", "source": str(DATASET), "maxSeqLength": 64, "packing": True},
+        "training": {"maxSteps": 12, "perDeviceBatchSize": 2, "learningRate": 2e-3, "evalInterval": 0, "seed": 7,
+                     "collectiveTimeoutSeconds": 30},
+        "fsdp": {"mixedPrecision": "fp32", "activationCheckpointing": {"mode": "none"}},
+        "checkpointing": {"volumeClaim": CHECKPOINT_CLAIM, "directory": "/checkpoints/run", "everyNSteps": 6,
+                          "exportHuggingFace": True},
+        "cluster": {"workers": 2, "gpusPerWorker": 0, "image": "ghcr.io/llamaft/trainer:test",
+                    "terminationGracePeriodSeconds": 5,
+                    "tolerations": [{"key": TAINT, "operator": "Equal", "value": namespace, "effect": "NoSchedule"}]},
+        "rendezvous": {"backend": "etcd-v2", "endpoint": etcd.endpoint.removeprefix("http://"), "maxRestarts": 0},
+        "runPolicy": {"retryBudget": 1, "progressDeadlineSeconds": 120, "startupGraceSeconds": 180},
+    }
+    for key, value in overrides.items():
+        spec[key] = {**spec.get(key, {}), **value} if isinstance(value, dict) else value
+    return spec
+
+
+@pytest.fixture
+def operator(control_plane: ControlPlane, namespace: str, training_operator: TrainingOperator,
+             tmp_path: Path) -> Iterator[Operator]:
+    """The llamaft operator as the chart runs it (its ServiceAccount, its RBAC), watching `namespace`."""
+    op, _ = install_chart(control_plane, namespace, tmp_path / "operator.log")
+    op.extra_env.update(OPERATOR_ENV)
+    op.start()
+    yield op
+    op.stop()
+    assert_never_forbidden(op.logs())
+
+
+def test_every_rendered_pytorchjob_is_admitted_by_the_training_operators_webhook(
+        control_plane: ControlPlane, namespace: str, training_operator: TrainingOperator, admin: client.ApiClient) -> None:
+    custom = client.CustomObjectsApi(admin)
+    rendered = 0
+    for path in EXAMPLES:
+        for job in _rendered_pytorchjobs(path, namespace):
+            custom.create_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", job, dry_run="All")
+            rendered += 1
+    assert rendered >= 3, f"only {rendered} PyTorchJob(s) rendered from {len(EXAMPLES)} examples"
+    # The webhook is in the path: a job it refuses (its container is not named `pytorch`) is refused.
+    (job,) = _rendered_pytorchjobs(REPO / "examples" / "tiny.yaml", namespace)[:1]
+    job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["name"] = "trainer"
+    with pytest.raises(client.ApiException) as refused:
+        custom.create_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", job, dry_run="All")
+    message = json.loads(refused.value.body)["message"]
+    assert message == ('admission webhook "validator.pytorchjob.training-operator.kubeflow.org" denied the request: '
+                       "spec.pytorchReplicaSpecs[Worker].template.spec.containers: Required value: must have at "
+                       "least one container with name pytorch"), message
+
+
+def test_a_fine_tune_trains_to_success_through_the_real_training_operator(
+        control_plane: ControlPlane, namespace: str, nodes: list[Kubelet], operator: Operator, rendezvous: LocalEtcd,
+        tiny_model: Path, admin: client.ApiClient, checkpoint_claim: Path) -> None:
+    cluster = Cluster(admin, namespace)
+    cluster.create("ft", run_spec(tiny_model, namespace, rendezvous))
+    status = _end(cluster, "ft", nodes, operator, timeout=240)
+    logs = {p: k.logs(namespace, p) for k in nodes for p in _pod_names(k, namespace)}
+    assert status["phase"] == "Succeeded", (status, {p: text[-2000:] for p, text in logs.items()})
+    assert status["attempt"] == 1 and not status.get("failures"), status
+    progress = status["progress"]
+    assert progress["step"] == 12 and progress["stepOfTotal"] == "12/12", status
+    # The claim is mounted at the checkpoint directory itself (/checkpoints/run).
+    exported = checkpoint_claim / Path(status["exportPath"]).relative_to("/checkpoints/run")
+    assert (exported / "config.json").exists(), f"exported onto the claim: {status['exportPath']}"
+    job = cluster.attempt_job("ft", 1)
+    assert job is not None
+    conditions = {c["type"]: c["status"] for c in job["status"]["conditions"]}
+    assert conditions.get("Succeeded") == "True", job["status"]
+    # training-operator v1.9 calls an elastic job Succeeded when a worker has succeeded and, by its
+    # cleanPodPolicy (Running), deletes the workers still running: what stays has succeeded.
+    selector = f"training.kubeflow.org/job-name={job['metadata']['name']}"
+    pods = wait_for("no worker running", lambda: (items := client.CoreV1Api(admin).list_namespaced_pod(
+        namespace, label_selector=selector).items) and all(p.status.phase != "Running" for p in items) and items, timeout=60)
+    assert {p.status.phase for p in pods} == {"Succeeded"}, [(p.metadata.name, p.status.phase) for p in pods]
+    assert {p.spec.node_name for p in pods} <= {k.name for k in nodes}
+    done = [line for k in nodes for pod in _pod_names(k, namespace) for line in read_events(k.logs(namespace, pod))
+            if line.get("event") == "done"]
+    assert done and progress["step"] == done[-1]["step"] and progress["loss"] == pytest.approx(done[-1]["loss"], abs=1e-9)
+
+
+def test_a_permanently_failed_run_keeps_its_job_and_failed_pod(
+        control_plane: ControlPlane, namespace: str, nodes: list[Kubelet], operator: Operator, rendezvous: LocalEtcd,
+        tiny_model: Path, admin: client.ApiClient, tmp_path: Path) -> None:
+    cluster = Cluster(admin, namespace)
+    missing = tmp_path / "missing.jsonl"
+    cluster.create("typo", run_spec(tiny_model, namespace, rendezvous, dataset={"source": str(missing)},
+                                    cluster={"workers": 1}))
+    status = _end(cluster, "typo", nodes, operator, timeout=180)
+    assert status["phase"] == "Failed" and status["attempt"] == 1, status
+    record = status["failures"][0]
+    assert record["reason"] == "ConfigError" and not record["retryable"] and "missing.jsonl" in record["message"], record
+    job_name = cluster.job_name("typo", 1)
+    # The training operator has failed the job by now or will: either way the job and its pod stay.
+    job = wait_for("the training operator's Failed condition", lambda: (
+        j := cluster.job(job_name)) and any(c["type"] == "Failed" and c["status"] == "True"
+                                            for c in (j.get("status") or {}).get("conditions") or []) and j, timeout=60)
+    assert job["metadata"]["name"] == job_name
+    time.sleep(3)  # past the operator's next sync: nothing deletes them later either
+    assert cluster.job(job_name) is not None, "a permanently failed run's job is not deleted"
+    pods = client.CoreV1Api(admin).list_namespaced_pod(
+        namespace, label_selector=f"training.kubeflow.org/job-name={job_name}").items
+    assert [p.status.phase for p in pods] == ["Failed"], [(p.metadata.name, p.status.phase) for p in pods]
+    logs = next(k.logs(namespace, pods[0].metadata.name) for k in nodes if pods[0].spec.node_name == k.name)
+    assert "missing.jsonl" in logs, logs[-2000:]
+
+
+def _end(cluster: Cluster, name: str, nodes: list[Kubelet], operator: Operator, timeout: float) -> dict[str, Any]:
+    """The fine-tune's status once its phase is Succeeded or Failed; on a timeout, what each part said."""
+    try:
+        return wait_for(f"{name}'s end", lambda: (s := cluster.status(name)).get("phase") in ("Succeeded", "Failed")
+                        and s, timeout=timeout)
+    except AssertionError as exc:
+        pods = cluster.api.sanitize_for_serialization(cluster.core.list_namespaced_pod(cluster.ns).items)
+        said = [f"status: {cluster.status(name)}",
+                *[f"pod {p['metadata']['name']}: {p['status'].get('phase')} {p['status'].get('conditions')}" for p in pods],
+                *[f"--- {pod} on {k.name}\n{k.logs(cluster.ns, pod)[-3000:]}" for k in nodes for pod in _pod_names(k, cluster.ns)],
+                *[f"kubelet {k.name}: {k.errors[-5:]}" for k in nodes],
+                f"--- operator\n{operator.logs()[-4000:]}"]
+        raise AssertionError(f"{exc}\n" + "\n".join(said)) from None
+
+
+def _pod_names(kubelet: Kubelet, namespace: str) -> list[str]:
+    return [r.pod["metadata"]["name"] for r in kubelet.runs.values() if r.pod["metadata"]["namespace"] == namespace]
+
+
+def _rendered_pytorchjobs(path: Path, namespace: str) -> list[dict[str, Any]]:
+    """The PyTorchJob of attempt 1 of every LlamaFineTune in `path`, rendered in `namespace`
+    (whatever backend the example asks for: every spec can become a PyTorchJob)."""
+    jobs = []
+    for document in yaml.safe_load_all(path.read_text(encoding="utf-8")):
+        if not document or document.get("kind") != "LlamaFineTune":
+            continue
+        spec = validate_resource(document)
+        owner = Owner(document["metadata"]["name"], namespace, "0b4c8a4e-3d2a-4f51-9a0e-7d4f2f7f0c11")
+        jobs.append(backends.backend_for("PyTorchJob").render(owner, spec, 1))
+    return jobs
