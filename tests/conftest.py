@@ -58,6 +58,14 @@ def pytest_configure(config: pytest.Config) -> None:
     tiers.register(config)  # the slow tier, marked by what starts processes (tests/tiers.py)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The control plane's tests run last. `.ci/run` builds their binaries beside the tests (on a
+    fresh machine a cold build takes a quarter of an hour of both cores), and a test that needs
+    them waits for that build on its lock: run first, the wait would count against the test's
+    timeout (pytest-timeout times fixtures too); run last, the build is done by then."""
+    items.sort(key=lambda item: item.nodeid.startswith("tests/controlplane/"))
+
+
 @pytest.fixture
 def served_progress(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, str]]:
     """The trainer's real metrics.Progress serving on a local port: (progress, base URL); its
