@@ -29,6 +29,7 @@ do; a port bound on the wildcard address (an etcd's 2379) is still this machine'
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import json
@@ -64,6 +65,26 @@ def pod_address() -> str:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     block = 128 + (1 + int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0)
     return f"127.{block}.{k // 250}.{k % 250 + 1}"
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and every process descended from it (by parent pid, whatever session it is in)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # /proc/<pid>/stat: "pid (comm) state ppid ..."; comm may hold spaces and parentheses.
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children.get(pid, [])
+    return tree
 
 
 LEASE_RENEW_S = 10.0
@@ -447,8 +468,24 @@ class Kubelet:
 
     def _kill(self, run: Run) -> None:
         if run.process is not None and run.process.poll() is None:
-            os.killpg(run.process.pid, signal.SIGKILL)
+            for pid in process_tree(run.process.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             run.process.wait()
+
+    def kill(self, namespace: str, name: str, sig: int = signal.SIGKILL) -> list[int]:
+        """`sig` to every process of the pod's container, as the OOM killer or a crash of the node's
+        runtime would end them (the container's cgroup, here its process tree: torchrun's workers
+        run in sessions of their own). Returns the pids signalled."""
+        run = next(r for r in self.runs.values()
+                   if (r.pod["metadata"]["namespace"], r.pod["metadata"]["name"]) == (namespace, name))
+        if run.process is None or run.process.poll() is not None:
+            raise ProcessLookupError(f"pod {namespace}/{name} has no running container")
+        pids = process_tree(run.process.pid)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        return pids
 
     # ------------------------------------------------------------------ status
     def _conditions(self, ready: bool) -> list[Obj]:

@@ -241,3 +241,69 @@ def _rendered_pytorchjobs(path: Path, namespace: str) -> list[dict[str, Any]]:
         owner = Owner(document["metadata"]["name"], namespace, "0b4c8a4e-3d2a-4f51-9a0e-7d4f2f7f0c11")
         jobs.append(backends.backend_for("PyTorchJob").render(owner, spec, 1))
     return jobs
+
+
+def _events(nodes: list[Kubelet], namespace: str, job: str) -> dict[str, list[dict[str, Any]]]:
+    """The JSON event lines of each of `job`'s pods, by pod name (its container's output so far)."""
+    return {pod: read_events(k.logs(namespace, pod)) for k in nodes for pod in _pod_names(k, namespace)
+            if pod.startswith(f"{job}-")}
+
+
+def _past_checkpoint(nodes: list[Kubelet], namespace: str, job: str, step: int) -> tuple[str, str] | None:
+    """(leader pod, other pod) once `job`'s leader has logged a step past `step` and the checkpoint of
+    `step` is complete (checkpoints are written in the background: a fault before that loses it)."""
+    events = _events(nodes, namespace, job)
+    leader = next((pod for pod, lines in events.items() if any(e.get("event") == "step" for e in lines)), None)
+    if leader is None or len(events) < 2:
+        return None
+    lines = events[leader]
+    steps = [e["step"] for e in lines if e.get("event") == "step"]
+    saved = [e["step"] for e in lines if e.get("event") == "checkpoint"]
+    if max(steps) > step and saved and max(saved) >= step:
+        return leader, next(pod for pod in events if pod != leader)
+    return None
+
+
+def test_a_killed_worker_costs_at_most_one_checkpoint_interval(
+        control_plane: ControlPlane, namespace: str, nodes: list[Kubelet], operator: Operator, rendezvous: LocalEtcd,
+        tiny_model: Path, admin: client.ApiClient) -> None:
+    """SIGKILL to every process of one worker's container after the step-10 checkpoint: the pod fails
+    (137), the llamaft operator records Killed (retryable), removes attempt 1's job and starts
+    attempt 2, which resumes from step 10 and trains to the end."""
+    cluster = Cluster(admin, namespace)
+    cluster.create("kill", run_spec(tiny_model, namespace, rendezvous, training={"maxSteps": 40},
+                                    checkpointing={"everyNSteps": 10}, runPolicy={"retryBudget": 2}))
+    job = wait_for("attempt 1's job", lambda: cluster.attempt_job("kill", 1), timeout=60)["metadata"]["name"]
+    _, victim = wait_for("the step-10 checkpoint", lambda: _past_checkpoint(nodes, namespace, job, 10), timeout=180,
+                         interval=0.1)
+    node = next(k for k in nodes if victim in _pod_names(k, namespace))
+    node.kill(namespace, victim)
+    status = _end(cluster, "kill", nodes, operator, timeout=240)
+    assert status["phase"] == "Succeeded" and status["attempt"] == 2, status
+    (record,) = status["failures"]
+    assert record["attempt"] == 1 and record["reason"] == "Killed" and record["retryable"], record
+    assert status["progress"]["step"] == 40, status
+    second = cluster.job_name("kill", 2)
+    resumed = [e for lines in _events(nodes, namespace, second).values() for e in lines if e.get("event") == "resume"]
+    assert resumed and resumed[0]["step"] == 10, resumed
+    live = wait_for("one live job", lambda: (names := [j["metadata"]["name"] for j in cluster.jobs("llamaft.io/finetune=kill")
+                                                     if not j["metadata"].get("deletionTimestamp")]) == [second] and names)
+    assert live == [second], "the failed attempt's job is gone: its pods never sit beside the next attempt's"
+
+
+def test_the_operator_killed_mid_run_picks_the_run_up(
+        control_plane: ControlPlane, namespace: str, nodes: list[Kubelet], operator: Operator, rendezvous: LocalEtcd,
+        tiny_model: Path, admin: client.ApiClient) -> None:
+    """SIGKILL to the llamaft operator while its run trains, a new operator process later: the run
+    ends in its first attempt with its one job (the new process adopts what the old one made)."""
+    cluster = Cluster(admin, namespace)
+    cluster.create("adopt", run_spec(tiny_model, namespace, rendezvous, training={"maxSteps": 40}))
+    job = wait_for("attempt 1's job", lambda: cluster.attempt_job("adopt", 1), timeout=60)["metadata"]["name"]
+    wait_for("training", lambda: _past_checkpoint(nodes, namespace, job, 6), timeout=180, interval=0.1)
+    operator.kill()
+    time.sleep(2)
+    operator.start()
+    status = _end(cluster, "adopt", nodes, operator, timeout=240)
+    assert status["phase"] == "Succeeded" and status["attempt"] == 1 and not status.get("failures"), status
+    assert status["progress"]["step"] == 40, status
+    assert [j["metadata"]["name"] for j in cluster.jobs("llamaft.io/finetune=adopt")] == [job]

@@ -484,25 +484,6 @@ def test_budget_used_up_fails_with_the_history(cluster: Cluster, sim: SimCluster
     delete_and_assert_no_orphans(cluster, sim, "broke")
 
 
-def test_config_error_fails_at_once_without_retry(cluster: Cluster, sim: SimCluster, operator: Operator, tiny_model: Path,
-                                                  tmp_path: Path) -> None:
-    cluster.create("typo", run_spec(tiny_model, dataset={"source": str(tmp_path / "missing.jsonl")}))
-    status = phase(cluster, "typo", "Failed", "Succeeded")
-    assert status["phase"] == "Failed" and status.get("retriesUsed", 0) == 0 and status["attempt"] == 1
-    record = status["failures"][0]
-    assert record["reason"] == "ConfigError" and not record["retryable"] and "missing.jsonl" in record["message"]
-    assert "ConfigError is permanent" in status["message"]
-    time.sleep(2)
-    assert cluster.attempt_job("typo", 2) is None
-    # Whether the operator read a pod's report before the training operator failed the job or after,
-    # the job stays, and with it its failed pods for `kubectl logs`.
-    job = cluster.job_name("typo", 1)
-    assert cluster.job(job) is not None, "a permanently failed run's job is not deleted"
-    pods = cluster.core.list_namespaced_pod("default", label_selector=f"training.kubeflow.org/job-name={job}").items
-    assert any(p.status.phase == "Failed" for p in pods), [(p.metadata.name, p.status.phase) for p in pods]
-    delete_and_assert_no_orphans(cluster, sim, "typo")
-
-
 def test_operator_killed_at_random_points(cluster: Cluster, sim: SimCluster, operator: Operator, etcd: LocalEtcd,
                                          world: tuple[EmulatorThread, Cluster, SimCluster, Path], tiny_model: Path,
                                          tmp_path: Path) -> None:
