@@ -181,9 +181,9 @@ def _matches(found: dict[str, str] | None) -> bool:
 
 def ensure_venv(venv: Path = VENV) -> Path:
     """The peer venv's python, made when missing or when its versions differ from the pins:
-    python -m venv, torch by pip (its pinned CPU build lies on local disk, where only pip looks),
-    the rest by uv when the project's venv has it (.ci/setup installs it: seconds where pip takes
-    a minute or more, byte-compiled as pip would), else by pip. Under an exclusive lock beside the
+    python -m venv, then torch (pinned, first) and the rest by uv when the project's venv has it
+    (.ci/setup installs it: from uv's cache, which .ci/setup's own torch filled, in seconds where
+    pip unpacks several GB for minutes; byte-compiled as pip would), else by pip. Under an exclusive lock beside the
     venv: the tests that need it run in parallel, and two installs into one venv break it."""
     venv.parent.mkdir(parents=True, exist_ok=True)
     with open(venv.with_name(venv.name + ".lock"), "w") as lock:
@@ -204,8 +204,8 @@ def _ensure_venv(venv: Path) -> Path:
     uv = Path(sys.executable).with_name("uv")
     if uv.exists():
         torch_pin = [f"torch=={pins()['torch']}"] if "torch" in pins() else []
-        steps = [[str(python), "-m", "pip", "install", "-q", *torch_pin],
-                 [str(uv), "pip", "install", "--quiet", "--compile-bytecode", "--python", str(python), "-r", str(REQUIREMENTS)]]
+        install = [str(uv), "pip", "install", "--quiet", "--compile-bytecode", "--python", str(python)]
+        steps = [[*install, *torch_pin], [*install, "-r", str(REQUIREMENTS)]] if torch_pin else [[*install, "-r", str(REQUIREMENTS)]]
     else:
         steps = [[str(python), "-m", "pip", "install", "-q", "-r", str(REQUIREMENTS)]]
     for command in steps:

@@ -159,7 +159,7 @@ def test_operator_install_command_in_a_clean_venv(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_trainer_install_command_in_a_clean_venv(tmp_path: Path) -> None:
     """Dockerfile.trainer's RUN line on top of a torch that is already there (the CUDA base image's
-    role; here the CPU build): the extra installs and the image's own import check passes."""
+    role; here PyPI's build of the pinned torch): the extra installs and the image's own import check passes."""
     dockerfile = (REPO / "Dockerfile.trainer").read_text()
     install = UV.search(dockerfile)
     imports = re.search(r'uv pip install [^&]+ && python -c "([^"]+)"', dockerfile)
@@ -167,8 +167,11 @@ def test_trainer_install_command_in_a_clean_venv(tmp_path: Path) -> None:
         "Dockerfile.trainer installs the trainer extra with the constraints and checks its imports"
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile"]
-    base = subprocess.run([*pip, f"torch=={pins()['torch']}"], capture_output=True, text=True, timeout=900)
+    # The base image's torch: the pinned build, by the project's uv from its cache (.ci/setup filled
+    # it), as files, not a download; only the image's own command below runs without a cache.
+    uv = Path(sys.executable).with_name("uv")
+    base = subprocess.run([str(uv), "pip", "install", "--quiet", "--python", str(venv / "bin" / "python"),
+                           "-c", str(CONSTRAINTS), f"torch=={pins()['torch']}"], capture_output=True, text=True, timeout=900)
     assert base.returncode == 0, base.stderr[-3000:]
     image_install(venv, install)
     check = subprocess.run([str(venv / "bin" / "python"), "-c", imports.group(1)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
