@@ -41,6 +41,15 @@ def pod(name: str, uid: str, *, job: str = JOB, created: str = "2026-12-03T10:00
         "spec": {"nodeName": f"node-{name[-1]}"}, "status": status}
 
 
+FINAL_REPORT = '{"phase": "Succeeded", "step": 12, "totalSteps": 12, "loss": 0.7, "exportPath": "/checkpoints/run/export"}'
+
+
+def reported(the_pod: dict[str, Any], message: str) -> dict[str, Any]:
+    """`the_pod` with `message` as its trainer container's termination message."""
+    the_pod["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = message
+    return the_pod
+
+
 def job(created: str = "2026-12-03T10:00:00Z") -> dict[str, Any]:
     return {"kind": "PyTorchJob", "metadata": {"name": JOB, "namespace": "default", "uid": "job-uid",
                                                 "creationTimestamp": created}}
@@ -54,7 +63,10 @@ def job(created: str = "2026-12-03T10:00:00Z") -> dict[str, Any]:
     (pod("w-0", "a"), False),  # running, nothing to explain
     (pod("w-0", "a", phase="Failed", exit_code=1), False),  # a crash stays on the pod, which stays
     ({**pod("w-0", "a"), "status": {"conditions": [{"type": "DisruptionTarget", "status": "False"}]}}, False),
-], ids=["eviction-api", "preemption", "node-lost", "kubelet-evicted", "running", "crashed", "condition-false"])
+    (reported(pod("w-0", "a", phase="Succeeded", exit_code=0), FINAL_REPORT), True),  # the leader's final report
+    (pod("w-1", "b", phase="Succeeded", exit_code=0), False),  # another worker's end says nothing more
+], ids=["eviction-api", "preemption", "node-lost", "kubelet-evicted", "running", "crashed", "condition-false",
+        "leader-final-report", "succeeded-without-report"])
 def test_which_pods_carry_evidence_their_deletion_erases(the_pod: dict[str, Any], kept: bool) -> None:
     assert failures.erasable(the_pod) is kept
     store = PodEvidence()

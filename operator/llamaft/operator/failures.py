@@ -145,9 +145,15 @@ ERASABLE_REASONS = ("Evicted", "NodeLost")
 def erasable(pod: Obj) -> bool:
     """Whether the pod carries evidence that goes when the pod is deleted, and it may be: a
     DisruptionTarget condition (an eviction, a preemption, the taint manager or PodGC delete the
-    pod they mark) or status.reason Evicted/NodeLost. The watch keeps such a pod (evidence.py)."""
+    pod they mark), status.reason Evicted/NodeLost, or the trainer's final Succeeded report in its
+    termination message: training-operator v1.9 calls an elastic PyTorchJob Succeeded once any
+    worker has succeeded and deletes the workers still running (cleanPodPolicy Running), often the
+    leader's pod right after it wrote that report. The watch keeps such a pod (evidence.py)."""
     reason = (pod.get("status") or {}).get("reason")
-    return _condition(pod, "DisruptionTarget") is not None or reason in ERASABLE_REASONS
+    if _condition(pod, "DisruptionTarget") is not None or reason in ERASABLE_REASONS:
+        return True
+    state = terminated(pod)
+    return isinstance(trainer_report(state.get("message") if state else None), SucceededReport)
 
 
 def pod_failure(pod: Obj, last_step: int | None) -> Failure | None:
