@@ -32,8 +32,9 @@ class Verdict:
     fields: frozenset[str] = field(default_factory=frozenset)
     messages: tuple[str, ...] = ()
     decoding: bool = False
-    """Refused while decoding (an unknown or duplicate field, a wrong type in metadata): the server
-    stops there and names only those fields; the schema and its rules were not checked."""
+    """Refused before the schema is checked (while decoding: an unknown or duplicate field, a wrong
+    type in metadata; or sent to a namespace that cannot exist): the server names only those
+    fields; the schema and its rules were not checked."""
 
     def __str__(self) -> str:
         if self.accepted:
@@ -56,7 +57,7 @@ def server_verdict(plane: ControlPlane, namespace: str, doc: Any) -> Verdict:
             body["metadata"]["namespace"] = namespace
         elif isinstance(named, str) and named:
             # No such namespace can exist: kubectl's request to it can never succeed.
-            return Verdict(False, frozenset({"metadata.namespace"}), (f"namespace {named!r} cannot exist",))
+            return Verdict(False, frozenset({"metadata.namespace"}), (f"namespace {named!r} cannot exist",), decoding=True)
     path = (f"/apis/llamaft.io/v1alpha1/namespaces/{namespace}/llamafinetunes"
             "?dryRun=All&fieldValidation=Strict&fieldManager=kubectl-client-side-apply")
     status, answer = plane.request("POST", path, body)

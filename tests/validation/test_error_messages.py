@@ -80,6 +80,8 @@ ADMISSION: list[tuple[str, dict[str, Any], list[str]]] = [
      ["spec.cluster.workers: must be an integer, got the number 2.5 (a whole number)"]),
     ("image as a number", with_(("spec.cluster.image", 7)),
      ["spec.cluster.image: must be a string, got the number 7 (quote it: '7')"]),
+    ("a label value as a number", with_(("metadata.labels", {"team": 1})),
+     ["metadata.labels: 'team': must be a string, got the number 1 (quote it: '1')"]),
     ("fsdp as a list", with_(("spec.fsdp", ["FULL_SHARD"])),
      ["spec.fsdp: must be a mapping (key: value), got a list"]),
     # camelCase only

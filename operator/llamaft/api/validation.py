@@ -519,7 +519,8 @@ def _string_map_errors(where: str, value: Mapping[str, Any], labels: bool) -> li
     for key, item in value.items():
         if item is not None and not isinstance(item, str):
             fix = f" (quote it: '{str(item).lower()}')" if isinstance(item, bool | int | float) else ""
-            errors.append(FieldError(f"{where}[{key}]", f"must be a string, got {_describe_value(item)}{fix}"))
+            # The API server cannot decode it into ObjectMeta's map[string]string and names the map.
+            errors.append(FieldError(where, f"{short(key)}: must be a string, got {_describe_value(item)}{fix}"))
             continue
         text = item or ""
         total += len(str(key)) + len(text)
