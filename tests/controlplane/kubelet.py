@@ -16,8 +16,10 @@ it, the ConfigMaps, Secrets and ServiceAccount tokens those pods use. It
   pointing at the API server, as kubelet sets them from the `kubernetes` Service);
 - reports the pod's status through the API (phase, conditions, container state, exit code,
   termination message from terminationMessagePath), restarts containers as restartPolicy says,
-  and on deletion stops the container (SIGTERM, then SIGKILL after the grace period) and deletes
-  the pod for good, as kubelet's status manager does.
+  and on deletion stops the container (SIGTERM, then SIGKILL after the grace period), writes its
+  terminal status and deletes the pod for good, as kubelet's status manager does;
+- suffers a node's faults on demand: `kill` (a signal to the container's whole process tree, its
+  cgroup on a real node), `oom_kill`, `hang` (SIGSTOP), `evict` (node-pressure eviction).
 
 An image's entrypoint, where a container gives no command, is read from the Dockerfile the image is
 built from (IMAGES). Pods share this machine's network (no CNI, no network namespace): each pod gets
@@ -137,6 +139,10 @@ class Run:
     terminating_since: float | None = None
     log: Path | None = None
     address: str = field(default_factory=pod_address)
+    oom: bool = False
+    """The next exit is the OOM killer's (reason OOMKilled)."""
+    evicted: str | None = None
+    """Being evicted by this node (evict): the message its Failed status will carry."""
 
 
 class ApiError(RuntimeError):
@@ -267,6 +273,9 @@ class Kubelet:
             if pod["metadata"].get("deletionTimestamp"):
                 self._terminate(run)
                 continue
+            if run.evicted is not None:
+                self._evicting(run)
+                continue
             self._check(run)
         for uid in [u for u in self.runs if u not in seen]:  # deleted for good elsewhere
             self._kill(self.runs.pop(uid))
@@ -338,6 +347,11 @@ class Kubelet:
             folder = self._volume(pod, volume, run)
             if folder is not None:
                 binds.append((folder, mount["mountPath"], bool(mount.get("readOnly"))))
+        if any(REPO.is_relative_to(target) for _, target, _ in binds):
+            # The image's files (this checkout and its venv play the image) are not under the pod's
+            # volumes: a volume at a folder that holds the checkout (an emptyDir at /tmp, where CI may
+            # clone it) would hide them, which a real image's files never are. Bound back over it.
+            binds.append((REPO, str(REPO), True))
         argv = [*(container.get("command") or entrypoint(container.get("image", "")) or []), *(container.get("args") or [])]
         if not argv:
             raise ValueError(f"image {container.get('image')!r}: the test kubelet knows no entrypoint for it; set command")
@@ -427,34 +441,77 @@ class Kubelet:
         if process is None or process.poll() is None:
             return
         pod = run.pod
-        container = pod["spec"]["containers"][0]
         code = process.returncode
-        message = (run.folder / "termination-log").read_text(errors="replace")[-4096:]
-        terminated = {"exitCode": code if code >= 0 else 128 - code, "reason": "Completed" if code == 0 else "Error",
-                      "startedAt": run.started_at, "finishedAt": now(), **({"message": message} if message else {})}
         policy = pod["spec"].get("restartPolicy", "Always")
         if policy == "Always" or (policy == "OnFailure" and code != 0):
             run.restarts += 1
-            run.last_terminated = terminated
+            run.last_terminated = self._terminated(run, code)
+            run.oom = False
             self._start_container(run)
             return
+        status = self._terminal_status(run, code)
         run.process = None
-        self._patch_status(pod, {"phase": "Succeeded" if code == 0 else "Failed", "conditions": self._conditions(False),
-                                 "containerStatuses": [self._container_status(container, {"terminated": terminated}, run)]})
+        self._patch_status(pod, status)
+
+    def _terminated(self, run: Run, code: int) -> Obj:
+        """The container's terminated state: exit code (128 + signal), reason, termination message."""
+        message = (run.folder / "termination-log").read_text(errors="replace")[-4096:]
+        reason = "OOMKilled" if run.oom else "Completed" if code == 0 else "Error"
+        return {"exitCode": code if code >= 0 else 128 - code, "reason": reason, "startedAt": run.started_at,
+                "finishedAt": now(), **({"message": message} if message else {})}
+
+    def _terminal_status(self, run: Run, code: int) -> Obj:
+        container = run.pod["spec"]["containers"][0]
+        return {"phase": "Succeeded" if code == 0 else "Failed", "conditions": self._conditions(False),
+                "containerStatuses": [self._container_status(container, {"terminated": self._terminated(run, code)}, run)]}
 
     def _terminate(self, run: Run) -> None:
-        """The pod is being deleted: SIGTERM, SIGKILL after its grace period, then delete it for good."""
+        """The pod is being deleted: SIGTERM to the container's process group, SIGKILL to all of it
+        after the grace period (a stopped process gets SIGKILL too), its terminal status written
+        (phase, the container's terminated state), then the pod deleted for good, as kubelet's
+        status manager does."""
         process = run.process
-        grace = float(run.pod["metadata"].get("deletionGracePeriodSeconds") or 30)
-        if process is not None and process.poll() is None:
-            if run.terminating_since is None:
-                run.terminating_since = time.monotonic()
-                os.killpg(process.pid, signal.SIGTERM)
-            elif time.monotonic() - run.terminating_since > grace:
-                os.killpg(process.pid, signal.SIGKILL)
+        if self._stopping(run, float(run.pod["metadata"].get("deletionGracePeriodSeconds") or 30)):
             return
+        if process is not None:
+            with contextlib.suppress(ApiError):
+                self._patch_status(run.pod, self._terminal_status(run, process.returncode))
         self._delete_for_good(run.pod)
         self.runs.pop(run.pod["metadata"]["uid"], None)
+
+    def _stopping(self, run: Run, grace: float) -> bool:
+        """Whether the container still runs after this round of stopping it: SIGTERM to its process
+        group first, SIGKILL to all of it once `grace` seconds have passed."""
+        process = run.process
+        if process is None or process.poll() is not None:
+            return False
+        if run.terminating_since is None:
+            run.terminating_since = time.monotonic()
+            os.killpg(process.pid, signal.SIGTERM)
+        elif time.monotonic() - run.terminating_since > grace:
+            for pid in process_tree(process.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        return True
+
+    def evict(self, namespace: str, name: str, message: str = "The node was low on resource: memory. ") -> None:
+        """Node-pressure eviction, as kubelet's eviction manager does it: the DisruptionTarget
+        condition (reason TerminationByKubelet), SIGTERM, SIGKILL after the pod's grace period, and
+        the pod left Failed with status.reason Evicted (not deleted, never restarted)."""
+        run = self._run(namespace, name)
+        self._patch_status(run.pod, {"conditions": [{"type": "DisruptionTarget", "status": "True",
+                                                     "reason": "TerminationByKubelet", "message": message,
+                                                     "lastTransitionTime": now()}]})
+        run.evicted = message
+
+    def _evicting(self, run: Run) -> None:
+        process = run.process
+        if process is None or self._stopping(run, float(run.pod["spec"].get("terminationGracePeriodSeconds") or 30)):
+            return
+        status = self._terminal_status(run, process.returncode)
+        status.update({"phase": "Failed", "reason": "Evicted", "message": run.evicted})
+        run.process = None
+        self._patch_status(run.pod, status)
 
     def _delete_for_good(self, pod: Obj) -> None:
         meta = pod["metadata"]
@@ -473,12 +530,25 @@ class Kubelet:
                     os.kill(pid, signal.SIGKILL)
             run.process.wait()
 
+    def oom_kill(self, namespace: str, name: str) -> None:
+        """The kernel's OOM killer on the container's cgroup: SIGKILL to all of it; the container
+        ends with exit code 137, reason OOMKilled."""
+        self._run(namespace, name).oom = True
+        self.kill(namespace, name)
+
+    def hang(self, namespace: str, name: str) -> None:
+        """SIGSTOP to every process of the container: alive, Running, silent (a hung collective)."""
+        self.kill(namespace, name, signal.SIGSTOP)
+
+    def _run(self, namespace: str, name: str) -> Run:
+        return next(r for r in self.runs.values()
+                    if (r.pod["metadata"]["namespace"], r.pod["metadata"]["name"]) == (namespace, name))
+
     def kill(self, namespace: str, name: str, sig: int = signal.SIGKILL) -> list[int]:
         """`sig` to every process of the pod's container, as the OOM killer or a crash of the node's
         runtime would end them (the container's cgroup, here its process tree: torchrun's workers
         run in sessions of their own). Returns the pids signalled."""
-        run = next(r for r in self.runs.values()
-                   if (r.pod["metadata"]["namespace"], r.pod["metadata"]["name"]) == (namespace, name))
+        run = self._run(namespace, name)
         if run.process is None or run.process.poll() is not None:
             raise ProcessLookupError(f"pod {namespace}/{name} has no running container")
         pids = process_tree(run.process.pid)

@@ -264,31 +264,70 @@ def _past_checkpoint(nodes: list[Kubelet], namespace: str, job: str, step: int) 
     return None
 
 
-def test_a_killed_worker_costs_at_most_one_checkpoint_interval(
+FAULT_RUNS = [["kill_container", "oom_kill", "hang"], ["kubelet_eviction", "api_eviction"]]
+"""Faults on the real control plane, each ending one attempt of a run that takes several in turn:
+fault k lands on a worker of attempt k once it has passed checkpoint k x 10."""
+EXPECTED = {"kill_container": "Killed", "oom_kill": "OOMKilled", "hang": "Stalled", "kubelet_eviction": "Evicted",
+            "api_eviction": "Evicted"}
+EXCLUDES_THE_NODE = {"kubelet_eviction"}
+
+
+def _inject(plane: ControlPlane, node: Kubelet, namespace: str, pod: str, fault: str) -> None:
+    """One fault on one pod: by our kubelet (the node's own faults), or through the API server."""
+    if fault == "api_eviction":  # the Eviction API: the API server adds DisruptionTarget and deletes the pod
+        status, answer = plane.request("POST", f"/api/v1/namespaces/{namespace}/pods/{pod}/eviction", {
+            "apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": namespace}})
+        assert status == 201, answer
+        return
+    {"kill_container": node.kill, "oom_kill": node.oom_kill, "hang": node.hang, "kubelet_eviction": node.evict}[fault](
+        namespace, pod)
+
+
+@pytest.mark.parametrize("faults", FAULT_RUNS, ids=["+".join(f.replace("_", "") for f in run) for run in FAULT_RUNS])
+def test_each_fault_costs_at_most_one_checkpoint_interval(
         control_plane: ControlPlane, namespace: str, nodes: list[Kubelet], operator: Operator, rendezvous: LocalEtcd,
-        tiny_model: Path, admin: client.ApiClient) -> None:
-    """SIGKILL to every process of one worker's container after the step-10 checkpoint: the pod fails
-    (137), the llamaft operator records Killed (retryable), removes attempt 1's job and starts
-    attempt 2, which resumes from step 10 and trains to the end."""
+        tiny_model: Path, admin: client.ApiClient, faults: list[str]) -> None:
+    """Each fault lands after its attempt's newest checkpoint; the llamaft operator classifies it
+    from the pod's evidence (a hang by the progress deadline), keeps later attempts off a node the
+    evidence named, and the next attempt resumes from that checkpoint or a later one (an eviction's
+    SIGTERM lets the trainer save where it stopped); the run finishes with one live job, after
+    len(faults) retries."""
     cluster = Cluster(admin, namespace)
-    cluster.create("kill", run_spec(tiny_model, namespace, rendezvous, training={"maxSteps": 40},
-                                    checkpointing={"everyNSteps": 10}, runPolicy={"retryBudget": 2}))
-    job = wait_for("attempt 1's job", lambda: cluster.attempt_job("kill", 1), timeout=60)["metadata"]["name"]
-    _, victim = wait_for("the step-10 checkpoint", lambda: _past_checkpoint(nodes, namespace, job, 10), timeout=180,
-                         interval=0.1)
-    node = next(k for k in nodes if victim in _pod_names(k, namespace))
-    node.kill(namespace, victim)
-    status = _end(cluster, "kill", nodes, operator, timeout=240)
-    assert status["phase"] == "Succeeded" and status["attempt"] == 2, status
-    (record,) = status["failures"]
-    assert record["attempt"] == 1 and record["reason"] == "Killed" and record["retryable"], record
-    assert status["progress"]["step"] == 40, status
-    second = cluster.job_name("kill", 2)
-    resumed = [e for lines in _events(nodes, namespace, second).values() for e in lines if e.get("event") == "resume"]
-    assert resumed and resumed[0]["step"] == 10, resumed
-    live = wait_for("one live job", lambda: (names := [j["metadata"]["name"] for j in cluster.jobs("llamaft.io/finetune=kill")
-                                                     if not j["metadata"].get("deletionTimestamp")]) == [second] and names)
-    assert live == [second], "the failed attempt's job is gone: its pods never sit beside the next attempt's"
+    steps = 10 * (len(faults) + 1)
+    policy: dict[str, Any] = {"retryBudget": len(faults), **({"progressDeadlineSeconds": 10} if "hang" in faults else {})}
+    cluster.create("faults", run_spec(tiny_model, namespace, rendezvous, training={"maxSteps": steps},
+                                      checkpointing={"everyNSteps": 10}, runPolicy=policy))
+    excluded: list[str] = []
+    for attempt, fault in enumerate(faults, start=1):
+        job = wait_for(f"attempt {attempt}'s job", lambda a=attempt: cluster.attempt_job("faults", a), timeout=60)
+        name = job["metadata"]["name"]
+        _, victim = wait_for(f"attempt {attempt} past checkpoint {attempt * 10}",
+                             lambda n=name, a=attempt: _past_checkpoint(nodes, namespace, n, a * 10), timeout=180, interval=0.1)
+        node = next(k for k in nodes if victim in _pod_names(k, namespace))
+        _inject(control_plane, node, namespace, victim, fault)
+        status = wait_for(f"attempt {attempt + 1}", lambda a=attempt: (s := cluster.status("faults")).get("attempt") == a + 1
+                          and s, timeout=90)
+        record = status["failures"][attempt - 1]
+        seen = f"{fault} on {victim} ({node.name}): {record}"
+        assert record["reason"] == EXPECTED[fault] and record["attempt"] == attempt and record["retryable"], seen
+        if fault in EXCLUDES_THE_NODE:
+            excluded.append(node.name)
+        assert status.get("excludedNodes", []) == excluded, seen
+        if fault == "hang":
+            assert "no step advance" in record["message"], seen
+        second = cluster.job_name("faults", attempt + 1)
+        resumed = wait_for(f"attempt {attempt + 1} resumed", lambda j=second: [
+            e for lines in _events(nodes, namespace, j).values() for e in lines if e.get("event") == "resume"], timeout=120)
+        # At most the interval since checkpoint attempt x 10 is lost; a fault that SIGTERMs the
+        # container (an eviction) lets the trainer save the step it stopped at, and it resumes there.
+        assert resumed[0]["step"] >= attempt * 10, (seen, resumed)
+    status = _end(cluster, "faults", nodes, operator, timeout=240)
+    assert status["phase"] == "Succeeded" and status["attempt"] == len(faults) + 1, status
+    assert status["retriesUsed"] == len(faults) and status["progress"]["step"] == steps, status
+    last = cluster.job_name("faults", len(faults) + 1)
+    live = wait_for("one live job", lambda: (names := [j["metadata"]["name"] for j in cluster.jobs("llamaft.io/finetune=faults")
+                                                     if not j["metadata"].get("deletionTimestamp")]) == [last] and names)
+    assert live == [last], "a failed attempt's job is gone: its pods never sit beside the next attempt's"
 
 
 def test_the_operator_killed_mid_run_picks_the_run_up(

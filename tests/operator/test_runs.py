@@ -349,11 +349,13 @@ def inject(sim: SimCluster, fault: str, pod: str) -> None:
     actions[fault]()
 
 
-FAULT_RUNS = [["kill_container", "kubelet_eviction", "hang"], ["oom_kill", "api_eviction", "gpu_xid"], ["preemption", "lose_node"]]
-"""Every fault of the sim, and a GPU XID, each ending one attempt of a run that takes several in
+FAULT_RUNS = [["preemption", "gpu_xid", "lose_node"]]
+"""The faults that run here until they move to the real control plane (a scheduler's preemption,
+a GPU XID from dcgm-exporter, a lost node), each ending one attempt of a run that takes several in
 turn: fault k lands in attempt k once it has passed checkpoint k x EVERY (steps 11, 21, 31 of 60),
 so each costs one attempt's start-up rather than a whole run of its own, and the run's loss trace
-spans every recovery."""
+spans every recovery. A killed, OOM-killed or hung container and both evictions run on the real
+control plane with the real training operator (tests/controlplane/test_training_operator.py)."""
 EXPECTED = {"kill_container": "Killed", "oom_kill": "OOMKilled", "kubelet_eviction": "Evicted", "api_eviction": "Evicted",
             "preemption": "Preempted", "lose_node": "NodeLost", "hang": "Stalled", "gpu_xid": "GPUXid"}
 EXCLUDES_THE_NODE = {"kubelet_eviction", "lose_node", "gpu_xid"}
