@@ -278,8 +278,8 @@ class ControlPlane:
             raise ControlPlaneError(f"TokenRequest for {namespace}/{name}: {status} {body}")
         return str(body["status"]["token"])
 
-    def kubeconfig_for_service_account(self, namespace: str, name: str) -> Path:
-        token = self.service_account_token(namespace, name)
+    def kubeconfig_for_service_account(self, namespace: str, name: str, *, seconds: int = 3600) -> Path:
+        token = self.service_account_token(namespace, name, seconds=seconds)
         return kubeconfig(self.root / f"sa-{namespace}-{name}.kubeconfig", self.server, self.pki.ca,
                           user=f"system:serviceaccount:{namespace}:{name}", token=token)
 

@@ -34,7 +34,8 @@ from typing import Any
 import yaml
 from llamaft_trainer.local_etcd import free_port
 
-from tests.controlplane.cluster import HOST, Component, ControlPlane, ControlPlaneError, kubeconfig
+from tests.controlplane.cluster import HOST, Component, ControlPlane, ControlPlaneError
+from tests.controlplane.conftest import apply, wait_established
 
 NAMESPACE = "kubeflow"
 NAME = "training-operator"
@@ -71,10 +72,7 @@ class TrainingOperator:
         return [d for d in yaml.safe_load_all((self.manifests / name).read_text(encoding="utf-8")) if d]
 
     def _apply(self, path: str, body: dict[str, Any]) -> None:
-        status, answer = self.plane.request("PATCH", f"{path}?fieldManager=kustomize&force=true", body,
-                                            content_type="application/apply-patch+yaml")
-        if status not in (200, 201):
-            raise ControlPlaneError(f"installing the training operator: apply {path}: {status} {answer}")
+        apply(self.plane, path, body, manager="kustomize")
 
     def install(self) -> None:
         labels = {"control-plane": "kubeflow-training-operator"}
@@ -98,7 +96,7 @@ class TrainingOperator:
                 "metadata": {"name": SECRET, "namespace": NAMESPACE, "labels": labels}})
         (crd,) = self._manifest("kubeflow.org_pytorchjobs.yaml")
         self._apply(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd['metadata']['name']}", crd)
-        self._wait(f"CRD {crd['metadata']['name']} Established", lambda: _established(self.plane, crd["metadata"]["name"]))
+        wait_established(self.plane, crd["metadata"]["name"])
         self._apply(f"/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/{WEBHOOK_CONFIGURATION}",
                     self.webhook_configuration())
         self.plane.add_host(SERVICE_HOST)
@@ -120,14 +118,7 @@ class TrainingOperator:
     def start(self) -> TrainingOperator:
         self.install()
         self.certs.mkdir(parents=True, exist_ok=True)
-        status, token = self.plane.request(
-            "POST", f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/{NAME}/token",
-            {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-             "spec": {"expirationSeconds": TOKEN_SECONDS}})
-        if status != 201:
-            raise ControlPlaneError(f"TokenRequest for the training operator: {status} {token}")
-        config = kubeconfig(self.root / "training-operator.kubeconfig", self.plane.server, self.plane.pki.ca,
-                            user=f"system:serviceaccount:{NAMESPACE}:{NAME}", token=token["status"]["token"])
+        config = self.plane.kubeconfig_for_service_account(NAMESPACE, NAME, seconds=TOKEN_SECONDS)
         argv = [
             "unshare", "--mount", "--propagation", "private",
             "sh", "-c", 'mkdir -p "$1" && mount --bind "$0" "$1" && shift && exec "$@"', str(self.certs), CERT_DIR,
@@ -191,8 +182,3 @@ class TrainingOperator:
     def logs(self) -> str:
         return self.component.tail(200_000) if self.component is not None else ""
 
-
-def _established(plane: ControlPlane, name: str) -> bool:
-    status, crd = plane.request("GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
-    conditions = {c["type"]: c["status"] for c in (((crd or {}).get("status") or {}).get("conditions") or [])}
-    return status == 200 and conditions.get("Established") == "True"
