@@ -89,6 +89,17 @@ class Operator:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """SIGSTOP the operator for the block, SIGCONT after it: what the block writes reaches the
+        operator all at once, as events that arrive while a sync is busy elsewhere do."""
+        assert self.proc is not None and self.proc.poll() is None
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)

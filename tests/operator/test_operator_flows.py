@@ -4,6 +4,7 @@ progress read from the real trainer's /progress endpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -91,8 +92,10 @@ def test_a_permanent_failure_keeps_the_failed_pod_for_kubectl_logs(cluster: Clus
                                                                     job_failed_first: bool) -> None:
     """A trainer that finds no dataset (1 worker) ends its pod with a ConfigError report. Whether the
     operator reads that report before the training operator sets the job's Failed condition or
-    after, the run is Failed and the job is not deleted: its failed pod, which the garbage collector
-    would take with the job, stays for `kubectl logs`."""
+    with it, the run is Failed and the job is not deleted: its failed pod, which the garbage
+    collector would take with the job, stays for `kubectl logs`. The training operator marks the
+    job Failed only once it has seen the failed pod, so the pod's report always comes first; to
+    have the operator read both at once, it is paused across the two writes."""
     name = "nodata-late" if job_failed_first else "nodata"
     cluster.create(name, tiny_spec(rendezvous=ETCD_SPEC, cluster={"workers": 1}))
     job = wait_for("job", lambda: cluster.attempt_job(name, 1))
@@ -104,9 +107,10 @@ def test_a_permanent_failure_keeps_the_failed_pod_for_kubectl_logs(cluster: Clus
                                                       f"PyTorchJob {job_name} is failed because 1 Worker replica(s) failed.")]
     report = json.dumps({"phase": "Failed", "reason": "ConfigError", "message": "spec.dataset.source: /data/missing.jsonl: no such file"})
     pod = f"{job_name}-worker-0"
-    if job_failed_first:
-        cluster.set_job_status(job_name, failed, replicaStatuses={"Worker": {"failed": 1}})
-    cluster.create_pod(pod, job_name, phase="Failed", terminated_message=report, owner=job)
+    with operator.paused() if job_failed_first else contextlib.nullcontext():
+        cluster.create_pod(pod, job_name, phase="Failed", terminated_message=report, owner=job)
+        if job_failed_first:
+            cluster.set_job_status(job_name, failed, replicaStatuses={"Worker": {"failed": 1}})
     status = wait_for("Failed", lambda: (s := cluster.status(name))["phase"] == "Failed" and s)
     assert "ConfigError is permanent" in status["message"] and status["failures"][0]["reason"] == "ConfigError"
     time.sleep(1.0)  # a delete would have been issued by now, and collected (the emulator's GC acts in 50 ms)

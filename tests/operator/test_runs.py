@@ -211,20 +211,28 @@ def stepping(cluster: Cluster, sim: SimCluster, name: str, at_least: int, timeou
     interval before it is complete (read from the pods' logs as they are written, not from the
     status, which is refreshed once per sync interval). Checkpoints are written in the background:
     a fault while one is being written loses it (the run resumes from the one before), so a fault
-    meant to cost at most one interval is injected once the interval's checkpoint is complete."""
+    meant to cost at most one interval is injected once the interval's checkpoint is complete.
+    An attempt that resumed from that checkpoint (its `resume` line) shows it complete too. On a
+    timeout the run's status and the attempt's last log lines are in the message."""
     saved = (at_least - 1) // EVERY * EVERY
+    seen: dict[str, Any] = {}
 
     def reached() -> dict[str, Any] | None:
-        status = cluster.status(name)
+        status = seen["status"] = cluster.status(name)
         current = job or status.get("jobName")
         if not current:
             return None
-        lines = [line for i in range(2) for line in read_events(sim.logs(f"{current}-worker-{i}"))]
+        logs = seen["logs"] = {i: read_events(sim.logs(f"{current}-worker-{i}")) for i in range(2)}
+        lines = [line for pod in logs.values() for line in pod]
         steps = [line["step"] for line in lines if line.get("event") == "step"]
-        complete = [line["step"] for line in lines if line.get("event") == "checkpoint"]
+        complete = [line["step"] for line in lines if line.get("event") in ("checkpoint", "resume")]
         done = not saved or (complete and max(complete) >= saved)
         return status if steps and max(steps) >= at_least and done else None
-    return wait_for(f"{name} at step {at_least}", reached, timeout=timeout, interval=0.1)
+    try:
+        return wait_for(f"{name} at step {at_least}", reached, timeout=timeout, interval=0.1)
+    except AssertionError as exc:
+        tails = {i: lines[-5:] for i, lines in seen.get("logs", {}).items()}
+        raise AssertionError(f"{exc}\nstatus: {seen.get('status')}\nlast log lines per worker: {tails}") from None
 
 
 def leader_pod(cluster: Cluster, sim: SimCluster, name: str, job: str | None = None) -> str:
