@@ -163,6 +163,9 @@ class Kubelet:
         self._context = ssl.create_default_context(cafile=str(plane.pki.ca))
         self._context.load_cert_chain(str(credential.cert), str(credential.key))
         self.runs: dict[str, Run] = {}
+        self.ran: dict[tuple[str, str], Path] = {}
+        """(namespace, pod name) -> the newest container log of every pod that ran here, deleted
+        ones too: kubelet removes a deleted pod's logs, but a test reads what each attempt did."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.errors: list[str] = []
@@ -300,6 +303,7 @@ class Kubelet:
         for source, target, read_only in binds:
             launch += ["--bind-ro" if read_only else "--bind", str(source), target]
         run.log = run.folder / f"{run.restarts}.log"
+        self.ran[(pod["metadata"]["namespace"], pod["metadata"]["name"])] = run.log
         with run.log.open("wb") as log:
             run.process = subprocess.Popen([*launch, "--", *argv], env=env, stdout=log, stderr=subprocess.STDOUT,
                                            stdin=subprocess.DEVNULL, start_new_session=True)
@@ -582,8 +586,12 @@ class Kubelet:
                      content_type="application/strategic-merge-patch+json")
 
     def logs(self, namespace: str, name: str) -> str:
-        """The container's output (what `kubectl logs` would show), for the test's asserts."""
-        for run in self.runs.values():
-            if run.pod["metadata"]["namespace"] == namespace and run.pod["metadata"]["name"] == name and run.log:
-                return run.log.read_text(errors="replace")
-        return ""
+        """The output of the pod's newest container (what `kubectl logs` would show while the pod
+        is there; a deleted pod's too), for the test's asserts."""
+        log = self.ran.get((namespace, name))
+        return log.read_text(errors="replace") if log is not None and log.exists() else ""
+
+    def pods_run(self, namespace: str) -> list[str]:
+        """The names of the pods of `namespace` whose container ran here, deleted ones too, in
+        first-start order."""
+        return [name for ns, name in self.ran if ns == namespace]

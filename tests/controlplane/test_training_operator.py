@@ -185,6 +185,32 @@ def test_a_fine_tune_trains_to_success_through_the_real_training_operator(
     assert done and progress["step"] == done[-1]["step"] and progress["loss"] == pytest.approx(done[-1]["loss"], abs=1e-9)
 
 
+def test_applied_again_after_success_a_run_trains_in_its_own_job(
+        control_plane: ControlPlane, namespace: str, nodes: list[Kubelet], operator: Operator, rendezvous: LocalEtcd,
+        tiny_model: Path, admin: client.ApiClient, checkpoint_claim: Path) -> None:
+    """A run that succeeded, deleted and applied again (`kubectl delete -f` then `apply -f`): the
+    new incarnation never takes its predecessor's finished job (garbage collection may still be
+    taking it) for its result; it runs a job of its own, resumes from the checkpoints on the claim
+    and ends Succeeded with its own report."""
+    cluster = Cluster(admin, namespace)
+    spec = run_spec(tiny_model, namespace, rendezvous)
+    cluster.create("again", spec)
+    first = _end(cluster, "again", nodes, operator, timeout=240)
+    assert first["phase"] == "Succeeded" and first["attempt"] == 1 and not first.get("failures"), first
+    cluster.wait_reasons("again", "JobCreated", "Running", "Succeeded")
+    cluster.delete_finetune("again")
+    wait_for("the first incarnation gone", lambda: all(i["metadata"]["name"] != "again" for i in cluster.custom.list_namespaced_custom_object(
+        "llamaft.io", "v1alpha1", namespace, "llamafinetunes")["items"]), timeout=60)
+    cluster.create("again", spec)  # at once: its predecessor's job may still be there, being collected
+    second = _end(cluster, "again", nodes, operator, timeout=240)
+    assert second["phase"] == "Succeeded" and second["jobName"] != first["jobName"], (first, second)
+    assert second["progress"]["step"] == 12, second
+    ran = _events(nodes, namespace, second["jobName"])
+    assert any(lines for lines in ran.values()), "the new incarnation ran its own pods"
+    resumed = [e for lines in ran.values() for e in lines if e.get("event") == "resume"]
+    assert resumed and resumed[0]["step"] == 12, "it found the finished run's last checkpoint on the claim"
+
+
 def test_a_permanently_failed_run_keeps_its_job_and_failed_pod(
         control_plane: ControlPlane, namespace: str, nodes: list[Kubelet], operator: Operator, rendezvous: LocalEtcd,
         tiny_model: Path, admin: client.ApiClient, tmp_path: Path) -> None:
@@ -227,7 +253,8 @@ def _end(cluster: Cluster, name: str, nodes: list[Kubelet], operator: Operator, 
 
 
 def _pod_names(kubelet: Kubelet, namespace: str) -> list[str]:
-    return [r.pod["metadata"]["name"] for r in kubelet.runs.values() if r.pod["metadata"]["namespace"] == namespace]
+    """The pods of `namespace` that ran on `kubelet`'s node, deleted ones too (an attempt's logs)."""
+    return kubelet.pods_run(namespace)
 
 
 def _rendered_pytorchjobs(path: Path, namespace: str) -> list[dict[str, Any]]:
@@ -264,23 +291,49 @@ def _past_checkpoint(nodes: list[Kubelet], namespace: str, job: str, step: int) 
     return None
 
 
-FAULT_RUNS = [["kill_container", "oom_kill", "hang"], ["kubelet_eviction", "api_eviction"]]
+FAULT_RUNS = [["kill_container", "oom_kill", "hang"], ["kubelet_eviction", "api_eviction", "preemption"]]
 """Faults on the real control plane, each ending one attempt of a run that takes several in turn:
 fault k lands on a worker of attempt k once it has passed checkpoint k x 10."""
 EXPECTED = {"kill_container": "Killed", "oom_kill": "OOMKilled", "hang": "Stalled", "kubelet_eviction": "Evicted",
-            "api_eviction": "Evicted"}
+            "api_eviction": "Evicted", "preemption": "Preempted"}
 EXCLUDES_THE_NODE = {"kubelet_eviction"}
+WORKER_CPU = "1"
+"""The fault runs' workers request a CPU each (requests = limits): a pod that requests nothing
+takes no room on a node, and the scheduler preempts pods only to make room."""
+PREEMPTOR_PRIORITY = "llamaft-test-preemptor"
 
 
 def _inject(plane: ControlPlane, node: Kubelet, namespace: str, pod: str, fault: str) -> None:
-    """One fault on one pod: by our kubelet (the node's own faults), or through the API server."""
+    """One fault on one pod: by our kubelet (the node's own faults), or through the API server
+    (the Eviction API; the real kube-scheduler preempting for a pod of higher priority)."""
     if fault == "api_eviction":  # the Eviction API: the API server adds DisruptionTarget and deletes the pod
         status, answer = plane.request("POST", f"/api/v1/namespaces/{namespace}/pods/{pod}/eviction", {
             "apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": namespace}})
         assert status == 201, answer
         return
+    if fault == "preemption":
+        _preempt(plane, node, namespace)
+        return
     {"kill_container": node.kill, "oom_kill": node.oom_kill, "hang": node.hang, "kubelet_eviction": node.evict}[fault](
         namespace, pod)
+
+
+def _preempt(plane: ControlPlane, node: Kubelet, namespace: str) -> None:
+    """A pod of higher priority that needs all of `node`'s CPU: kube-scheduler's preemption
+    (DefaultPreemption) marks the trainer pods there DisruptionTarget PreemptionByScheduler and
+    deletes them (our kubelet SIGTERMs their containers), then binds it there."""
+    status, answer = plane.request("POST", "/apis/scheduling.k8s.io/v1/priorityclasses", {
+        "apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": PREEMPTOR_PRIORITY},
+        "value": 1_000_000, "description": "a test's pod that preempts trainer pods"})
+    assert status in (201, 409), answer
+    status, answer = plane.request("POST", f"/api/v1/namespaces/{namespace}/pods", {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"preemptor-{node.name}"},
+        "spec": {"priorityClassName": PREEMPTOR_PRIORITY, "nodeSelector": {"kubernetes.io/hostname": node.name},
+                 "tolerations": [{"key": TAINT, "operator": "Equal", "value": namespace, "effect": "NoSchedule"}],
+                 "terminationGracePeriodSeconds": 0,
+                 "containers": [{"name": "hold", "image": "busybox", "command": ["sleep", "600"],
+                                 "resources": {"requests": {"cpu": node.shape.cpu}, "limits": {"cpu": node.shape.cpu}}}]}})
+    assert status == 201, answer
 
 
 @pytest.mark.parametrize("faults", FAULT_RUNS, ids=["+".join(f.replace("_", "") for f in run) for run in FAULT_RUNS])
@@ -296,7 +349,8 @@ def test_each_fault_costs_at_most_one_checkpoint_interval(
     steps = 10 * (len(faults) + 1)
     policy: dict[str, Any] = {"retryBudget": len(faults), **({"progressDeadlineSeconds": 10} if "hang" in faults else {})}
     cluster.create("faults", run_spec(tiny_model, namespace, rendezvous, training={"maxSteps": steps},
-                                      checkpointing={"everyNSteps": 10}, runPolicy=policy))
+                                      checkpointing={"everyNSteps": 10}, runPolicy=policy,
+                                      cluster={"resources": {"cpu": WORKER_CPU}}))
     excluded: list[str] = []
     for attempt, fault in enumerate(faults, start=1):
         job = wait_for(f"attempt {attempt}'s job", lambda a=attempt: cluster.attempt_job("faults", a), timeout=60)
@@ -315,6 +369,9 @@ def test_each_fault_costs_at_most_one_checkpoint_interval(
         assert status.get("excludedNodes", []) == excluded, seen
         if fault == "hang":
             assert "no step advance" in record["message"], seen
+        if fault == "preemption":  # its work done, the preemptor leaves: the next attempt may need that node
+            status, answer = control_plane.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/preemptor-{node.name}")
+            assert status == 200, answer
         second = cluster.job_name("faults", attempt + 1)
         resumed = wait_for(f"attempt {attempt + 1} resumed", lambda j=second: [
             e for lines in _events(nodes, namespace, j).values() for e in lines if e.get("event") == "resume"], timeout=120)
@@ -328,6 +385,45 @@ def test_each_fault_costs_at_most_one_checkpoint_interval(
     live = wait_for("one live job", lambda: (names := [j["metadata"]["name"] for j in cluster.jobs("llamaft.io/finetune=faults")
                                                      if not j["metadata"].get("deletionTimestamp")]) == [last] and names)
     assert live == [last], "a failed attempt's job is gone: its pods never sit beside the next attempt's"
+
+
+def test_a_used_up_retry_budget_fails_the_run_with_its_history(
+        control_plane: ControlPlane, namespace: str, nodes: list[Kubelet], operator: Operator, rendezvous: LocalEtcd,
+        tiny_model: Path, admin: client.ApiClient) -> None:
+    """retryBudget 1 and a worker killed in each of two attempts: the second failure fails the run
+    (RetryBudgetExhausted), with both failures in its history and no third job; deleting it leaves
+    nothing behind (kube-controller-manager's garbage collector takes the jobs' pods and children)."""
+    cluster = Cluster(admin, namespace)
+    cluster.create("broke", run_spec(tiny_model, namespace, rendezvous, training={"maxSteps": 40},
+                                     checkpointing={"everyNSteps": 10}, runPolicy={"retryBudget": 1}))
+    for attempt in (1, 2):
+        job = wait_for(f"attempt {attempt}'s job", lambda a=attempt: cluster.attempt_job("broke", a), timeout=60)
+        _, victim = wait_for(f"attempt {attempt} past checkpoint 10", lambda n=job["metadata"]["name"]: _past_checkpoint(
+            nodes, namespace, n, 10), timeout=180, interval=0.1)
+        next(k for k in nodes if victim in _pod_names(k, namespace)).kill(namespace, victim)
+    status = _end(cluster, "broke", nodes, operator, timeout=120)
+    assert status["phase"] == "Failed" and "retry budget (1) is used up" in status["message"], status
+    assert [(f["attempt"], f["reason"]) for f in status["failures"]] == [(1, "Killed"), (2, "Killed")], status
+    assert status["retriesUsed"] == 1, status
+    cluster.wait_reasons("broke", "RetryBudgetExhausted")
+    time.sleep(3)  # several sync intervals: no third attempt starts later either
+    assert cluster.status("broke")["phase"] == "Failed" and cluster.attempt_job("broke", 3) is None
+    cluster.delete_finetune("broke")
+
+    def leftovers() -> list[str]:
+        selector = "llamaft.io/finetune=broke"
+        left = [f"PyTorchJob/{j['metadata']['name']}" for j in cluster.jobs(selector)]
+        left += [f"Pod/{p.metadata.name}" for p in cluster.core.list_namespaced_pod(namespace, label_selector=selector).items]
+        left += [f"{kind}/{o.metadata.name}" for kind, items in (
+            ("ConfigMap", cluster.core.list_namespaced_config_map(namespace, label_selector=selector).items),
+            ("Service", cluster.core.list_namespaced_service(namespace, label_selector=selector).items)) for o in items]
+        left += [f"LlamaFineTune/{i['metadata']['name']}" for i in cluster.custom.list_namespaced_custom_object(
+            "llamaft.io", "v1alpha1", namespace, "llamafinetunes")["items"]]
+        left += [f"process of {r.pod['metadata']['name']}" for k in nodes for r in k.runs.values()
+                 if r.pod["metadata"]["namespace"] == namespace and r.process is not None and r.process.poll() is None]
+        return left
+    wait_for("nothing left of the run", lambda: not leftovers(), timeout=60)
+    assert leftovers() == []
 
 
 def test_the_operator_killed_mid_run_picks_the_run_up(
