@@ -28,9 +28,9 @@ from tests.controlplane.kubelet import Kubelet
 from tests.operator.conftest import Cluster, Operator, wait_for
 
 training_operator, rendezvous, admin = plane_runs.training_operator, plane_runs.rendezvous, plane_runs.admin
-checkpoint_claim, nodes, operator = plane_runs.checkpoint_claim, plane_runs.nodes, plane_runs.operator
+checkpoint_claim, nodes, operator, dcgm = plane_runs.checkpoint_claim, plane_runs.nodes, plane_runs.operator, plane_runs.dcgm
 """test_training_operator's fixtures: the real training operator, a rendezvous etcd, two nodes of
-the test's own, the claim and the llamaft operator as the chart runs it."""
+the test's own, the claim, the llamaft operator as the chart runs it and the Prometheus it reads."""
 
 PAIRS = REPO / "examples" / "data" / "preference-tiny.jsonl"
 STEPS, EVERY, EVAL_EVERY = 60, 10, 30

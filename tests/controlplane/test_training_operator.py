@@ -37,12 +37,17 @@ from tests.controlplane.conftest import TAINT
 from tests.controlplane.kubelet import Kubelet, NodeShape
 from tests.controlplane.test_chart_install import assert_never_forbidden, install_chart
 from tests.controlplane.training_operator import TrainingOperator
+from tests.operator import dcgm_exporter
 from tests.operator.conftest import CHECKPOINT_CLAIM, Cluster, Operator, wait_for
+from tests.operator.dcgm_exporter import xid_on
 from tests.tiers import starts_processes
 
 DATASET = REPO / "examples" / "data" / "samsum-tiny.jsonl"
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 OPERATOR_ENV = {"LLAMAFT_SYNC_INTERVAL": "1", "LLAMAFT_RETRY_BACKOFF_SECONDS": "1", "LLAMAFT_PROGRESS_TIMEOUT": "0.5"}
+
+dcgm = dcgm_exporter.dcgm
+"""A real Prometheus scraping a replayed dcgm-exporter: the GPU-health evidence the operator reads."""
 
 
 @pytest.fixture(scope="session")
@@ -125,10 +130,11 @@ def run_spec(model: Path, namespace: str, etcd: LocalEtcd, **overrides: Any) -> 
 
 @pytest.fixture
 def operator(control_plane: ControlPlane, namespace: str, training_operator: TrainingOperator,
-             tmp_path: Path) -> Iterator[Operator]:
-    """The llamaft operator as the chart runs it (its ServiceAccount, its RBAC), watching `namespace`."""
+             dcgm: tuple[str, dict[str, str]], tmp_path: Path) -> Iterator[Operator]:
+    """The llamaft operator as the chart runs it (its ServiceAccount, its RBAC), watching
+    `namespace`, reading GPU health from the module's Prometheus."""
     op, _ = install_chart(control_plane, namespace, tmp_path / "operator.log")
-    op.extra_env.update(OPERATOR_ENV)
+    op.extra_env.update({**OPERATOR_ENV, "LLAMAFT_PROMETHEUS_URL": dcgm[0]})
     op.start()
     yield op
     op.stop()
@@ -291,12 +297,13 @@ def _past_checkpoint(nodes: list[Kubelet], namespace: str, job: str, step: int) 
     return None
 
 
-FAULT_RUNS = [["kill_container", "oom_kill", "hang"], ["kubelet_eviction", "api_eviction", "preemption"]]
+FAULT_RUNS = [["kill_container", "oom_kill", "hang", "gpu_xid"], ["kubelet_eviction", "api_eviction", "preemption"]]
 """Faults on the real control plane, each ending one attempt of a run that takes several in turn:
-fault k lands on a worker of attempt k once it has passed checkpoint k x 10."""
+fault k lands on a worker of attempt k once it has passed checkpoint k x 10. Each run has at most
+one fault that keeps later attempts off its node: its last attempt needs a node of the two."""
 EXPECTED = {"kill_container": "Killed", "oom_kill": "OOMKilled", "hang": "Stalled", "kubelet_eviction": "Evicted",
-            "api_eviction": "Evicted", "preemption": "Preempted"}
-EXCLUDES_THE_NODE = {"kubelet_eviction"}
+            "api_eviction": "Evicted", "preemption": "Preempted", "gpu_xid": "GPUXid"}
+EXCLUDES_THE_NODE = {"kubelet_eviction", "gpu_xid"}
 WORKER_CPU = "1"
 """The fault runs' workers request a CPU each (requests = limits): a pod that requests nothing
 takes no room on a node, and the scheduler preempts pods only to make room."""
@@ -339,9 +346,10 @@ def _preempt(plane: ControlPlane, node: Kubelet, namespace: str) -> None:
 @pytest.mark.parametrize("faults", FAULT_RUNS, ids=["+".join(f.replace("_", "") for f in run) for run in FAULT_RUNS])
 def test_each_fault_costs_at_most_one_checkpoint_interval(
         control_plane: ControlPlane, namespace: str, nodes: list[Kubelet], operator: Operator, rendezvous: LocalEtcd,
-        tiny_model: Path, admin: client.ApiClient, faults: list[str]) -> None:
+        tiny_model: Path, admin: client.ApiClient, dcgm: tuple[str, dict[str, str]], faults: list[str]) -> None:
     """Each fault lands after its attempt's newest checkpoint; the llamaft operator classifies it
-    from the pod's evidence (a hang by the progress deadline), keeps later attempts off a node the
+    from the pod's evidence (a hang by the progress deadline, an XID by dcgm-exporter's series in
+    Prometheus, which ends the attempt: its job is deleted), keeps later attempts off a node the
     evidence named, and the next attempt resumes from that checkpoint or a later one (an eviction's
     SIGTERM lets the trainer save where it stopped); the run finishes with one live job, after
     len(faults) retries."""
@@ -358,9 +366,14 @@ def test_each_fault_costs_at_most_one_checkpoint_interval(
         _, victim = wait_for(f"attempt {attempt} past checkpoint {attempt * 10}",
                              lambda n=name, a=attempt: _past_checkpoint(nodes, namespace, n, a * 10), timeout=180, interval=0.1)
         node = next(k for k in nodes if victim in _pod_names(k, namespace))
-        _inject(control_plane, node, namespace, victim, fault)
-        status = wait_for(f"attempt {attempt + 1}", lambda a=attempt: (s := cluster.status("faults")).get("attempt") == a + 1
-                          and s, timeout=90)
+
+        def next_attempt(a: int = attempt) -> dict[str, Any]:
+            return wait_for(f"attempt {a + 1}", lambda: (s := cluster.status("faults")).get("attempt") == a + 1 and s, timeout=90)
+        if fault == "gpu_xid":
+            status = xid_on(dcgm[1], victim, node.name, next_attempt, namespace)
+        else:
+            _inject(control_plane, node, namespace, victim, fault)
+            status = next_attempt()
         record = status["failures"][attempt - 1]
         seen = f"{fault} on {victim} ({node.name}): {record}"
         assert record["reason"] == EXPECTED[fault] and record["attempt"] == attempt and record["retryable"], seen
@@ -369,6 +382,8 @@ def test_each_fault_costs_at_most_one_checkpoint_interval(
         assert status.get("excludedNodes", []) == excluded, seen
         if fault == "hang":
             assert "no step advance" in record["message"], seen
+        if fault == "gpu_xid":
+            assert "XID 79" in record["message"], seen
         if fault == "preemption":  # its work done, the preemptor leaves: the next attempt may need that node
             status, answer = control_plane.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/preemptor-{node.name}")
             assert status == 200, answer
@@ -380,6 +395,7 @@ def test_each_fault_costs_at_most_one_checkpoint_interval(
         assert resumed[0]["step"] >= attempt * 10, (seen, resumed)
     status = _end(cluster, "faults", nodes, operator, timeout=240)
     assert status["phase"] == "Succeeded" and status["attempt"] == len(faults) + 1, status
+    cluster.wait_reasons("faults", *{EXPECTED[f] for f in faults}, *(["XidError", "NodeExcluded"] if "gpu_xid" in faults else []))
     assert status["retriesUsed"] == len(faults) and status["progress"]["step"] == steps, status
     last = cluster.job_name("faults", len(faults) + 1)
     live = wait_for("one live job", lambda: (names := [j["metadata"]["name"] for j in cluster.jobs("llamaft.io/finetune=faults")

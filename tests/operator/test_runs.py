@@ -13,20 +13,18 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from llamaft.operator import gpu_health
 from llamaft_trainer.local_etcd import LocalEtcd
 from llamaft_trainer.logline import read_events
 
-from tests.conftest import REPO, need_binary
-from tests.operator.conftest import Cluster, Operator, close_rendezvous, free_port, wait_for
+from tests.conftest import REPO
+from tests.operator import dcgm_exporter
+from tests.operator.conftest import Cluster, Operator, close_rendezvous, wait_for
 from tests.operator.emulator import EmulatorThread, write_kubeconfig
 from tests.operator.sim import SimCluster, pod_port
 from tests.operator.sim_fixtures import CHECKPOINT_CLAIM, checkpoint_folder, checkpointing, on_claim
@@ -59,33 +57,9 @@ def world(etcd: LocalEtcd, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         emulator.stop()
 
 
+dcgm = dcgm_exporter.dcgm
+"""A real Prometheus scraping a replayed dcgm-exporter (the module's)."""
 OPERATOR_ENV = {"LLAMAFT_SYNC_INTERVAL": "1", "LLAMAFT_RETRY_BACKOFF_SECONDS": "1", "LLAMAFT_PROGRESS_TIMEOUT": "0.5"}
-
-
-@pytest.fixture(scope="module")
-def dcgm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, str]]]:
-    """A real Prometheus scraping a replayed dcgm-exporter whose text a test sets (empty: no GPU
-    series at all, as for these CPU pods): (Prometheus URL, {"text": exposition})."""
-    from tests.operator.test_prometheus import EXPOSITION, serve
-
-    binary = need_binary("prometheus", "prometheus")
-    EXPOSITION["text"] = ""
-    server, dcgm_port = serve()
-    tmp = tmp_path_factory.mktemp("prometheus")
-    config = tmp / "prometheus.yml"
-    config.write_text(yaml.safe_dump({"global": {"scrape_interval": "1s"}, "scrape_configs": [
-        {"job_name": "dcgm-exporter", "honor_labels": True, "static_configs": [{"targets": [f"127.0.0.1:{dcgm_port}"]}]}]}))
-    port = free_port()
-    proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={tmp}/data",
-                             f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for("prometheus scraping", lambda: gpu_health.query(url, "up == 1"), timeout=30)
-        yield url, EXPOSITION
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        server.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -261,42 +235,6 @@ def finish(cluster: Cluster, sim: SimCluster, name: str, attempts: int) -> dict[
 
 
 # -------------------------------------------------------------------------------- scenarios
-def test_sweep_runs_each_size_on_the_cluster(cluster: Cluster, sim: SimCluster, operator: Operator, tiny_model: Path,
-                                             tmp_path: Path, world: tuple[EmulatorThread, Cluster, SimCluster, Path],
-                                             capsys: pytest.CaptureFixture[str]) -> None:
-    """`llamaft sweep` against the cluster: one LlamaFineTune per size, run by the operator one after
-    another; the table is their status.performance; a second sweep of the same name creates nothing."""
-    import csv
-
-    from llamaft.cli import main as cli
-
-    path = tmp_path / "sweep.yaml"
-    path.write_text(yaml.safe_dump({"apiVersion": "llamaft.io/v1alpha1", "kind": "LlamaFineTune", "metadata": {"name": "sw"},
-                                    "spec": run_spec(tiny_model)}))
-    args = ["sweep", str(path), "--workers", "1,2", "--max-steps", "6", "--kubeconfig", str(world[3]),
-            "--poll-seconds", "0.5", "--timeout", "240", "--output", str(tmp_path / "out")]
-    assert cli(args) == 0, capsys.readouterr().out[-3000:]
-    printed = capsys.readouterr().out
-    assert printed.index("size 1/2: created default/sw-w1") < printed.index("sw-w1: Succeeded") < printed.index("size 2/2")
-    rows = {int(r["workers"]): r for r in csv.DictReader((tmp_path / "out" / "sweep.csv").open())}
-    for workers in (1, 2):
-        status = cluster.status(f"sw-w{workers}")
-        performance = status["performance"]
-        assert status["phase"] == "Succeeded" and status["attempt"] == 1
-        assert performance["worldSize"] == workers == int(rows[workers]["world_size"]) and performance["steps"] == 5
-        assert float(rows[workers]["tokens_per_second"]) == performance["tokensPerSecond"]
-        assert cluster.finetune(f"sw-w{workers}")["metadata"]["labels"]["llamaft.io/sweep"] == "sw"
-        ran = [i for i in range(3) if sim.history(f"{status['jobName']}-worker-{i}")]
-        assert ran == list(range(workers)), "one pod per worker"
-    assert float(rows[2]["scaling_efficiency"]) == pytest.approx(
-        float(rows[2]["tokens_per_second"]) / 2 / float(rows[1]["tokens_per_second"]), abs=1e-4)
-    assert (tmp_path / "out" / "scaling.png").stat().st_size > 10_000
-    assert cli(args) == 2, "the names are taken: nothing is created"
-    assert "exists already (an earlier sweep?)" in capsys.readouterr().err
-    for workers in (1, 2):
-        delete_and_assert_no_orphans(cluster, sim, f"sw-w{workers}")
-
-
 @pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
 def test_delete_and_reapply_at_once(cluster: Cluster, sim: SimCluster, operator: Operator, tiny_model: Path, tmp_path: Path,
                                     backend: str) -> None:
@@ -331,24 +269,21 @@ def inject(sim: SimCluster, fault: str, pod: str) -> None:
     actions[fault]()
 
 
-FAULT_RUNS = [["gpu_xid", "lose_node"]]
-"""The faults that run here until they move to the real control plane (a GPU XID from
-dcgm-exporter, a lost node), each ending one attempt of a run that takes several in turn: fault k
-lands in attempt k once it has passed checkpoint k x EVERY (steps 11 and 21 of 60), so each costs
-one attempt's start-up rather than a whole run of its own, and the run's loss trace spans every
-recovery. A killed, OOM-killed or hung container, both evictions and the scheduler's preemption
-run on the real control plane with the real training operator
+FAULT_RUNS = [["lose_node"]]
+"""The fault that runs here until it moves to the real control plane (a lost node), ending one
+attempt once it has passed checkpoint EVERY (step 11 of 60); the run's loss trace spans the
+recovery. A killed, OOM-killed or hung container, both evictions, the scheduler's preemption and
+a GPU XID run on the real control plane with the real training operator
 (tests/controlplane/test_training_operator.py)."""
-EXPECTED = {"lose_node": "NodeLost", "gpu_xid": "GPUXid"}
-EXCLUDES_THE_NODE = {"lose_node", "gpu_xid"}
+EXPECTED = {"lose_node": "NodeLost"}
+EXCLUDES_THE_NODE = {"lose_node"}
 
 
 @pytest.mark.parametrize("faults", FAULT_RUNS, ids=["+".join(f.replace("_", "") for f in run) for run in FAULT_RUNS])
 def test_faults_recover_from_the_checkpoint(cluster: Cluster, sim: SimCluster, operator: Operator,
-                                            dcgm: tuple[str, dict[str, str]], tiny_model: Path, tmp_path: Path,
-                                            faults: list[str]) -> None:
-    """Each fault is classified from the pod's evidence (within seconds, not a timer), the next attempt resumes from the newest checkpoint, off every node the
-    evidence named, and the run ends with the trainer's own report and no orphans. The last run's
+                                            tiny_model: Path, tmp_path: Path, faults: list[str]) -> None:
+    """Each fault is classified from the pod's evidence (within seconds, not a timer), the next
+    attempt resumes from the newest checkpoint, off every node the evidence named, and the run ends with the trainer's own report and no orphans. The last run's
     job is removed by ttlSecondsAfterFinished after it: its final status stays as it was."""
     name = f"faults-{faults[0].replace('_', '')}"[:30]
     policy: dict[str, Any] = {}
@@ -358,10 +293,10 @@ def test_faults_recover_from_the_checkpoint(cluster: Cluster, sim: SimCluster, o
     cluster.create(name, run_spec(tiny_model, runPolicy=policy))
     excluded: list[str] = []
     for attempt, fault in enumerate(faults, start=1):
-        fault_ends_attempt(cluster, sim, dcgm[1], name, attempt, fault, excluded)
+        fault_ends_attempt(cluster, sim, name, attempt, fault, excluded)
     status = finish(cluster, sim, name, attempts=len(faults) + 1)
     assert status["retriesUsed"] == len(faults)
-    cluster.wait_reasons(name, *{EXPECTED[f] for f in faults}, *(["XidError", "NodeExcluded"] if "gpu_xid" in faults else []))
+    cluster.wait_reasons(name, *{EXPECTED[f] for f in faults})
     if ttl:
         wait_for("job removed by its TTL", lambda: cluster.job(status["jobName"]) is None, timeout=60)
         time.sleep(3)  # several sync intervals and pod/job deletion events later
@@ -371,8 +306,7 @@ def test_faults_recover_from_the_checkpoint(cluster: Cluster, sim: SimCluster, o
     delete_and_assert_no_orphans(cluster, sim, name)
 
 
-def fault_ends_attempt(cluster: Cluster, sim: SimCluster, exposition: dict[str, str], name: str, attempt: int, fault: str,
-                       excluded: list[str]) -> None:
+def fault_ends_attempt(cluster: Cluster, sim: SimCluster, name: str, attempt: int, fault: str, excluded: list[str]) -> None:
     """Once `attempt` has passed checkpoint attempt x EVERY, `fault` on its non-leader pod; then the
     checks on the failure record and the next attempt (`excluded`: the nodes named so far, kept)."""
     job = cluster.job_name(name, attempt)
@@ -380,16 +314,10 @@ def fault_ends_attempt(cluster: Cluster, sim: SimCluster, exposition: dict[str, 
     victim = other_pod(cluster, sim, name, job)
     node = str(sim.node_of(victim))
 
-    def next_attempt() -> dict[str, Any]:
-        return wait_for(f"attempt {attempt + 1}", lambda: (s := cluster.status(name)).get("attempt") == attempt + 1 and s,
-                        timeout=60)
-
     started = time.monotonic()
-    if fault == "gpu_xid":
-        status = xid_on(exposition, victim, node, next_attempt)
-    else:
-        inject(sim, fault, victim)
-        status = next_attempt()
+    inject(sim, fault, victim)
+    status = wait_for(f"attempt {attempt + 1}", lambda: (s := cluster.status(name)).get("attempt") == attempt + 1 and s,
+                      timeout=60)
     noticed = time.monotonic() - started
     # What a failed check shows: the status the next attempt started with, and what the sim did.
     seen = f"{fault} on {victim} ({node}) in attempt {attempt}, noticed after {noticed:.1f}s; status: " + json.dumps(
@@ -406,21 +334,7 @@ def fault_ends_attempt(cluster: Cluster, sim: SimCluster, exposition: dict[str, 
             x["spec"].get("nodeName") for x in p) and p)
         assert all(p["spec"]["nodeName"] not in excluded for p in pods), seen
     assert status.get("excludedNodes", []) == excluded, "only evidence that names a node keeps later attempts off it: " + seen
-    if fault == "gpu_xid":
-        assert "XID 79" in record["message"], seen
-    else:
-        assert noticed < 15, "a failure is noticed from the pod's events, not a timer: " + seen
-
-
-def xid_on(exposition: dict[str, str], pod: str, node: str, until: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """dcgm-exporter reports XID 79 on a GPU of `pod` (on `node`) until `until` returns."""
-    labels = f'gpu="0",UUID="GPU-1",Hostname="{node}",container="pytorch",namespace="default",pod="{pod}"'
-    exposition["text"] = ("# TYPE DCGM_FI_DEV_XID_ERRORS gauge\n"
-                          f'DCGM_FI_DEV_XID_ERRORS{{{labels},err_code="79",err_msg="GPU has fallen off the bus"}} 79\n')
-    try:
-        return until()
-    finally:
-        exposition["text"] = ""
+    assert noticed < 15, "a failure is noticed from the pod's events, not a timer: " + seen
 
 
 def test_closed_rendezvous_is_reset_and_retried(cluster: Cluster, sim: SimCluster, operator: Operator, etcd: LocalEtcd,
