@@ -217,6 +217,37 @@ def test_applied_again_after_success_a_run_trains_in_its_own_job(
     assert resumed and resumed[0]["step"] == 12, "it found the finished run's last checkpoint on the claim"
 
 
+@pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
+def test_deleted_and_applied_again_mid_run_the_new_incarnation_finishes(
+        control_plane: ControlPlane, namespace: str, nodes: list[Kubelet], operator: Operator, rendezvous: LocalEtcd,
+        tiny_model: Path, admin: client.ApiClient, checkpoint_claim: Path, backend: str) -> None:
+    """`kubectl delete -f ft.yaml && kubectl apply -f ft.yaml` mid-run, with either etcd rendezvous
+    backend of torchrun: the new incarnation runs to the end in its first attempt, resuming the
+    checkpoints on the claim, never meeting its predecessor's job (being collected) or rendezvous
+    (its run id is the new job's)."""
+    cluster = Cluster(admin, namespace)
+    spec = run_spec(tiny_model, namespace, rendezvous, training={"maxSteps": 30}, checkpointing={"everyNSteps": 10},
+                    rendezvous={"backend": backend})
+    cluster.create("rerun", spec)
+    old_job = wait_for("attempt 1's job", lambda: cluster.attempt_job("rerun", 1), timeout=60)["metadata"]["name"]
+    wait_for("past checkpoint 10", lambda: _past_checkpoint(nodes, namespace, old_job, 10), timeout=180, interval=0.1)
+    old_rendezvous = cluster.status("rerun")["rendezvousId"]
+    cluster.delete_finetune("rerun")
+    wait_for("the old incarnation gone", lambda: all(i["metadata"]["name"] != "rerun" for i in cluster.custom.list_namespaced_custom_object(
+        "llamaft.io", "v1alpha1", namespace, "llamafinetunes")["items"]), timeout=60)
+    cluster.create("rerun", spec)  # at once: the old job and its pods may still be terminating
+    status = _end(cluster, "rerun", nodes, operator, timeout=240)
+    assert status["phase"] == "Succeeded" and status["jobName"] != old_job, status
+    assert status["attempt"] == 1 and not status.get("failures"), status
+    assert status["rendezvousId"] != old_rendezvous and status["progress"]["step"] == 30, status
+    ran = _events(nodes, namespace, status["jobName"])
+    resumed = [e for lines in ran.values() for e in lines if e.get("event") == "resume"]
+    assert resumed and resumed[0]["step"] >= 10, "the rerun resumed from the checkpoints on the claim"
+    live = wait_for("one live job", lambda: (names := [j["metadata"]["name"] for j in cluster.jobs("llamaft.io/finetune=rerun")
+                                                     if not j["metadata"].get("deletionTimestamp")]) == [status["jobName"]] and names)
+    assert live == [status["jobName"]]
+
+
 def test_a_permanently_failed_run_keeps_its_job_and_failed_pod(
         control_plane: ControlPlane, namespace: str, nodes: list[Kubelet], operator: Operator, rendezvous: LocalEtcd,
         tiny_model: Path, admin: client.ApiClient, tmp_path: Path) -> None:

@@ -235,30 +235,6 @@ def finish(cluster: Cluster, sim: SimCluster, name: str, attempts: int) -> dict[
 
 
 # -------------------------------------------------------------------------------- scenarios
-@pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
-def test_delete_and_reapply_at_once(cluster: Cluster, sim: SimCluster, operator: Operator, tiny_model: Path, tmp_path: Path,
-                                    backend: str) -> None:
-    """`kubectl delete -f ft.yaml && kubectl apply -f ft.yaml` mid-run: the new incarnation runs to
-    the end (resuming the same checkpoints), never meeting its predecessor's job or rendezvous."""
-    name = f"rerun-{backend.replace('-', '')}"
-    spec = run_spec(tiny_model, backend=backend)
-    cluster.create(name, spec)
-    stepping(cluster, sim, name, EVERY + 1)
-    old_job = cluster.status(name)["jobName"]
-    cluster.delete_finetune(name)
-    wait_for("old incarnation gone", lambda: all(i["metadata"]["name"] != name for i in cluster.custom.list_namespaced_custom_object(
-        "llamaft.io", "v1alpha1", "default", "llamafinetunes")["items"]), timeout=60)
-    cluster.create(name, spec)  # at once: the old job and its pods may still be terminating
-    status = phase(cluster, name, "Succeeded", "Failed")
-    assert status["phase"] == "Succeeded" and status["jobName"] != old_job, status
-    assert status["attempt"] == 1 and not status.get("failures")
-    logs = attempt_logs(cluster, sim, name, 1)
-    assert any(line.get("event") == "resume" for line in logs[0]), "the rerun resumed from the checkpoints"
-    assert_final_report(status, logs, sim)
-    assert_one_live_job(cluster, name)
-    delete_and_assert_no_orphans(cluster, sim, name)
-
-
 def inject(sim: SimCluster, fault: str, pod: str) -> None:
     """One fault, by name, on one pod (node faults on the pod's node)."""
     actions = {
