@@ -12,6 +12,10 @@ torchrun's rendezvous (spec.rendezvous.endpoint: an external etcd, as users may 
   its failed pod for `kubectl logs`, whatever order the pod's termination report and the job's
   Failed condition reach the operator in (found from outside: the operator used to delete the job,
   and garbage collection took the failed pod).
+- Faults (a container killed, OOM-killed or hung, an XID, a node-pressure eviction, the Eviction
+  API, the scheduler's preemption) each cost at most one checkpoint interval; a used-up retry
+  budget fails the run with its history; a run deleted and applied again (mid-run, after success)
+  trains in a job of its own; the operator killed mid-run is picked up by its next process.
 """
 
 from __future__ import annotations
