@@ -50,6 +50,34 @@ class Binaries:
         """manifests/base of the training-operator module it was built from (CRD, RBAC, webhook)."""
         return self.folder / "training-operator-manifests"
 
+    @property
+    def trainer_controller_manager(self) -> Path:
+        return self.folder / "trainer-controller-manager"
+
+    @property
+    def trainer_manifests(self) -> Path:
+        """manifests/base of the Kubeflow Trainer module it was built from (CRDs, RBAC, webhooks,
+        configuration, the torch-distributed runtime)."""
+        return self.folder / "trainer-manifests"
+
+    @property
+    def jobset(self) -> Path:
+        return self.folder / "jobset"
+
+    @property
+    def jobset_manifests(self) -> Path:
+        """config/components of the JobSet module it was built from (CRD, RBAC, webhooks, configuration)."""
+        return self.folder / "jobset-manifests"
+
+    @property
+    def kueue(self) -> Path:
+        return self.folder / "kueue"
+
+    @property
+    def kueue_manifests(self) -> Path:
+        """config/components of the Kueue module it was built from (CRDs, RBAC, webhooks, configuration)."""
+        return self.folder / "kueue-manifests"
+
 
 class BuildFailed(RuntimeError):
     """tests/controlplane/build failed; the message carries the end of its log."""

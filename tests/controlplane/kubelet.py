@@ -331,11 +331,16 @@ class Kubelet:
                 continue
             source = var.get("valueFrom") or {}
             if "fieldRef" in source:
+                path = source["fieldRef"].get("fieldPath", "")
+                keyed = re.fullmatch(r"metadata\.(annotations|labels)\['([^']+)'\]", path)
+                if keyed:  # the downward API's subscripted fields (a Job's completion index)
+                    env[var["name"]] = (meta.get(keyed[1]) or {}).get(keyed[2], "")
+                    continue
                 env[var["name"]] = {
                     "metadata.name": meta["name"], "metadata.namespace": namespace, "metadata.uid": meta["uid"],
                     "spec.nodeName": self.name, "spec.serviceAccountName": spec.get("serviceAccountName", "default"),
                     "status.podIP": run.address, "status.hostIP": HOST,
-                }.get(source["fieldRef"].get("fieldPath", ""), "")
+                }.get(path, "")
             elif "configMapKeyRef" in source or "secretKeyRef" in source:
                 kind = "configMapKeyRef" if "configMapKeyRef" in source else "secretKeyRef"
                 ref = source[kind]
@@ -585,11 +590,22 @@ class Kubelet:
         self.request("PATCH", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status", {"status": status},
                      content_type="application/strategic-merge-patch+json")
 
-    def logs(self, namespace: str, name: str) -> str:
+    def logs(self, namespace: str, name: str, *, previous: bool = False) -> str:
         """The output of the pod's newest container (what `kubectl logs` would show while the pod
-        is there; a deleted pod's too), for the test's asserts."""
+        is there; a deleted pod's too), for the test's asserts; `previous`: of the container before
+        it (`kubectl logs --previous`, "" if it was never restarted)."""
         log = self.ran.get((namespace, name))
+        if log is not None and previous:
+            log = log.with_name(f"{int(log.stem) - 1}.log")
         return log.read_text(errors="replace") if log is not None and log.exists() else ""
+
+    def environ(self, namespace: str, name: str) -> dict[str, str]:
+        """The environment the pod's running container was started with (its first process's)."""
+        process = self._run(namespace, name).process
+        if process is None:
+            raise ProcessLookupError(f"pod {namespace}/{name} has no running container")
+        raw = Path(f"/proc/{process.pid}/environ").read_bytes()
+        return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
 
     def pods_run(self, namespace: str) -> list[str]:
         """The names of the pods of `namespace` whose container ran here, deleted ones too, in

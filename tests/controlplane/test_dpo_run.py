@@ -22,13 +22,14 @@ from kubernetes import client
 from llamaft_trainer.local_etcd import LocalEtcd
 
 from tests.conftest import REPO
+from tests.controlplane import runs
 from tests.controlplane import test_training_operator as plane_runs
 from tests.controlplane.cluster import ControlPlane
 from tests.controlplane.kubelet import Kubelet
 from tests.operator.conftest import Cluster, Operator, wait_for
 
-training_operator, rendezvous, admin = plane_runs.training_operator, plane_runs.rendezvous, plane_runs.admin
-checkpoint_claim, nodes, operator, dcgm = plane_runs.checkpoint_claim, plane_runs.nodes, plane_runs.operator, plane_runs.dcgm
+training_operator, rendezvous, admin = plane_runs.training_operator, runs.rendezvous, runs.admin
+checkpoint_claim, nodes, operator, dcgm = runs.checkpoint_claim, runs.nodes, plane_runs.operator, plane_runs.dcgm
 """test_training_operator's fixtures: the real training operator, a rendezvous etcd, two nodes of
 the test's own, the claim, the llamaft operator as the chart runs it and the Prometheus it reads."""
 
@@ -39,7 +40,7 @@ STEPS, EVERY, EVAL_EVERY = 60, 10, 30
 def dpo_spec(model: Path, namespace: str, etcd: LocalEtcd) -> dict[str, Any]:
     """DPO on preference-tiny, 2 workers: 4 pairs per rank a step, the reference precomputed,
     held-out pairs scored every EVAL_EVERY steps, checkpoints every EVERY steps on the claim."""
-    spec = plane_runs.run_spec(model, namespace, etcd,
+    spec = runs.run_spec(model, namespace, etcd,
                                dataset={"format": "preference", "source": str(PAIRS), "maxSeqLength": 128,
                                         "packing": False, "validationSplit": 0.1},
                                checkpointing={"everyNSteps": EVERY})
@@ -68,7 +69,7 @@ def at(obj: dict[str, Any], path: list[str]) -> Any:
 
 def leader_lines(nodes: list[Kubelet], namespace: str, job: str) -> list[dict[str, Any]]:
     """The JSON lines of `job`'s global rank 0: the pod whose log has the step lines."""
-    events = plane_runs._events(nodes, namespace, job)
+    events = runs.events(nodes, namespace, job)
     return next((lines for lines in events.values() if of(lines, "step")), [])
 
 
@@ -81,14 +82,14 @@ def test_a_dpo_run_reports_its_rewards_and_recovers_from_a_killed_container(
     reward_column = printer_column("RewardAcc")
     assert reward_column == ["status", "progress", "rewardAccuracy"]
     first_job = wait_for("attempt 1's job", lambda: cluster.attempt_job(name, 1), timeout=60)["metadata"]["name"]
-    _, victim = wait_for("attempt 1 past checkpoint 10", lambda: plane_runs._past_checkpoint(
+    _, victim = wait_for("attempt 1 past checkpoint 10", lambda: runs.past_checkpoint(
         nodes, namespace, first_job, EVERY), timeout=240, interval=0.1)
     training = wait_for("reward accuracy in status", lambda: at(cluster.finetune(name), reward_column) is not None and
                         cluster.status(name), timeout=30)
     assert 0.0 <= training["progress"]["rewardAccuracy"] <= 1.0 and "rewardMargin" in training["progress"], training
 
-    next(k for k in nodes if victim in plane_runs._pod_names(k, namespace)).kill(namespace, victim)
-    status = plane_runs._end(cluster, name, nodes, operator, timeout=300)
+    next(k for k in nodes if victim in runs.pod_names(k, namespace)).kill(namespace, victim)
+    status = runs.end(cluster, name, nodes, operator, timeout=300)
     assert status["phase"] == "Succeeded", status
     assert status["attempt"] == 2 and status["retriesUsed"] == 1, status
     assert status["failures"][0]["reason"] == "Killed" and status["failures"][0]["retryable"], status

@@ -13,13 +13,14 @@ import yaml
 from kubernetes import client
 from llamaft_trainer.local_etcd import LocalEtcd
 
+from tests.controlplane import runs
 from tests.controlplane import test_training_operator as plane_runs
 from tests.controlplane.cluster import ControlPlane
 from tests.controlplane.kubelet import Kubelet
 from tests.operator.conftest import Cluster, Operator
 
-training_operator, rendezvous, admin = plane_runs.training_operator, plane_runs.rendezvous, plane_runs.admin
-checkpoint_claim, nodes, operator, dcgm = plane_runs.checkpoint_claim, plane_runs.nodes, plane_runs.operator, plane_runs.dcgm
+training_operator, rendezvous, admin = plane_runs.training_operator, runs.rendezvous, runs.admin
+checkpoint_claim, nodes, operator, dcgm = runs.checkpoint_claim, runs.nodes, plane_runs.operator, plane_runs.dcgm
 """test_training_operator's fixtures."""
 
 
@@ -35,7 +36,7 @@ def test_a_sweep_runs_each_size_on_the_cluster(
     cluster = Cluster(admin, namespace)
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump({"apiVersion": "llamaft.io/v1alpha1", "kind": "LlamaFineTune", "metadata": {"name": "sw"},
-                                    "spec": plane_runs.run_spec(tiny_model, namespace, rendezvous)}))
+                                    "spec": runs.run_spec(tiny_model, namespace, rendezvous)}))
     args = ["sweep", str(path), "--workers", "1,2", "--max-steps", "6", "--namespace", namespace,
             "--kubeconfig", str(control_plane.admin_kubeconfig), "--poll-seconds", "0.5", "--timeout", "240",
             "--output", str(tmp_path / "out")]
@@ -50,7 +51,7 @@ def test_a_sweep_runs_each_size_on_the_cluster(
         assert performance["worldSize"] == workers == int(rows[workers]["world_size"]) and performance["steps"] == 5
         assert float(rows[workers]["tokens_per_second"]) == performance["tokensPerSecond"]
         assert cluster.finetune(f"sw-w{workers}")["metadata"]["labels"]["llamaft.io/sweep"] == "sw"
-        ran = sorted(pod for pod in plane_runs._events(nodes, namespace, status["jobName"]))
+        ran = sorted(pod for pod in runs.events(nodes, namespace, status["jobName"]))
         assert len(ran) == workers, f"one pod per worker: {ran}"
     assert float(rows[2]["scaling_efficiency"]) == pytest.approx(
         float(rows[2]["tokens_per_second"]) / 2 / float(rows[1]["tokens_per_second"]), abs=1e-4)

@@ -28,28 +28,27 @@ from typing import Any
 
 import pytest
 import yaml
-from kubernetes import client, config
+from kubernetes import client
 from llamaft.api.validation import validate_resource
 from llamaft.render import backends
 from llamaft.render.naming import Owner
 from llamaft_trainer.local_etcd import LocalEtcd
 from llamaft_trainer.logline import read_events
 
-from tests.conftest import REPO, need_etcd
+from tests.conftest import REPO
+from tests.controlplane import runs
 from tests.controlplane.cluster import ControlPlane
 from tests.controlplane.conftest import TAINT
-from tests.controlplane.kubelet import Kubelet, NodeShape
+from tests.controlplane.kubelet import Kubelet
 from tests.controlplane.test_chart_install import assert_never_forbidden, install_chart
 from tests.controlplane.training_operator import TrainingOperator
 from tests.operator import dcgm_exporter
-from tests.operator.conftest import CHECKPOINT_CLAIM, Cluster, Operator, wait_for
+from tests.operator.conftest import Cluster, Operator, wait_for
 from tests.operator.dcgm_exporter import xid_on
 from tests.tiers import starts_processes
 
-DATASET = REPO / "examples" / "data" / "samsum-tiny.jsonl"
-EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
-OPERATOR_ENV = {"LLAMAFT_SYNC_INTERVAL": "1", "LLAMAFT_RETRY_BACKOFF_SECONDS": "1", "LLAMAFT_PROGRESS_TIMEOUT": "0.5"}
-
+rendezvous, admin, checkpoint_claim, nodes = runs.rendezvous, runs.admin, runs.checkpoint_claim, runs.nodes
+"""The shared fixtures (tests/controlplane/runs.py)."""
 dcgm = dcgm_exporter.dcgm
 """A real Prometheus scraping a replayed dcgm-exporter: the GPU-health evidence the operator reads."""
 
@@ -62,83 +61,13 @@ def training_operator(control_plane: ControlPlane, tmp_path_factory: pytest.Temp
     operator.stop()
 
 
-@pytest.fixture(scope="module")
-def rendezvous() -> Iterator[LocalEtcd]:
-    need_etcd()
-    with LocalEtcd() as server:
-        yield server
-
-
-@pytest.fixture
-def admin(control_plane: ControlPlane) -> client.ApiClient:
-    return config.new_client_from_config(str(control_plane.admin_kubeconfig))
-
-
-@pytest.fixture
-def checkpoint_claim(control_plane: ControlPlane, namespace: str, tmp_path: Path) -> Iterator[Path]:
-    """The claim CHECKPOINT_CLAIM in `namespace`, bound by kube-controller-manager to a hostPath
-    PersistentVolume on a folder of the test's (returned): what the runs keep outlives their pods."""
-    folder = tmp_path / "ckpt"
-    volume = f"{namespace}-{CHECKPOINT_CLAIM}"
-    status, answer = control_plane.request("POST", "/api/v1/persistentvolumes", {
-        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": volume},
-        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "manual",
-                 "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(folder), "type": "DirectoryOrCreate"},
-                 "claimRef": {"namespace": namespace, "name": CHECKPOINT_CLAIM}}})
-    assert status == 201, answer
-    status, answer = control_plane.request("POST", f"/api/v1/namespaces/{namespace}/persistentvolumeclaims", {
-        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": CHECKPOINT_CLAIM},
-        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "manual", "volumeName": volume,
-                 "resources": {"requests": {"storage": "1Gi"}}}})
-    assert status == 201, answer
-    wait_for("the claim bound", lambda: (control_plane.request(
-        "GET", f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{CHECKPOINT_CLAIM}")[1].get("status") or {}
-    ).get("phase") == "Bound", timeout=30)
-    yield folder
-    control_plane.request("DELETE", f"/api/v1/persistentvolumes/{volume}")
-
-
-@pytest.fixture
-@starts_processes
-def nodes(control_plane: ControlPlane, namespace: str, checkpoint_claim: Path, tmp_path: Path) -> Iterator[list[Kubelet]]:
-    """Two nodes of the test's own, tainted for its namespace (only its pods, which tolerate that, land there)."""
-    kubelets = [Kubelet(control_plane, NodeShape(f"{namespace}-n{i}", taints=[
-        {"key": TAINT, "value": namespace, "effect": "NoSchedule"}]), tmp_path / f"kubelet-{i}").start()
-        for i in range(2)]
-    yield kubelets
-    for kubelet in kubelets:
-        kubelet.stop()
-        control_plane.request("DELETE", f"/api/v1/nodes/{kubelet.name}")
-
-
-def run_spec(model: Path, namespace: str, etcd: LocalEtcd, **overrides: Any) -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        "backend": "PyTorchJob",
-        "model": {"source": str(model), "dtype": "float32"},
-        "dataset": {"format": "samsum", "source": str(DATASET), "maxSeqLength": 64, "packing": True},
-        "training": {"maxSteps": 12, "perDeviceBatchSize": 2, "learningRate": 2e-3, "evalInterval": 0, "seed": 7,
-                     "collectiveTimeoutSeconds": 30},
-        "fsdp": {"mixedPrecision": "fp32", "activationCheckpointing": {"mode": "none"}},
-        "checkpointing": {"volumeClaim": CHECKPOINT_CLAIM, "directory": "/checkpoints/run", "everyNSteps": 6,
-                          "exportHuggingFace": True},
-        "cluster": {"workers": 2, "gpusPerWorker": 0, "image": "ghcr.io/llamaft/trainer:test",
-                    "terminationGracePeriodSeconds": 5,
-                    "tolerations": [{"key": TAINT, "operator": "Equal", "value": namespace, "effect": "NoSchedule"}]},
-        "rendezvous": {"backend": "etcd-v2", "endpoint": etcd.endpoint.removeprefix("http://"), "maxRestarts": 0},
-        "runPolicy": {"retryBudget": 1, "progressDeadlineSeconds": 120, "startupGraceSeconds": 180},
-    }
-    for key, value in overrides.items():
-        spec[key] = {**spec.get(key, {}), **value} if isinstance(value, dict) else value
-    return spec
-
-
 @pytest.fixture
 def operator(control_plane: ControlPlane, namespace: str, training_operator: TrainingOperator,
              dcgm: tuple[str, dict[str, str]], tmp_path: Path) -> Iterator[Operator]:
     """The llamaft operator as the chart runs it (its ServiceAccount, its RBAC), watching
     `namespace`, reading GPU health from the module's Prometheus."""
     op, _ = install_chart(control_plane, namespace, tmp_path / "operator.log")
-    op.extra_env.update({**OPERATOR_ENV, "LLAMAFT_PROMETHEUS_URL": dcgm[0]})
+    op.extra_env.update({**runs.OPERATOR_ENV, "LLAMAFT_PROMETHEUS_URL": dcgm[0]})
     op.start()
     yield op
     op.stop()
@@ -149,11 +78,11 @@ def test_every_rendered_pytorchjob_is_admitted_by_the_training_operators_webhook
         control_plane: ControlPlane, namespace: str, training_operator: TrainingOperator, admin: client.ApiClient) -> None:
     custom = client.CustomObjectsApi(admin)
     rendered = 0
-    for path in EXAMPLES:
+    for path in runs.EXAMPLES:
         for job in _rendered_pytorchjobs(path, namespace):
             custom.create_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", job, dry_run="All")
             rendered += 1
-    assert rendered >= 3, f"only {rendered} PyTorchJob(s) rendered from {len(EXAMPLES)} examples"
+    assert rendered >= 3, f"only {rendered} PyTorchJob(s) rendered from {len(runs.EXAMPLES)} examples"
     # The webhook is in the path: a job it refuses (its container is not named `pytorch`) is refused.
     (job,) = _rendered_pytorchjobs(REPO / "examples" / "tiny.yaml", namespace)[:1]
     job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["name"] = "trainer"
@@ -169,9 +98,9 @@ def test_a_fine_tune_trains_to_success_through_the_real_training_operator(
         control_plane: ControlPlane, namespace: str, nodes: list[Kubelet], operator: Operator, rendezvous: LocalEtcd,
         tiny_model: Path, admin: client.ApiClient, checkpoint_claim: Path) -> None:
     cluster = Cluster(admin, namespace)
-    cluster.create("ft", run_spec(tiny_model, namespace, rendezvous))
-    status = _end(cluster, "ft", nodes, operator, timeout=240)
-    logs = {p: k.logs(namespace, p) for k in nodes for p in _pod_names(k, namespace)}
+    cluster.create("ft", runs.run_spec(tiny_model, namespace, rendezvous))
+    status = runs.end(cluster, "ft", nodes, operator, timeout=240)
+    logs = {p: k.logs(namespace, p) for k in nodes for p in runs.pod_names(k, namespace)}
     assert status["phase"] == "Succeeded", (status, {p: text[-2000:] for p, text in logs.items()})
     assert status["attempt"] == 1 and not status.get("failures"), status
     progress = status["progress"]
@@ -190,7 +119,7 @@ def test_a_fine_tune_trains_to_success_through_the_real_training_operator(
         namespace, label_selector=selector).items) and all(p.status.phase != "Running" for p in items) and items, timeout=60)
     assert {p.status.phase for p in pods} == {"Succeeded"}, [(p.metadata.name, p.status.phase) for p in pods]
     assert {p.spec.node_name for p in pods} <= {k.name for k in nodes}
-    done = [line for k in nodes for pod in _pod_names(k, namespace) for line in read_events(k.logs(namespace, pod))
+    done = [line for k in nodes for pod in runs.pod_names(k, namespace) for line in read_events(k.logs(namespace, pod))
             if line.get("event") == "done"]
     assert done and progress["step"] == done[-1]["step"] and progress["loss"] == pytest.approx(done[-1]["loss"], abs=1e-9)
 
@@ -203,19 +132,19 @@ def test_applied_again_after_success_a_run_trains_in_its_own_job(
     taking it) for its result; it runs a job of its own, resumes from the checkpoints on the claim
     and ends Succeeded with its own report."""
     cluster = Cluster(admin, namespace)
-    spec = run_spec(tiny_model, namespace, rendezvous)
+    spec = runs.run_spec(tiny_model, namespace, rendezvous)
     cluster.create("again", spec)
-    first = _end(cluster, "again", nodes, operator, timeout=240)
+    first = runs.end(cluster, "again", nodes, operator, timeout=240)
     assert first["phase"] == "Succeeded" and first["attempt"] == 1 and not first.get("failures"), first
     cluster.wait_reasons("again", "JobCreated", "Running", "Succeeded")
     cluster.delete_finetune("again")
     wait_for("the first incarnation gone", lambda: all(i["metadata"]["name"] != "again" for i in cluster.custom.list_namespaced_custom_object(
         "llamaft.io", "v1alpha1", namespace, "llamafinetunes")["items"]), timeout=60)
     cluster.create("again", spec)  # at once: its predecessor's job may still be there, being collected
-    second = _end(cluster, "again", nodes, operator, timeout=240)
+    second = runs.end(cluster, "again", nodes, operator, timeout=240)
     assert second["phase"] == "Succeeded" and second["jobName"] != first["jobName"], (first, second)
     assert second["progress"]["step"] == 12, second
-    ran = _events(nodes, namespace, second["jobName"])
+    ran = runs.events(nodes, namespace, second["jobName"])
     assert any(lines for lines in ran.values()), "the new incarnation ran its own pods"
     resumed = [e for lines in ran.values() for e in lines if e.get("event") == "resume"]
     assert resumed and resumed[0]["step"] == 12, "it found the finished run's last checkpoint on the claim"
@@ -230,21 +159,21 @@ def test_deleted_and_applied_again_mid_run_the_new_incarnation_finishes(
     checkpoints on the claim, never meeting its predecessor's job (being collected) or rendezvous
     (its run id is the new job's)."""
     cluster = Cluster(admin, namespace)
-    spec = run_spec(tiny_model, namespace, rendezvous, training={"maxSteps": 30}, checkpointing={"everyNSteps": 10},
+    spec = runs.run_spec(tiny_model, namespace, rendezvous, training={"maxSteps": 30}, checkpointing={"everyNSteps": 10},
                     rendezvous={"backend": backend})
     cluster.create("rerun", spec)
     old_job = wait_for("attempt 1's job", lambda: cluster.attempt_job("rerun", 1), timeout=60)["metadata"]["name"]
-    wait_for("past checkpoint 10", lambda: _past_checkpoint(nodes, namespace, old_job, 10), timeout=180, interval=0.1)
+    wait_for("past checkpoint 10", lambda: runs.past_checkpoint(nodes, namespace, old_job, 10), timeout=180, interval=0.1)
     old_rendezvous = cluster.status("rerun")["rendezvousId"]
     cluster.delete_finetune("rerun")
     wait_for("the old incarnation gone", lambda: all(i["metadata"]["name"] != "rerun" for i in cluster.custom.list_namespaced_custom_object(
         "llamaft.io", "v1alpha1", namespace, "llamafinetunes")["items"]), timeout=60)
     cluster.create("rerun", spec)  # at once: the old job and its pods may still be terminating
-    status = _end(cluster, "rerun", nodes, operator, timeout=240)
+    status = runs.end(cluster, "rerun", nodes, operator, timeout=240)
     assert status["phase"] == "Succeeded" and status["jobName"] != old_job, status
     assert status["attempt"] == 1 and not status.get("failures"), status
     assert status["rendezvousId"] != old_rendezvous and status["progress"]["step"] == 30, status
-    ran = _events(nodes, namespace, status["jobName"])
+    ran = runs.events(nodes, namespace, status["jobName"])
     resumed = [e for lines in ran.values() for e in lines if e.get("event") == "resume"]
     assert resumed and resumed[0]["step"] >= 10, "the rerun resumed from the checkpoints on the claim"
     live = wait_for("one live job", lambda: (names := [j["metadata"]["name"] for j in cluster.jobs("llamaft.io/finetune=rerun")
@@ -257,9 +186,9 @@ def test_a_permanently_failed_run_keeps_its_job_and_failed_pod(
         tiny_model: Path, admin: client.ApiClient, tmp_path: Path) -> None:
     cluster = Cluster(admin, namespace)
     missing = tmp_path / "missing.jsonl"
-    cluster.create("typo", run_spec(tiny_model, namespace, rendezvous, dataset={"source": str(missing)},
+    cluster.create("typo", runs.run_spec(tiny_model, namespace, rendezvous, dataset={"source": str(missing)},
                                     cluster={"workers": 1}))
-    status = _end(cluster, "typo", nodes, operator, timeout=180)
+    status = runs.end(cluster, "typo", nodes, operator, timeout=180)
     assert status["phase"] == "Failed" and status["attempt"] == 1, status
     record = status["failures"][0]
     assert record["reason"] == "ConfigError" and not record["retryable"] and "missing.jsonl" in record["message"], record
@@ -278,26 +207,6 @@ def test_a_permanently_failed_run_keeps_its_job_and_failed_pod(
     assert "missing.jsonl" in logs, logs[-2000:]
 
 
-def _end(cluster: Cluster, name: str, nodes: list[Kubelet], operator: Operator, timeout: float) -> dict[str, Any]:
-    """The fine-tune's status once its phase is Succeeded or Failed; on a timeout, what each part said."""
-    try:
-        return wait_for(f"{name}'s end", lambda: (s := cluster.status(name)).get("phase") in ("Succeeded", "Failed")
-                        and s, timeout=timeout)
-    except AssertionError as exc:
-        pods = cluster.api.sanitize_for_serialization(cluster.core.list_namespaced_pod(cluster.ns).items)
-        said = [f"status: {cluster.status(name)}",
-                *[f"pod {p['metadata']['name']}: {p['status'].get('phase')} {p['status'].get('conditions')}" for p in pods],
-                *[f"--- {pod} on {k.name}\n{k.logs(cluster.ns, pod)[-3000:]}" for k in nodes for pod in _pod_names(k, cluster.ns)],
-                *[f"kubelet {k.name}: {k.errors[-5:]}" for k in nodes],
-                f"--- operator\n{operator.logs()[-4000:]}"]
-        raise AssertionError(f"{exc}\n" + "\n".join(said)) from None
-
-
-def _pod_names(kubelet: Kubelet, namespace: str) -> list[str]:
-    """The pods of `namespace` that ran on `kubelet`'s node, deleted ones too (an attempt's logs)."""
-    return kubelet.pods_run(namespace)
-
-
 def _rendered_pytorchjobs(path: Path, namespace: str) -> list[dict[str, Any]]:
     """The PyTorchJob of attempt 1 of every LlamaFineTune in `path`, rendered in `namespace`
     (whatever backend the example asks for: every spec can become a PyTorchJob)."""
@@ -309,27 +218,6 @@ def _rendered_pytorchjobs(path: Path, namespace: str) -> list[dict[str, Any]]:
         owner = Owner(document["metadata"]["name"], namespace, "0b4c8a4e-3d2a-4f51-9a0e-7d4f2f7f0c11")
         jobs.append(backends.backend_for("PyTorchJob").render(owner, spec, 1))
     return jobs
-
-
-def _events(nodes: list[Kubelet], namespace: str, job: str) -> dict[str, list[dict[str, Any]]]:
-    """The JSON event lines of each of `job`'s pods, by pod name (its container's output so far)."""
-    return {pod: read_events(k.logs(namespace, pod)) for k in nodes for pod in _pod_names(k, namespace)
-            if pod.startswith(f"{job}-")}
-
-
-def _past_checkpoint(nodes: list[Kubelet], namespace: str, job: str, step: int) -> tuple[str, str] | None:
-    """(leader pod, other pod) once `job`'s leader has logged a step past `step` and the checkpoint of
-    `step` is complete (checkpoints are written in the background: a fault before that loses it)."""
-    events = _events(nodes, namespace, job)
-    leader = next((pod for pod, lines in events.items() if any(e.get("event") == "step" for e in lines)), None)
-    if leader is None or len(events) < 2:
-        return None
-    lines = events[leader]
-    steps = [e["step"] for e in lines if e.get("event") == "step"]
-    saved = [e["step"] for e in lines if e.get("event") == "checkpoint"]
-    if max(steps) > step and saved and max(saved) >= step:
-        return leader, next(pod for pod in events if pod != leader)
-    return None
 
 
 FAULT_RUNS = [["kill_container", "oom_kill", "hang", "gpu_xid"], ["kubelet_eviction", "api_eviction", "preemption"]]
@@ -391,7 +279,7 @@ def test_each_fault_costs_at_most_one_checkpoint_interval(
     cluster = Cluster(admin, namespace)
     steps = 10 * (len(faults) + 1)
     policy: dict[str, Any] = {"retryBudget": len(faults), **({"progressDeadlineSeconds": 10} if "hang" in faults else {})}
-    cluster.create("faults", run_spec(tiny_model, namespace, rendezvous, training={"maxSteps": steps},
+    cluster.create("faults", runs.run_spec(tiny_model, namespace, rendezvous, training={"maxSteps": steps},
                                       checkpointing={"everyNSteps": 10}, runPolicy=policy,
                                       cluster={"resources": {"cpu": WORKER_CPU}}))
     excluded: list[str] = []
@@ -399,8 +287,8 @@ def test_each_fault_costs_at_most_one_checkpoint_interval(
         job = wait_for(f"attempt {attempt}'s job", lambda a=attempt: cluster.attempt_job("faults", a), timeout=60)
         name = job["metadata"]["name"]
         _, victim = wait_for(f"attempt {attempt} past checkpoint {attempt * 10}",
-                             lambda n=name, a=attempt: _past_checkpoint(nodes, namespace, n, a * 10), timeout=180, interval=0.1)
-        node = next(k for k in nodes if victim in _pod_names(k, namespace))
+                             lambda n=name, a=attempt: runs.past_checkpoint(nodes, namespace, n, a * 10), timeout=180, interval=0.1)
+        node = next(k for k in nodes if victim in runs.pod_names(k, namespace))
 
         def next_attempt(a: int = attempt) -> dict[str, Any]:
             return wait_for(f"attempt {a + 1}", lambda: (s := cluster.status("faults")).get("attempt") == a + 1 and s, timeout=90)
@@ -424,11 +312,11 @@ def test_each_fault_costs_at_most_one_checkpoint_interval(
             assert status == 200, answer
         second = cluster.job_name("faults", attempt + 1)
         resumed = wait_for(f"attempt {attempt + 1} resumed", lambda j=second: [
-            e for lines in _events(nodes, namespace, j).values() for e in lines if e.get("event") == "resume"], timeout=120)
+            e for lines in runs.events(nodes, namespace, j).values() for e in lines if e.get("event") == "resume"], timeout=120)
         # At most the interval since checkpoint attempt x 10 is lost; a fault that SIGTERMs the
         # container (an eviction) lets the trainer save the step it stopped at, and it resumes there.
         assert resumed[0]["step"] >= attempt * 10, (seen, resumed)
-    status = _end(cluster, "faults", nodes, operator, timeout=240)
+    status = runs.end(cluster, "faults", nodes, operator, timeout=240)
     assert status["phase"] == "Succeeded" and status["attempt"] == len(faults) + 1, status
     cluster.wait_reasons("faults", *{EXPECTED[f] for f in faults}, *(["XidError", "NodeExcluded"] if "gpu_xid" in faults else []))
     assert status["retriesUsed"] == len(faults) and status["progress"]["step"] == steps, status
@@ -445,14 +333,14 @@ def test_a_used_up_retry_budget_fails_the_run_with_its_history(
     (RetryBudgetExhausted), with both failures in its history and no third job; deleting it leaves
     nothing behind (kube-controller-manager's garbage collector takes the jobs' pods and children)."""
     cluster = Cluster(admin, namespace)
-    cluster.create("broke", run_spec(tiny_model, namespace, rendezvous, training={"maxSteps": 40},
+    cluster.create("broke", runs.run_spec(tiny_model, namespace, rendezvous, training={"maxSteps": 40},
                                      checkpointing={"everyNSteps": 10}, runPolicy={"retryBudget": 1}))
     for attempt in (1, 2):
         job = wait_for(f"attempt {attempt}'s job", lambda a=attempt: cluster.attempt_job("broke", a), timeout=60)
-        _, victim = wait_for(f"attempt {attempt} past checkpoint 10", lambda n=job["metadata"]["name"]: _past_checkpoint(
+        _, victim = wait_for(f"attempt {attempt} past checkpoint 10", lambda n=job["metadata"]["name"]: runs.past_checkpoint(
             nodes, namespace, n, 10), timeout=180, interval=0.1)
-        next(k for k in nodes if victim in _pod_names(k, namespace)).kill(namespace, victim)
-    status = _end(cluster, "broke", nodes, operator, timeout=120)
+        next(k for k in nodes if victim in runs.pod_names(k, namespace)).kill(namespace, victim)
+    status = runs.end(cluster, "broke", nodes, operator, timeout=120)
     assert status["phase"] == "Failed" and "retry budget (1) is used up" in status["message"], status
     assert [(f["attempt"], f["reason"]) for f in status["failures"]] == [(1, "Killed"), (2, "Killed")], status
     assert status["retriesUsed"] == 1, status
@@ -483,13 +371,13 @@ def test_the_operator_killed_mid_run_picks_the_run_up(
     """SIGKILL to the llamaft operator while its run trains, a new operator process later: the run
     ends in its first attempt with its one job (the new process adopts what the old one made)."""
     cluster = Cluster(admin, namespace)
-    cluster.create("adopt", run_spec(tiny_model, namespace, rendezvous, training={"maxSteps": 40}))
+    cluster.create("adopt", runs.run_spec(tiny_model, namespace, rendezvous, training={"maxSteps": 40}))
     job = wait_for("attempt 1's job", lambda: cluster.attempt_job("adopt", 1), timeout=60)["metadata"]["name"]
-    wait_for("training", lambda: _past_checkpoint(nodes, namespace, job, 6), timeout=180, interval=0.1)
+    wait_for("training", lambda: runs.past_checkpoint(nodes, namespace, job, 6), timeout=180, interval=0.1)
     operator.kill()
     time.sleep(2)
     operator.start()
-    status = _end(cluster, "adopt", nodes, operator, timeout=240)
+    status = runs.end(cluster, "adopt", nodes, operator, timeout=240)
     assert status["phase"] == "Succeeded" and status["attempt"] == 1 and not status.get("failures"), status
     assert status["progress"]["step"] == 40, status
     assert [j["metadata"]["name"] for j in cluster.jobs("llamaft.io/finetune=adopt")] == [job]
