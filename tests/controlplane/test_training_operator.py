@@ -45,20 +45,12 @@ from tests.controlplane.training_operator import TrainingOperator
 from tests.operator import dcgm_exporter
 from tests.operator.conftest import Cluster, Operator, wait_for
 from tests.operator.dcgm_exporter import xid_on
-from tests.tiers import starts_processes
 
-rendezvous, admin, checkpoint_claim, nodes = runs.rendezvous, runs.admin, runs.checkpoint_claim, runs.nodes
+training_operator, rendezvous, admin = runs.training_operator, runs.rendezvous, runs.admin
+checkpoint_claim, nodes = runs.checkpoint_claim, runs.nodes
 """The shared fixtures (tests/controlplane/runs.py)."""
 dcgm = dcgm_exporter.dcgm
 """A real Prometheus scraping a replayed dcgm-exporter: the GPU-health evidence the operator reads."""
-
-
-@pytest.fixture(scope="session")
-@starts_processes
-def training_operator(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrainingOperator]:
-    operator = TrainingOperator(control_plane, tmp_path_factory.mktemp("training-operator")).start()
-    yield operator
-    operator.stop()
 
 
 @pytest.fixture

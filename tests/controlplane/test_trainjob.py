@@ -34,27 +34,16 @@ from llamaft_trainer.logline import read_events
 from tests.conftest import REPO
 from tests.controlplane import runs
 from tests.controlplane.cluster import ControlPlane
-from tests.controlplane.kubeflow_trainer import JobSetController, TrainerController
+from tests.controlplane.kubeflow_trainer import TrainerController
 from tests.controlplane.kubelet import Kubelet
 from tests.controlplane.test_chart_install import assert_never_forbidden, install_chart
 from tests.operator.conftest import Cluster, Operator, wait_for
-from tests.tiers import starts_processes
 
 GROUP, VERSION, PLURAL = "trainer.kubeflow.org", "v1alpha1", "trainjobs"
-rendezvous, admin, checkpoint_claim, nodes = (runs.rendezvous, runs.admin,
-                                              runs.checkpoint_claim, runs.nodes)
-"""The same external etcd, admin client, claim and two tainted nodes as the PyTorchJob runs."""
-
-
-@pytest.fixture(scope="session")
-@starts_processes
-def trainer(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrainerController]:
-    """JobSet, then Trainer (which watches JobSets), on the session's control plane."""
-    jobset = JobSetController(control_plane, tmp_path_factory.mktemp("jobset")).start()
-    controller = TrainerController(control_plane, tmp_path_factory.mktemp("trainer")).start()
-    yield controller
-    controller.stop()
-    jobset.stop()
+trainer, rendezvous, admin = runs.trainer, runs.rendezvous, runs.admin
+checkpoint_claim, nodes = runs.checkpoint_claim, runs.nodes
+"""Trainer and JobSet, and the same external etcd, admin client, claim and two tainted nodes as the
+PyTorchJob runs (tests/controlplane/runs.py)."""
 
 
 @pytest.fixture

@@ -179,7 +179,10 @@ class WebhookController:
     def _sync_certificates(self) -> None:
         """kubelet's secret volume, for the one Secret: its keys as files, rewritten when they change."""
         while not self._stop.wait(0.5):
-            status, secret = self.plane.request("GET", f"/api/v1/namespaces/{self.namespace}/secrets/{self.secret}")
+            try:
+                status, secret = self.plane.request("GET", f"/api/v1/namespaces/{self.namespace}/secrets/{self.secret}")
+            except OSError:  # the API server restarting (an outage test) or gone (the session's end)
+                continue
             if status != 200:
                 continue
             for key, value in ((secret or {}).get("data") or {}).items():

@@ -6,8 +6,10 @@
 - The lifecycle: a job Kueue holds (suspended, not by the user) is Queued with its queue, never
   a failure, and its startup clock starts at admission; Kueue's preemption (suspend of a running
   job; its pods end with SIGTERM) spends no retry.
-- The handshake against the emulator with the real kopf runtime: the test plays Kueue (suspends
-  the job at creation, unsuspends it later) and the operator never touches the job's suspend.
+- Shrinking an elastic job Kueue cannot admit, against the emulator with the real kopf runtime:
+  the test plays Kueue's Workload (pending for an hour).
+The handshake with the real Kueue (suspended at creation, admitted when its ClusterQueue has quota,
+the job's suspend never written by the operator) is tests/controlplane/test_queueing.py.
 """
 
 from __future__ import annotations
@@ -130,32 +132,6 @@ def operator(kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     op = Operator(kubeconfig, tmp_path_factory.mktemp("op") / "operator.log").start()
     yield op
     op.stop()
-
-
-def test_kueue_suspends_at_creation_and_admits_later(cluster: Cluster, operator: Operator, emulator: EmulatorThread) -> None:
-    cluster.create("queued", tiny_spec(scheduling={"queueName": "team-a-gpus"}))
-    name = cluster.job_name("queued", 1)
-    job_ = wait_for("job", lambda: cluster.attempt_job("queued", 1))
-    assert job_["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a-gpus"
-    # Kueue's webhook: suspended at creation; the training operator reports it.
-    cluster.custom.patch_namespaced_custom_object("kubeflow.org", "v1", cluster.ns, "pytorchjobs", name,
-                                                  {"spec": {"runPolicy": {"suspend": True}}})
-    cluster.set_job_status(name, [("Created", "PyTorchJobCreated", "created"), ("Suspended", "PyTorchJobSuspended", "suspended")])
-    status = wait_for("Queued", lambda: (s := cluster.status("queued")).get("phase") == "Queued" and s)
-    assert status["queue"] == "team-a-gpus" and "team-a-gpus" in status["message"]
-    assert "Queued" in wait_for("event", lambda: [e["reason"] for e in cluster.events("queued")])
-    # Kueue admits: unsuspends; the training operator starts the pods.
-    cluster.custom.patch_namespaced_custom_object("kubeflow.org", "v1", cluster.ns, "pytorchjobs", name,
-                                                  {"spec": {"runPolicy": {"suspend": False}}})
-    cluster.set_job_status(name, [("Created", "PyTorchJobCreated", "created"), ("Running", "PyTorchJobRunning", "running")],
-                           replicaStatuses={"Worker": {"active": 2}})
-    status = wait_for("Running", lambda: (s := cluster.status("queued")).get("phase") == "Running" and s)
-    assert next(c for c in status["conditions"] if c["type"] == "Queued")["reason"] == "Admitted"
-    job_path = f"/pytorchjobs/{name}"
-    touched = [r for r in emulator.requests() if r.user_agent == USER_AGENT and r.path.endswith(job_path)
-               and r.method in ("PATCH", "PUT")]
-    assert touched == [], "the operator never writes the job Kueue suspends and unsuspends"
-    assert cluster.status("queued")["attempt"] == 1 and cluster.status("queued").get("retriesUsed", 0) == 0
 
 
 def test_an_elastic_job_kueue_cannot_admit_asks_for_fewer_workers(cluster: Cluster, operator: Operator,
