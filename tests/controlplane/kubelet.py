@@ -238,6 +238,8 @@ class Kubelet:
         return self
 
     def stop(self) -> None:
+        """The node goes: no more status writes or Lease renewals, every container's processes
+        SIGKILLed (the end of a test, or the death of the node's machine)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(30)

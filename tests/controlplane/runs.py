@@ -146,16 +146,17 @@ def events(nodes: list[Kubelet], namespace: str, job: str) -> dict[str, list[dic
             if pod.startswith(f"{job}-")}
 
 
-def past_checkpoint(nodes: list[Kubelet], namespace: str, job: str, step: int) -> tuple[str, str] | None:
-    """(leader pod, other pod) once `job`'s leader has logged a step past `step` and the checkpoint of
-    `step` is complete (checkpoints are written in the background: a fault before that loses it)."""
+def past_checkpoint(nodes: list[Kubelet], namespace: str, job: str, step: int, workers: int = 2) -> tuple[str, str] | None:
+    """(leader pod, another pod) once `job`'s leader has logged a step past `step` and the checkpoint
+    of `step` is complete (checkpoints are written in the background: a fault before that loses
+    it); with 1 worker, (leader, leader)."""
     by_pod = events(nodes, namespace, job)
     leader = next((pod for pod, lines in by_pod.items() if any(e.get("event") == "step" for e in lines)), None)
-    if leader is None or len(by_pod) < 2:
+    if leader is None or len(by_pod) < workers:
         return None
     lines = by_pod[leader]
     steps = [e["step"] for e in lines if e.get("event") == "step"]
     saved = [e["step"] for e in lines if e.get("event") == "checkpoint"]
     if max(steps) > step and saved and max(saved) >= step:
-        return leader, next(pod for pod in by_pod if pod != leader)
+        return leader, next((pod for pod in by_pod if pod != leader), leader)
     return None

@@ -357,6 +357,48 @@ def test_a_used_up_retry_budget_fails_the_run_with_its_history(
     assert leftovers() == []
 
 
+def test_a_lost_node_costs_at_most_one_checkpoint_interval(
+        control_plane: ControlPlane, namespace: str, nodes: list[Kubelet], operator: Operator, rendezvous: LocalEtcd,
+        tiny_model: Path, admin: client.ApiClient) -> None:
+    """The node of a 1-worker run dies (its kubelet stops: no status, no heartbeat, the container's
+    processes SIGKILLed) and its Node object is deleted, as a cloud provider's node controller does
+    when the machine is gone. kube-controller-manager's pod GC marks the orphaned pod Failed with
+    DisruptionTarget DeletionByPodGC and deletes it (after its quarantine of the missing node); the
+    operator reads that as NodeLost, keeps the next attempt off the node, and the next attempt
+    resumes from the claim on the other node; its finished job goes by ttlSecondsAfterFinished,
+    the final status stays. (With 2 workers the survivor's PeerLost would come
+    first, long before pod GC; which cause wins when both are seen is tests/operator/test_lifecycle.py.)"""
+    cluster = Cluster(admin, namespace)
+    cluster.create("lost", runs.run_spec(tiny_model, namespace, rendezvous, training={"maxSteps": 20},
+                                         checkpointing={"everyNSteps": 10}, cluster={"workers": 1},
+                                         runPolicy={"ttlSecondsAfterFinished": 1}))
+    job = wait_for("attempt 1's job", lambda: cluster.attempt_job("lost", 1), timeout=60)["metadata"]["name"]
+    leader, _ = wait_for("attempt 1 past checkpoint 10", lambda: runs.past_checkpoint(nodes, namespace, job, 10, workers=1),
+                         timeout=180, interval=0.1)
+    node = next(k for k in nodes if leader in runs.pod_names(k, namespace))
+    node.stop()
+    status, answer = control_plane.request("DELETE", f"/api/v1/nodes/{node.name}")
+    assert status == 200, answer
+    status_ = wait_for("attempt 2", lambda: (s := cluster.status("lost")).get("attempt") == 2 and s, timeout=150)
+    record = status_["failures"][0]
+    assert record["reason"] == "NodeLost" and record["retryable"] and node.name in record["message"], record
+    assert status_.get("excludedNodes") == [node.name], status_
+    wait_for("the lost pod collected", lambda: not cluster.core.list_namespaced_pod(
+        namespace, field_selector=f"metadata.name={leader}").items, timeout=60)
+    done = runs.end(cluster, "lost", nodes, operator, timeout=240)
+    assert done["phase"] == "Succeeded" and done["attempt"] == 2 and done["progress"]["step"] == 20, done
+    resumed = [e for lines in runs.events(nodes, namespace, cluster.job_name("lost", 2)).values() for e in lines
+               if e.get("event") == "resume"]
+    assert resumed and resumed[0]["step"] >= 10, resumed
+    # runPolicy.ttlSecondsAfterFinished: the training operator removes the finished job; the final
+    # status outlives it.
+    wait_for("the job removed by its TTL", lambda: cluster.attempt_job("lost", 2) is None, timeout=60)
+    time.sleep(3)  # several sync intervals and deletion events later
+    after = cluster.status("lost")
+    assert after["phase"] == "Succeeded" and after["progress"] == done["progress"], after
+    assert after["conditions"] == done["conditions"], "the final status outlives the job"
+
+
 def test_the_operator_killed_mid_run_picks_the_run_up(
         control_plane: ControlPlane, namespace: str, nodes: list[Kubelet], operator: Operator, rendezvous: LocalEtcd,
         tiny_model: Path, admin: client.ApiClient) -> None:

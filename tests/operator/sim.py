@@ -2,7 +2,7 @@
 trainer: the Kubeflow training operator (v1.9, PyTorchJob), Kubeflow Trainer v2.3 with JobSet and the
 Job controller (TrainJob, tests/operator/sim_trainjob.py), just enough of the Deployment controller
 for the managed etcd, the scheduler and a kubelet per node that runs each pod's container as a real
-process tree on this machine. Plus faults on demand (kill, OOM, hang, eviction, node loss) and
+process tree on this machine. Plus faults on demand (a killed container, node loss) and
 capacity: each node's allocatable cpu, memory and GPUs bound what the scheduler places there, so a
 node lost with no room left leaves its pods' replacements Pending and Unschedulable, and a node
 added later (`add_node`) takes them.
@@ -115,11 +115,6 @@ processes even after torchrun's workers, which run in their own sessions, lose t
 LAUNCHER = Path(__file__).with_name("container_root.py")
 """Builds a container's private root and execs its command (run with `python -I`)."""
 DEFAULT_TERMINATION_MESSAGE_PATH = "/dev/termination-log"
-EVICTION_MESSAGES = {
-    "EvictionByEvictionAPI": "Eviction API: evicting",
-    "PreemptionByScheduler": "default-scheduler: preempting to accommodate a higher priority pod",
-    "TerminationByKubelet": "The node was low on resource: memory. ",
-}
 
 _SETPRIV = shutil.which("setpriv")
 
@@ -330,7 +325,6 @@ class Container:
     log_path: Path
     started_at: str
     marker: str
-    oom: bool = False
     start_error: str | None = None
 
 
@@ -357,14 +351,11 @@ class PodRun:
     next_start: float = 0.0
     started_at: str = ""
     kill_at: float | None = None
-    """When SIGTERM was sent for a deletion or kubelet eviction: SIGKILL at this monotonic time."""
-    evicted: str | None = None
-    """The kubelet evicts this pod (node pressure): the message for status.message."""
+    """When SIGTERM was sent for a deletion: SIGKILL at this monotonic time."""
     done: bool = False
     """A terminal status is written (or the node is lost): the kubelet only deletes it now."""
     delete_at: float = 0.0
     """For a pod being deleted: when the kubelet's final DELETE (gracePeriodSeconds=0) is due."""
-    hung: bool = False
     last_terminated: Obj | None = None
     """The previous run's terminated state (containerStatuses[0].lastState) after an in-place restart."""
 
@@ -708,60 +699,6 @@ class SimCluster:
         self._log(f"fault: kill_trainer {pod} rank={local_rank} pid={pids[local_rank]} sig={sig}")
         os.kill(pids[local_rank], sig)
         return pids[local_rank]
-
-    def oom_kill(self, pod: str, namespace: str = "default") -> None:
-        """The kernel's OOM killer on the container's cgroup: SIGKILL everything; the container
-        ends with exit code 137, reason OOMKilled."""
-        with self._lock:
-            run = self._require_run(pod, namespace)
-            assert run.container is not None
-            run.container.oom = True
-            self._log(f"fault: oom_kill {pod}")
-            self._signal_container(run.container, signal.SIGKILL)
-
-    def hang(self, pod: str, namespace: str = "default") -> None:
-        """SIGSTOP every process of the container: alive, ready, silent (a hung collective)."""
-        with self._lock:
-            run = self._require_run(pod, namespace)
-            assert run.container is not None
-            run.hung = True
-            self._log(f"fault: hang {pod}")
-            self._signal_container(run.container, signal.SIGSTOP)
-
-    def resume(self, pod: str, namespace: str = "default") -> None:
-        """SIGCONT what hang() stopped."""
-        with self._lock:
-            run = self._require_run(pod, namespace)
-            assert run.container is not None
-            run.hung = False
-            self._log(f"fault: resume {pod}")
-            self._signal_container(run.container, signal.SIGCONT)
-
-    def evict(self, pod: str, reason: str = "EvictionByEvictionAPI", namespace: str = "default") -> None:
-        """A disruption with Kubernetes' DisruptionTarget condition and `reason`:
-        - EvictionByEvictionAPI: POST pods/<pod>/eviction (the API server adds the condition and
-          deletes the pod gracefully: SIGTERM, grace, gone);
-        - PreemptionByScheduler: the scheduler adds the condition and deletes the pod gracefully;
-        - TerminationByKubelet: node-pressure eviction: the kubelet adds the condition, SIGTERMs the
-          container, SIGKILLs it after the grace period, and leaves the pod Failed with
-          status.reason "Evicted" (it is not deleted)."""
-        if reason not in EVICTION_MESSAGES:
-            raise ValueError(f"reason must be one of {sorted(EVICTION_MESSAGES)}")
-        self._log(f"fault: evict {pod} {reason}")
-        if reason == "EvictionByEvictionAPI":
-            self.api.call("POST", pod_path(namespace, pod, "eviction"), {
-                "apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": namespace}})
-            return
-        with self._lock:
-            current = self.pod(pod, namespace)
-            if current is None:
-                raise AssertionError(f"pod {pod} does not exist")
-            self._add_condition(current, "DisruptionTarget", "True", reason, EVICTION_MESSAGES[reason])
-            if reason == "PreemptionByScheduler":
-                self.api.delete(pod_path(namespace, pod))
-            else:
-                run = self._require_run(pod, namespace)
-                run.evicted = EVICTION_MESSAGES[reason]
 
     def lose_node(self, node: str) -> list[str]:
         """The node dies: every process on it is SIGKILLed, the kubelet is gone, the Node object is
@@ -1484,7 +1421,7 @@ class SimCluster:
             return
         code = container.proc.poll() if container.proc is not None else 128
         if code is None:
-            if deleting or run.evicted:
+            if deleting:
                 self._terminate(pod, run)
             return
         self._container_exited(pod, run, code)
@@ -1518,8 +1455,6 @@ class SimCluster:
         exit_code = code if code >= 0 else 128 - code
         if container.start_error is not None:
             reason, exit_code = "StartError", 128
-        elif container.oom:
-            reason, exit_code = "OOMKilled", 137
         else:
             reason = "Completed" if exit_code == 0 else "Error"
         terminated = {"exitCode": exit_code, "reason": reason, "startedAt": container.started_at, "finishedAt": now_rfc3339(),
@@ -1530,7 +1465,7 @@ class SimCluster:
         self._log(f"kubelet {run.node}: {run.name} exited {exit_code} ({reason})")
         restart = pod.get("spec", {}).get("restartPolicy", "Always")
         deleting = bool(pod["metadata"].get("deletionTimestamp"))
-        if not deleting and not run.evicted and (restart == "Always" or (restart == "OnFailure" and exit_code != 0)):
+        if not deleting and (restart == "Always" or (restart == "OnFailure" and exit_code != 0)):
             run.last_terminated = terminated
             run.restarts += 1
             run.container = None
@@ -1552,10 +1487,8 @@ class SimCluster:
     def _terminal(self, pod: Obj, run: PodRun, terminated: Obj | None) -> None:
         """Write the pod's last status: a terminal phase with the container's terminated state."""
         status = self._base_status(pod, run)
-        ok = terminated is not None and terminated["exitCode"] == 0 and not run.evicted
+        ok = terminated is not None and terminated["exitCode"] == 0
         status["phase"] = "Succeeded" if ok else "Failed"
-        if run.evicted:
-            status["reason"], status["message"] = "Evicted", run.evicted
         for c in status["conditions"]:
             if c["type"] in ("Ready", "ContainersReady"):
                 c.update({"status": "False", "reason": "PodCompleted" if ok else "PodFailed"})

@@ -23,7 +23,6 @@ from llamaft_trainer.local_etcd import LocalEtcd
 from llamaft_trainer.logline import read_events
 
 from tests.conftest import REPO
-from tests.operator import dcgm_exporter
 from tests.operator.conftest import Cluster, Operator, close_rendezvous, wait_for
 from tests.operator.emulator import EmulatorThread, write_kubeconfig
 from tests.operator.sim import SimCluster, pod_port
@@ -57,16 +56,14 @@ def world(etcd: LocalEtcd, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         emulator.stop()
 
 
-dcgm = dcgm_exporter.dcgm
-"""A real Prometheus scraping a replayed dcgm-exporter (the module's)."""
 OPERATOR_ENV = {"LLAMAFT_SYNC_INTERVAL": "1", "LLAMAFT_RETRY_BACKOFF_SECONDS": "1", "LLAMAFT_PROGRESS_TIMEOUT": "0.5"}
 
 
 @pytest.fixture(scope="module")
-def operator(world: tuple[EmulatorThread, Cluster, SimCluster, Path], etcd: LocalEtcd, dcgm: tuple[str, dict[str, str]],
+def operator(world: tuple[EmulatorThread, Cluster, SimCluster, Path], etcd: LocalEtcd,
              tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
     op = Operator(world[3], tmp_path_factory.mktemp("op") / "operator.log", cli=True,
-                  LLAMAFT_RENDEZVOUS_ADDRESS_OVERRIDE=etcd.endpoint, LLAMAFT_PROMETHEUS_URL=dcgm[0], **OPERATOR_ENV).start()
+                  LLAMAFT_RENDEZVOUS_ADDRESS_OVERRIDE=etcd.endpoint, **OPERATOR_ENV).start()
     yield op
     op.stop()
 
@@ -235,84 +232,6 @@ def finish(cluster: Cluster, sim: SimCluster, name: str, attempts: int) -> dict[
 
 
 # -------------------------------------------------------------------------------- scenarios
-def inject(sim: SimCluster, fault: str, pod: str) -> None:
-    """One fault, by name, on one pod (node faults on the pod's node)."""
-    actions = {
-        "kill_container": lambda: sim.kill_container(pod),
-        "oom_kill": lambda: sim.oom_kill(pod),
-        "lose_node": lambda: sim.lose_node(str(sim.node_of(pod))),
-    }
-    actions[fault]()
-
-
-FAULT_RUNS = [["lose_node"]]
-"""The fault that runs here until it moves to the real control plane (a lost node), ending one
-attempt once it has passed checkpoint EVERY (step 11 of 60); the run's loss trace spans the
-recovery. A killed, OOM-killed or hung container, both evictions, the scheduler's preemption and
-a GPU XID run on the real control plane with the real training operator
-(tests/controlplane/test_training_operator.py)."""
-EXPECTED = {"lose_node": "NodeLost"}
-EXCLUDES_THE_NODE = {"lose_node"}
-
-
-@pytest.mark.parametrize("faults", FAULT_RUNS, ids=["+".join(f.replace("_", "") for f in run) for run in FAULT_RUNS])
-def test_faults_recover_from_the_checkpoint(cluster: Cluster, sim: SimCluster, operator: Operator,
-                                            tiny_model: Path, tmp_path: Path, faults: list[str]) -> None:
-    """Each fault is classified from the pod's evidence (within seconds, not a timer), the next
-    attempt resumes from the newest checkpoint, off every node the evidence named, and the run ends with the trainer's own report and no orphans. The last run's
-    job is removed by ttlSecondsAfterFinished after it: its final status stays as it was."""
-    name = f"faults-{faults[0].replace('_', '')}"[:30]
-    policy: dict[str, Any] = {}
-    ttl = faults == FAULT_RUNS[-1]  # one of the runs also has its job removed by ttlSecondsAfterFinished
-    if ttl:
-        policy["ttlSecondsAfterFinished"] = 1
-    cluster.create(name, run_spec(tiny_model, runPolicy=policy))
-    excluded: list[str] = []
-    for attempt, fault in enumerate(faults, start=1):
-        fault_ends_attempt(cluster, sim, name, attempt, fault, excluded)
-    status = finish(cluster, sim, name, attempts=len(faults) + 1)
-    assert status["retriesUsed"] == len(faults)
-    cluster.wait_reasons(name, *{EXPECTED[f] for f in faults})
-    if ttl:
-        wait_for("job removed by its TTL", lambda: cluster.job(status["jobName"]) is None, timeout=60)
-        time.sleep(3)  # several sync intervals and pod/job deletion events later
-        after = cluster.status(name)
-        assert after["phase"] == "Succeeded" and after["progress"] == status["progress"], "the final status outlives the job"
-        assert after["conditions"] == status["conditions"]
-    delete_and_assert_no_orphans(cluster, sim, name)
-
-
-def fault_ends_attempt(cluster: Cluster, sim: SimCluster, name: str, attempt: int, fault: str, excluded: list[str]) -> None:
-    """Once `attempt` has passed checkpoint attempt x EVERY, `fault` on its non-leader pod; then the
-    checks on the failure record and the next attempt (`excluded`: the nodes named so far, kept)."""
-    job = cluster.job_name(name, attempt)
-    stepping(cluster, sim, name, attempt * EVERY + 1, job=job)
-    victim = other_pod(cluster, sim, name, job)
-    node = str(sim.node_of(victim))
-
-    started = time.monotonic()
-    inject(sim, fault, victim)
-    status = wait_for(f"attempt {attempt + 1}", lambda: (s := cluster.status(name)).get("attempt") == attempt + 1 and s,
-                      timeout=60)
-    noticed = time.monotonic() - started
-    # What a failed check shows: the status the next attempt started with, and what the sim did.
-    seen = f"{fault} on {victim} ({node}) in attempt {attempt}, noticed after {noticed:.1f}s; status: " + json.dumps(
-        {k: status.get(k) for k in ("attempt", "phase", "message", "failures", "excludedNodes")})[:4000] \
-        + "\nsim log:\n" + "\n".join((sim.workdir / "sim.log").read_text().splitlines()[-40:])
-    record = status["failures"][attempt - 1]
-    assert record["reason"] == EXPECTED[fault] and record["attempt"] == attempt and record["retryable"], seen
-    if fault in EXCLUDES_THE_NODE:
-        excluded.append(node)
-        nxt = wait_for(f"attempt {attempt + 1}'s job", lambda: cluster.attempt_job(name, attempt + 1))
-        terms = nxt["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["affinity"]["nodeAffinity"]
-        assert node in json.dumps(terms), seen
-        pods = wait_for(f"attempt {attempt + 1}'s pods scheduled", lambda: (p := sim.pods(nxt["metadata"]["name"])) and all(
-            x["spec"].get("nodeName") for x in p) and p)
-        assert all(p["spec"]["nodeName"] not in excluded for p in pods), seen
-    assert status.get("excludedNodes", []) == excluded, "only evidence that names a node keeps later attempts off it: " + seen
-    assert noticed < 15, "a failure is noticed from the pod's events, not a timer: " + seen
-
-
 def test_closed_rendezvous_is_reset_and_retried(cluster: Cluster, sim: SimCluster, operator: Operator, etcd: LocalEtcd,
                                                 tiny_model: Path, tmp_path: Path) -> None:
     """Pods that come up after their run id was closed die of RendezvousClosedError; the operator

@@ -23,7 +23,7 @@ from llamaft.render import desired
 from llamaft.render.naming import Owner
 
 from tests.operator.emulator import EmulatorThread
-from tests.operator.sim import SimCluster, condition_true, job_path, pod_path, pod_port
+from tests.operator.sim import SimCluster, job_path, pod_path, pod_port
 from tests.operator.sim_fixtures import (  # noqa: F401 (the *_fixture imports register pytest fixtures)
     CHECKPOINT_CLAIM,
     make_sim_fixture,
@@ -229,44 +229,6 @@ def test_kill_container_fails_a_never_job_with_the_exit_code(sim: SimCluster, ti
     assert pod is not None and pod["status"]["phase"] == "Failed", "Never: the pod stays, failed"
 
 
-def test_oom_kill_under_exit_code_restarts_the_pod(sim: SimCluster, tiny_model: Path, tmp_path: Path) -> None:
-    job = submit(sim, tiny_model, "oom", restart_policy="ExitCode", training={"maxSteps": 10_000})
-    name = job["metadata"]["name"]
-    running_trainers(sim, job)
-    first = sim.pod(worker(job, 1))
-    assert first is not None
-    sim.oom_kill(worker(job, 1))
-    terminated = sim.wait("OOM recorded", lambda: sim.history(worker(job, 1)) and sim.terminated(worker(job, 1)))
-    assert terminated["exitCode"] == 137 and terminated["reason"] == "OOMKilled"
-    # Restarting holds for one reconcile only (the replacement pod's Running replaces it, as
-    # commonutil.UpdateJobConditions does): the Event the training operator records with it stays.
-    restarting = sim.wait_job_event(name, "PyTorchJobRestarting", timeout=30)
-    assert restarting[0]["type"] == "Warning" and "restarting because 1 Worker replica(s) failed" in restarting[0]["message"]
-    again = sim.wait_pod_running(worker(job, 1), timeout=60)
-    assert again["metadata"]["uid"] != first["metadata"]["uid"], "137 is retryable: a new pod"
-    # (Whether the run then completes is torch's business: with the agents' shared TCP store (the
-    # default) a replacement node waits forever for a MASTER_ADDR the surviving rank 0 never
-    # republishes; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 recovers in ~45 s here. Not asserted.)
-
-
-def test_hang_stops_every_process_and_resume_lets_the_run_finish(sim: SimCluster, tiny_model: Path, tmp_path: Path) -> None:
-    job = submit(sim, tiny_model, "hang")
-    name = job["metadata"]["name"]
-    running_trainers(sim, job)
-    pids = sim.container_pids(worker(job, 0))
-    sim.hang(worker(job, 0))
-    assert len(pids) >= 2  # torchrun and its trainer
-    sim.wait("every process stopped", lambda: all(proc_state(pid) == "T" for pid in pids), timeout=5, interval=0.05)
-    time.sleep(3)
-    pod = sim.pod(worker(job, 0))
-    assert pod is not None and pod["status"]["phase"] == "Running", "a hung container still looks alive"
-    job_now = sim.job(name)
-    assert job_now is not None and not condition_true(job_now["status"], "Succeeded"), "rank 0 is needed to finish"
-    sim.resume(worker(job, 0))
-    sim.wait("every process resumed", lambda: all(proc_state(pid) != "T" for pid in pids), timeout=5, interval=0.05)
-    sim.wait_job_condition(name, "Succeeded", timeout=150)
-
-
 def proc_state(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -308,33 +270,6 @@ def test_lose_node_fails_its_pods_and_the_job_gets_replacements(sim: SimCluster,
     sim.wait_job_event(name, "PyTorchJobRestarting", timeout=30)  # Restarting itself lasts one reconcile
     again = sim.wait_pod_running(worker(job, 1), timeout=60)  # PodGC removed the old one, the operator made a new one
     assert again["metadata"]["uid"] != first["metadata"]["uid"] and again["spec"]["nodeName"] != node
-
-
-def test_evictions_leave_kubernetes_evidence(sim: SimCluster, tiny_model: Path, tmp_path: Path) -> None:
-    # OnFailure: the training operator replaces every failed or vanished pod, so one job sees all three.
-    job = submit(sim, tiny_model, "evict", restart_policy="OnFailure", training={"maxSteps": 10_000})
-    running_trainers(sim, job)
-    w0, w1 = worker(job, 0), worker(job, 1)
-    uid = sim.pod(w0)["metadata"]["uid"]  # type: ignore[index]
-
-    sim.evict(w0, "EvictionByEvictionAPI")
-    evicted = sim.wait("w0 evicted", lambda: sim.history(w0))[-1]
-    assert condition(evicted, "DisruptionTarget")["reason"] == "EvictionByEvictionAPI" and evicted["metadata"]["deletionTimestamp"]
-    replacement = sim.wait_pod_running(w0, timeout=60)
-    assert replacement["metadata"]["uid"] != uid, "deleted by the eviction, recreated by the training operator"
-
-    sim.evict(w1, "TerminationByKubelet")
-    ended = sim.wait("w1 evicted by the kubelet", lambda: sim.history(w1))[-1]
-    assert ended["status"]["phase"] == "Failed" and ended["status"]["reason"] == "Evicted"
-    assert "low on resource" in ended["status"]["message"] and not ended["metadata"].get("deletionTimestamp")
-    assert condition(ended, "DisruptionTarget")["reason"] == "TerminationByKubelet"
-    assert ended["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 1  # torchrun on SIGTERM
-
-    sim.wait_pod_running(w0, timeout=60)
-    sim.wait_trainers(w0, timeout=90)
-    sim.evict(w0, "PreemptionByScheduler")
-    preempted = sim.wait("w0 preempted", lambda: len(sim.history(w0)) == 2 and sim.history(w0))[-1]
-    assert condition(preempted, "DisruptionTarget")["reason"] == "PreemptionByScheduler" and preempted["metadata"]["deletionTimestamp"]
 
 
 def test_node_affinity_and_selectors_place_pods(sim: SimCluster, tiny_model: Path, tmp_path: Path) -> None:
