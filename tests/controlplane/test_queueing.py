@@ -7,6 +7,11 @@ unsuspended, the training operator creates its pods) and holds the second, whose
 Queued with its queue, never failed or stalled; when the first finishes, Kueue releases its quota
 and admits the second, which trains in its first attempt. The operator never writes the job's
 suspend: the field's manager is Kueue's (managedFields).
+
+An elastic fine-tune whose workers need more than the ClusterQueue's quota: Kueue reserves its
+Workload nothing; after shrinkAfterSeconds the operator asks for fewer workers (the suspended
+job's replicas), Kueue rewrites the Workload to the new count (jobframework's reconciler), admits
+it, and the run trains on 1 worker in its first attempt.
 """
 
 from __future__ import annotations
@@ -84,6 +89,29 @@ def operator(control_plane: ControlPlane, namespace: str, training_operator: Tra
     yield op
     op.stop()
     assert_never_forbidden(op.logs())
+
+
+def test_an_elastic_fine_tune_kueue_cannot_admit_asks_for_fewer_workers(
+        control_plane: ControlPlane, namespace: str, nodes: list[Kubelet], queue: str, operator: Operator,
+        rendezvous: LocalEtcd, tiny_model: Path, admin: client.ApiClient) -> None:
+    cluster = Cluster(admin, namespace)
+    elastic = {"minWorkers": 1, "maxWorkers": 2, "shrinkAfterSeconds": 3, "growBackAfterSeconds": 3600}
+    cluster.create("kq", runs.run_spec(tiny_model, namespace, rendezvous, scheduling={"queueName": QUEUE},
+                                       cluster={"resources": {"cpu": "2"}, "elastic": elastic}))
+    shrunk = wait_for("Shrunk", lambda: (s := cluster.status("kq")).get("workers", {}).get("reason") == "Shrunk" and s,
+                      timeout=90)
+    workers = shrunk["workers"]
+    assert workers["current"] == 1 and workers["desired"] == 2, workers
+    assert "insufficient quota for cpu" in workers["message"] and "shrinking to 1 worker" in workers["message"], workers
+    event = wait_for("Shrunk event", lambda: [e for e in cluster.events("kq") if e["reason"] == "Shrunk"])
+    assert event[0]["type"] == "Warning" and "Kueue has reserved no quota for 2 worker(s)" in event[0]["message"], event
+    job = cluster.attempt_job("kq", 1)
+    assert job is not None and job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
+    status = runs.end(cluster, "kq", nodes, operator, timeout=240)
+    assert status["phase"] == "Succeeded" and status["attempt"] == 1 and status.get("retriesUsed", 0) == 0, status
+    assert status["workers"]["current"] == 1 and status["workers"]["reason"] == "Shrunk", status["workers"]
+    pods = cluster.core.list_namespaced_pod(namespace, label_selector=f"training.kubeflow.org/job-name={job['metadata']['name']}")
+    assert len(pods.items) == 1, [p.metadata.name for p in pods.items]
 
 
 def _suspend_managers(job: dict[str, Any]) -> set[str]:
