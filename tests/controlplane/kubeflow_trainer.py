@@ -91,10 +91,6 @@ class TrainerController(WebhookController):
     def manifests(self) -> Path:
         return self.plane.binaries.trainer_manifests
 
-    @property
-    def version(self) -> str:
-        return (self.manifests / "VERSION").read_text(encoding="utf-8").strip()
-
     def install(self) -> None:
         (role,) = self.manifest(self.manifests, "role.yaml")
         self.install_identity([role], labels={"app.kubernetes.io/name": "trainer"})

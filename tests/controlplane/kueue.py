@@ -55,10 +55,6 @@ class KueueController(WebhookController):
     def manifests(self) -> Path:
         return self.plane.binaries.kueue_manifests
 
-    @property
-    def version(self) -> str:
-        return (self.manifests / "VERSION").read_text(encoding="utf-8").strip()
-
     def install(self) -> None:
         roles = [self.manifest(self.manifests, name)[0] for name in ("role.yaml", "manager_secrets_role.yaml")]
         role, secrets_role = ({**r, "metadata": {**r["metadata"], "name": f"kueue-{r['metadata']['name']}"}} for r in roles)

@@ -9,12 +9,17 @@ moment its leader is past a checkpoint. A test module takes the fixtures by name
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from kubernetes import client, config
+from llamaft.api.validation import validate_resource
+from llamaft.render import backends, trainjob
+from llamaft.render.naming import Owner
 from llamaft_trainer.local_etcd import LocalEtcd
 from llamaft_trainer.logline import read_events
 
@@ -23,6 +28,7 @@ from tests.controlplane.cluster import ControlPlane
 from tests.controlplane.conftest import TAINT
 from tests.controlplane.kubeflow_trainer import JobSetController, TrainerController
 from tests.controlplane.kubelet import Kubelet, NodeShape
+from tests.controlplane.test_chart_install import assert_never_forbidden, install_chart
 from tests.controlplane.training_operator import TrainingOperator
 from tests.operator.conftest import CHECKPOINT_CLAIM, Cluster, Operator, wait_for
 from tests.tiers import starts_processes
@@ -160,3 +166,33 @@ def past_checkpoint(nodes: list[Kubelet], namespace: str, job: str, step: int, w
     if max(steps) > step and saved and max(saved) >= step:
         return leader, next((pod for pod in by_pod if pod != leader), leader)
     return None
+
+
+@contextlib.contextmanager
+def chart_operator(plane: ControlPlane, namespace: str, log: Path, **env: str) -> Iterator[Operator]:
+    """The llamaft operator as the chart runs it (its ServiceAccount, its RBAC), watching
+    `namespace`, with OPERATOR_ENV and `env`; no request of it refused by the end."""
+    op, _ = install_chart(plane, namespace, log)
+    op.extra_env.update({**OPERATOR_ENV, **env})
+    op.start()
+    try:
+        yield op
+    finally:
+        op.stop()
+    assert_never_forbidden(op.logs())
+
+
+def rendered_jobs(path: Path, namespace: str, kind: str) -> list[dict[str, Any]]:
+    """The `kind` (PyTorchJob, TrainJob) of attempt 1 of every LlamaFineTune in `path`, rendered in
+    `namespace`: every spec becomes a PyTorchJob; a TrainJob only where that backend takes it."""
+    jobs = []
+    backend = backends.backend_for(kind)
+    for document in yaml.safe_load_all(path.read_text(encoding="utf-8")):
+        if not document or document.get("kind") != "LlamaFineTune":
+            continue
+        spec = validate_resource(document)
+        if kind == "TrainJob" and trainjob.unsupported(spec):
+            continue
+        owner = Owner(document["metadata"]["name"], namespace, "0b4c8a4e-3d2a-4f51-9a0e-7d4f2f7f0c11")
+        jobs.append(backend.render(owner, spec, 1))
+    return jobs

@@ -29,7 +29,6 @@ from tests.controlplane.cluster import ControlPlane
 from tests.controlplane.kubeflow_trainer import TrainerController
 from tests.controlplane.kubelet import Kubelet
 from tests.controlplane.kueue import KueueController
-from tests.controlplane.test_chart_install import assert_never_forbidden, install_chart
 from tests.controlplane.training_operator import TrainingOperator
 from tests.operator.conftest import Cluster, Operator, wait_for
 from tests.tiers import starts_processes
@@ -83,12 +82,8 @@ def queue(control_plane: ControlPlane, namespace: str, kueue: KueueController) -
 
 @pytest.fixture
 def operator(control_plane: ControlPlane, namespace: str, training_operator: TrainingOperator, tmp_path: Path) -> Iterator[Operator]:
-    op, _ = install_chart(control_plane, namespace, tmp_path / "operator.log")
-    op.extra_env.update(runs.OPERATOR_ENV)
-    op.start()
-    yield op
-    op.stop()
-    assert_never_forbidden(op.logs())
+    with runs.chart_operator(control_plane, namespace, tmp_path / "operator.log") as op:
+        yield op
 
 
 def test_an_elastic_fine_tune_kueue_cannot_admit_asks_for_fewer_workers(

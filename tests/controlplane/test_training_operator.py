@@ -27,11 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from kubernetes import client
-from llamaft.api.validation import validate_resource
-from llamaft.render import backends
-from llamaft.render.naming import Owner
 from llamaft_trainer.local_etcd import LocalEtcd
 from llamaft_trainer.logline import read_events
 
@@ -40,7 +36,6 @@ from tests.controlplane import runs
 from tests.controlplane.cluster import ControlPlane
 from tests.controlplane.conftest import TAINT
 from tests.controlplane.kubelet import Kubelet
-from tests.controlplane.test_chart_install import assert_never_forbidden, install_chart
 from tests.controlplane.training_operator import TrainingOperator
 from tests.operator import dcgm_exporter
 from tests.operator.conftest import Cluster, Operator, wait_for
@@ -58,12 +53,8 @@ def operator(control_plane: ControlPlane, namespace: str, training_operator: Tra
              dcgm: tuple[str, dict[str, str]], tmp_path: Path) -> Iterator[Operator]:
     """The llamaft operator as the chart runs it (its ServiceAccount, its RBAC), watching
     `namespace`, reading GPU health from the module's Prometheus."""
-    op, _ = install_chart(control_plane, namespace, tmp_path / "operator.log")
-    op.extra_env.update({**runs.OPERATOR_ENV, "LLAMAFT_PROMETHEUS_URL": dcgm[0]})
-    op.start()
-    yield op
-    op.stop()
-    assert_never_forbidden(op.logs())
+    with runs.chart_operator(control_plane, namespace, tmp_path / "operator.log", LLAMAFT_PROMETHEUS_URL=dcgm[0]) as op:
+        yield op
 
 
 def test_every_rendered_pytorchjob_is_admitted_by_the_training_operators_webhook(
@@ -71,12 +62,12 @@ def test_every_rendered_pytorchjob_is_admitted_by_the_training_operators_webhook
     custom = client.CustomObjectsApi(admin)
     rendered = 0
     for path in runs.EXAMPLES:
-        for job in _rendered_pytorchjobs(path, namespace):
+        for job in runs.rendered_jobs(path, namespace, "PyTorchJob"):
             custom.create_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", job, dry_run="All")
             rendered += 1
     assert rendered >= 3, f"only {rendered} PyTorchJob(s) rendered from {len(runs.EXAMPLES)} examples"
     # The webhook is in the path: a job it refuses (its container is not named `pytorch`) is refused.
-    (job,) = _rendered_pytorchjobs(REPO / "examples" / "tiny.yaml", namespace)[:1]
+    (job,) = runs.rendered_jobs(REPO / "examples" / "tiny.yaml", namespace, "PyTorchJob")[:1]
     job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["name"] = "trainer"
     with pytest.raises(client.ApiException) as refused:
         custom.create_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", job, dry_run="All")
@@ -197,19 +188,6 @@ def test_a_permanently_failed_run_keeps_its_job_and_failed_pod(
     assert [p.status.phase for p in pods] == ["Failed"], [(p.metadata.name, p.status.phase) for p in pods]
     logs = next(k.logs(namespace, pods[0].metadata.name) for k in nodes if pods[0].spec.node_name == k.name)
     assert "missing.jsonl" in logs, logs[-2000:]
-
-
-def _rendered_pytorchjobs(path: Path, namespace: str) -> list[dict[str, Any]]:
-    """The PyTorchJob of attempt 1 of every LlamaFineTune in `path`, rendered in `namespace`
-    (whatever backend the example asks for: every spec can become a PyTorchJob)."""
-    jobs = []
-    for document in yaml.safe_load_all(path.read_text(encoding="utf-8")):
-        if not document or document.get("kind") != "LlamaFineTune":
-            continue
-        spec = validate_resource(document)
-        owner = Owner(document["metadata"]["name"], namespace, "0b4c8a4e-3d2a-4f51-9a0e-7d4f2f7f0c11")
-        jobs.append(backends.backend_for("PyTorchJob").render(owner, spec, 1))
-    return jobs
 
 
 FAULT_RUNS = [["kill_container", "oom_kill", "hang", "gpu_xid"], ["kubelet_eviction", "api_eviction", "preemption"]]

@@ -23,11 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from kubernetes import client
-from llamaft.api.validation import validate_resource
-from llamaft.render import backends, trainjob
-from llamaft.render.naming import Owner
+from llamaft.render import backends
 from llamaft_trainer.local_etcd import LocalEtcd
 from llamaft_trainer.logline import read_events
 
@@ -36,7 +33,6 @@ from tests.controlplane import runs
 from tests.controlplane.cluster import ControlPlane
 from tests.controlplane.kubeflow_trainer import TrainerController
 from tests.controlplane.kubelet import Kubelet
-from tests.controlplane.test_chart_install import assert_never_forbidden, install_chart
 from tests.operator.conftest import Cluster, Operator, wait_for
 
 GROUP, VERSION, PLURAL = "trainer.kubeflow.org", "v1alpha1", "trainjobs"
@@ -48,27 +44,8 @@ PyTorchJob runs (tests/controlplane/runs.py)."""
 
 @pytest.fixture
 def operator(control_plane: ControlPlane, namespace: str, trainer: TrainerController, tmp_path: Path) -> Iterator[Operator]:
-    op, _ = install_chart(control_plane, namespace, tmp_path / "operator.log")
-    op.extra_env.update(runs.OPERATOR_ENV)
-    op.start()
-    yield op
-    op.stop()
-    assert_never_forbidden(op.logs())
-
-
-def _rendered_trainjobs(path: Path, namespace: str) -> list[dict[str, Any]]:
-    """The TrainJob of attempt 1 of every LlamaFineTune in `path` that the TrainJob backend takes."""
-    jobs = []
-    backend = backends.backend_for("TrainJob")
-    for document in yaml.safe_load_all(path.read_text(encoding="utf-8")):
-        if not document or document.get("kind") != "LlamaFineTune":
-            continue
-        spec = validate_resource(document)
-        if trainjob.unsupported(spec):
-            continue
-        owner = Owner(document["metadata"]["name"], namespace, "0b4c8a4e-3d2a-4f51-9a0e-7d4f2f7f0c11")
-        jobs.append(backend.render(owner, spec, 1))
-    return jobs
+    with runs.chart_operator(control_plane, namespace, tmp_path / "operator.log") as op:
+        yield op
 
 
 def _trainjob(cluster: Cluster, name: str) -> dict[str, Any] | None:
@@ -90,12 +67,12 @@ def test_every_rendered_trainjob_is_admitted_by_trainers_webhooks(
     custom = client.CustomObjectsApi(admin)
     rendered = 0
     for path in runs.EXAMPLES:
-        for job in _rendered_trainjobs(path, namespace):
+        for job in runs.rendered_jobs(path, namespace, "TrainJob"):
             custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, job, dry_run="All")
             rendered += 1
     assert rendered >= 3, f"only {rendered} TrainJob(s) rendered from {len(runs.EXAMPLES)} examples"
     # The webhook is in the path: a job it refuses (a variable the torch plugin reserves) is refused.
-    (job,) = _rendered_trainjobs(REPO / "examples" / "tiny.yaml", namespace)[:1]
+    (job,) = runs.rendered_jobs(REPO / "examples" / "tiny.yaml", namespace, "TrainJob")[:1]
     job["spec"]["trainer"].setdefault("env", []).append({"name": "PET_NNODES", "value": "3"})
     with pytest.raises(client.ApiException) as refused:
         custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, job, dry_run="All")

@@ -40,10 +40,6 @@ class TrainingOperator(WebhookController):
     def manifests(self) -> Path:
         return self.plane.binaries.training_operator_manifests
 
-    @property
-    def version(self) -> str:
-        return (self.manifests / "VERSION").read_text(encoding="utf-8").strip()
-
     def install(self) -> None:
         (role,) = self.manifest(self.manifests, "role.yaml")
         self.install_identity([role], labels={"app": NAME, "control-plane": "kubeflow-training-operator"})

@@ -92,6 +92,15 @@ class WebhookController:
     def service_host(self) -> str:
         return f"{self.service}.{self.namespace}.svc"
 
+    @property
+    def manifests(self) -> Path:
+        """The folder of upstream manifests the build copied beside the binary (with its VERSION)."""
+        raise NotImplementedError
+
+    @property
+    def version(self) -> str:
+        return (self.manifests / "VERSION").read_text(encoding="utf-8").strip()
+
     # ------------------------------------------------------------------ install
     def install(self) -> None:
         raise NotImplementedError
