@@ -10,6 +10,7 @@ moment its leader is past a checkpoint. A test module takes the fixtures by name
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,8 @@ import pytest
 import yaml
 from kubernetes import client, config
 from llamaft.api.validation import validate_resource
-from llamaft.render import backends, trainjob
+from llamaft.operator import gpu_health
+from llamaft.render import backends, monitoring, trainjob
 from llamaft.render.naming import Owner
 from llamaft_trainer.local_etcd import LocalEtcd
 from llamaft_trainer.logline import read_events
@@ -196,3 +198,32 @@ def rendered_jobs(path: Path, namespace: str, kind: str) -> list[dict[str, Any]]
         owner = Owner(document["metadata"]["name"], namespace, "0b4c8a4e-3d2a-4f51-9a0e-7d4f2f7f0c11")
         jobs.append(backend.render(owner, spec, 1))
     return jobs
+
+
+def running_pods(cluster: Cluster, kind: str, job: str, workers: int = 2) -> list[dict[str, Any]]:
+    """`job`'s pods (a `kind` job) once `workers` of them run, as the API serves them."""
+    selector = backends.backend_for(kind).pod_selector(job)
+    return list(wait_for(f"{workers} pods of {job} running", lambda: (pods := [
+        p for p in cluster.api.sanitize_for_serialization(cluster.core.list_namespaced_pod(cluster.ns, label_selector=selector).items)
+        if p["status"].get("phase") == "Running" and p["status"].get("podIP")]) and len(pods) == workers and pods, timeout=120))
+
+
+def assert_monitored(cluster: Cluster, finetune: str, job: str, pods: list[dict[str, Any]]) -> None:
+    """The fine-tune's monitoring selects the pods the real controllers made for attempt `job`
+    (tests/operator/test_monitoring_backends.py builds pods by the controllers' rules; these are
+    theirs): the PodMonitor, as Prometheus Operator turns it into a scrape configuration, keeps one
+    target per trainer pod; the dashboards' and alerts' pod regex and the GPU-health queries of
+    that attempt match each of them."""
+    from tests.operator.test_monitoring_backends import relabelled_addresses, scrape_configs
+
+    cr = cluster.finetune(finetune)
+    owner = Owner(finetune, cluster.ns, cr["metadata"]["uid"])
+    spec = validate_resource({key: cr[key] for key in ("apiVersion", "kind", "spec")} | {"metadata": {"name": finetune}})
+    kept = [pod for config in scrape_configs(monitoring.pod_monitor(owner, spec), pods) for pod, _ in relabelled_addresses(config)]
+    names = sorted(p["metadata"]["name"] for p in pods)
+    assert sorted(kept) == names, (kept, names)
+    dashboards = re.fullmatch(r'namespace="([^"]+)", pod=~"([^"]+)"', monitoring.pod_selector(owner))
+    health = re.search(r'pod=~"([^"]+)"', gpu_health.queries(owner, job)[1])
+    assert dashboards is not None and dashboards[1] == cluster.ns and health is not None
+    for name in names:
+        assert re.fullmatch(dashboards[2], name) and re.fullmatch(health[1], name), (name, dashboards[2], health[1])

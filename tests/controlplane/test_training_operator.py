@@ -82,6 +82,8 @@ def test_a_fine_tune_trains_to_success_through_the_real_training_operator(
         tiny_model: Path, admin: client.ApiClient, checkpoint_claim: Path) -> None:
     cluster = Cluster(admin, namespace)
     cluster.create("ft", runs.run_spec(tiny_model, namespace, rendezvous))
+    job_name = cluster.job_name("ft", 1)
+    runs.assert_monitored(cluster, "ft", job_name, runs.running_pods(cluster, "PyTorchJob", job_name))
     status = runs.end(cluster, "ft", nodes, operator, timeout=240)
     logs = {p: k.logs(namespace, p) for k in nodes for p in runs.pod_names(k, namespace)}
     assert status["phase"] == "Succeeded", (status, {p: text[-2000:] for p, text in logs.items()})

@@ -92,6 +92,7 @@ def test_a_killed_container_restarts_in_place_and_the_operator_replaces_the_whol
     wait_for("attempt 1's TrainJob", lambda: _trainjob(cluster, first), timeout=60)
     _, victim = wait_for("attempt 1 past checkpoint 10", lambda: runs.past_checkpoint(nodes, namespace, first, 10),
                          timeout=180, interval=0.1)
+    runs.assert_monitored(cluster, "tj", first, runs.running_pods(cluster, "TrainJob", first))
     pods = _pods(cluster, first)
     indices = [p.metadata.annotations["batch.kubernetes.io/job-completion-index"] for p in pods]
     assert sorted(indices) == ["0", "1"], "the operator's selector finds the node Job's two pods, one per index"

@@ -2,7 +2,9 @@
 the metrics port of PyTorchJob and TrainJob pods alike, and every alert and dashboard query selects
 exactly the pods each controller creates for the fine-tune's attempts, and no other pods.
 
-The pods are built as the controllers build them (labels, container ports, names), and the
+The pods are built as the controllers build them (labels, container ports, names; the pods the real
+training operator, Trainer and JobSet make pass the same selection in tests/controlplane:
+runs.assert_monitored), and the
 PodMonitor is turned into the Prometheus scrape configuration Prometheus Operator would generate for
 it, with Prometheus' pod discovery replaced by a static target list of what it would discover:
 - Prometheus discovery/kubernetes/pod.go buildPod: no target for a pod without an IP; one target
