@@ -28,19 +28,25 @@ from llamaft.render.naming import Owner
 
 
 def spec_changed(body: kopf.Body, old: Any, meta: kopf.Meta, memo: kopf.Memo) -> None:
-    """Carry out a change of .spec (the update handler's body): read, validate, ask
-    `lifecycle.decide_spec_change`, act in its order."""
+    """Carry out a change of .spec (the update handler's body): read the status, validate, ask
+    `lifecycle.decide_spec_change`, act in its order.
+
+    The change judged is the one kopf delivered, from `old` to this event's spec (`body`), which
+    kopf records as handled once this returns; never from `old` to a newer spec read meanwhile. Two
+    edits in quick succession (suspend, then a learning rate) come as two events: judging the first
+    against the second's spec would restart the run for the learning rate there, and the second
+    event, whose `old` is the first's spec, would restart it again."""
     namespace, name = str(meta["namespace"]), str(meta["name"])
     k, settings = kube_of(memo), settings_of(memo)
     with measured("update"), object_lock(memo):
         obj = k.get_finetune(namespace, name)
         if obj is None:
             return
-        status = dict(obj.get("status") or {})
-        generation = obj["metadata"].get("generation")
+        status = dict(obj.get("status") or {})  # fresh: the attempt and phase as they are now
+        generation = body["metadata"].get("generation")
         attempt = int(status.get("attempt") or 0)
         kind = str(status.get("backend") or "PyTorchJob")
-        parsed = validated(memo, obj, old=old, backend=kind)
+        parsed = validated(memo, body, old=old, backend=kind)
         object_state(memo).validated = None
         if isinstance(parsed, SpecInvalid):
             for error in parsed.errors:
