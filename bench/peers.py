@@ -248,7 +248,8 @@ def export_batches(doc: dict[str, Any], model: Path, store_root: Path, world: in
     import torch
     from llamaft.api.spec import LlamaFineTuneSpec
     from llamaft_trainer.checkpoint import TrainState
-    from llamaft_trainer.data import build_store, loaders
+    from llamaft_trainer.data.batching import loaders
+    from llamaft_trainer.data.prepare import build_store
     from llamaft_trainer.train import _micro_batches
     from transformers import AutoTokenizer
 

@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 from llamaft.api.spec import BUILTIN_CHAT_TEMPLATES, DatasetSpec, TrainOn
-from llamaft_trainer import data
 from llamaft_trainer.chat import (
     BUILTIN_TEMPLATES,
     IGNORE_INDEX,
@@ -23,6 +22,7 @@ from llamaft_trainer.chat import (
     conversation,
     resolve_template,
 )
+from llamaft_trainer.data import encoding
 from llamaft_trainer.errors import ConfigError
 
 from tests.conftest import REPO
@@ -89,7 +89,7 @@ def spec(**fields: Any) -> DatasetSpec:
 def test_builtins_match_the_api() -> None:
     assert tuple(BUILTIN_TEMPLATES) == BUILTIN_CHAT_TEMPLATES
     assert ROLES == ("system", "user", "assistant")
-    assert IGNORE_INDEX == data.IGNORE_INDEX
+    assert IGNORE_INDEX == encoding.IGNORE_INDEX
 
 
 # ------------------------------------------------------------------------ labels, llama3

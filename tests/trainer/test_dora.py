@@ -184,7 +184,7 @@ def test_dora_resumes_bit_identically(modes: dict[str, Any], name: str) -> None:
 # ------------------------------------------------------------------ export
 def test_dora_exports_an_adapter_and_a_merged_model(tiny_model: Path, tmp_path: Path) -> None:
     from llamaft.api.spec import TrainingJobConfig
-    from llamaft_trainer import data as d
+    from llamaft_trainer.data import batching, prepare
     from llamaft_trainer.train import token_loss_sum
     from peft import PeftModel
     from safetensors.torch import load_file
@@ -218,8 +218,8 @@ def test_dora_exports_an_adapter_and_a_merged_model(tiny_model: Path, tmp_path: 
     adapted = PeftModel.from_pretrained(base, export / "adapter").eval()
     tok = AutoTokenizer.from_pretrained(export)
     cfg = TrainingJobConfig.model_validate(config)
-    store = d.build_store(cfg.dataset, tok, cfg.training.seed, tmp_path / "dora" / "data")  # the run's own store
-    val = d.packed_dataset(store.validation, cfg.dataset, validation=True)
+    store = prepare.build_store(cfg.dataset, tok, cfg.training.seed, tmp_path / "dora" / "data")  # the run's own store
+    val = batching.packed_dataset(store.validation, cfg.dataset, validation=True)
     used = len(val)  # the eval evaluates every sequence once (data.ValidationShare)
     loss_sum, tokens = 0.0, 0
     with torch.no_grad():

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 from llamaft.api.spec import EvalMetric
-from llamaft_trainer import data as d
 from llamaft_trainer import evaluation
+from llamaft_trainer.data import encoding
 from llamaft_trainer.logline import read_events
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -20,7 +20,7 @@ from tests.trainer.conftest import base_config, launch_trainer
 
 def test_a_sample_is_the_prompt_before_the_first_loss_token_and_the_first_loss_run() -> None:
     tok = _FakeTokenizer()
-    part = d._assemble([[10, 11], [], [12]], [[20, 21], [22], []], bos=1, eos=2, max_len=64)
+    part = encoding._assemble([[10, 11], [], [12]], [[20, 21], [22], []], bos=1, eos=2, max_len=64)
     samples = evaluation.held_out_samples(part, tok, 5)  # type: ignore[arg-type]
     # Record 2 has no prompt (only <bos>... then the response: the prompt is just <bos>), record 3
     # has no reference (only <eos> carries loss): one is kept with <bos> as its prompt, one is not.

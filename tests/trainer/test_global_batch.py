@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from llamaft_trainer.data import Collate, training_item
+from llamaft_trainer.data.batching import Collate, training_item
 from llamaft_trainer.errors import ConfigError
 from llamaft_trainer.global_order import LOG_ITEMS_ENV, GlobalOrder, is_filler
 from llamaft_trainer.logline import read_events

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from llamaft_trainer.data import IGNORE_INDEX
+from llamaft_trainer.data.encoding import IGNORE_INDEX
 from llamaft_trainer.loss import causal_lm, chunked_cross_entropy_sum
 from llamaft_trainer.train import token_loss_sum
 from torch import nn

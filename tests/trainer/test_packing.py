@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from llamaft.api.spec import CheckpointingMode, DatasetSpec
 from llamaft_trainer import attention as attention_module
-from llamaft_trainer import data as d
 from llamaft_trainer import streaming
 from llamaft_trainer.attention import DOCUMENT_SDPA
+from llamaft_trainer.data import batching, encoding, prepare
 from llamaft_trainer.logline import read_events
 from llamaft_trainer.packing import bfd_layout, fill_ratio, flatten_layout
 from llamaft_trainer.runtime import Runtime
@@ -114,7 +114,7 @@ def test_bfd_places_every_example_whole_and_fills_as_trl_does() -> None:
 
 
 def test_bfd_on_samsum_lengths_matches_the_reference(tok: Any, tmp_path: Path) -> None:
-    store = d.build_store(dspec(validationSplit=0.0), tok, 0, tmp_path)
+    store = prepare.build_store(dspec(validationSplit=0.0), tok, 0, tmp_path)
     lengths = store.train.lengths.tolist()
     blocks = bfd_layout(lengths, 256)
     assert len(blocks) == len(naive_bfd(lengths, 256))
@@ -123,26 +123,26 @@ def test_bfd_on_samsum_lengths_matches_the_reference(tok: Any, tmp_path: Path) -
 
 # ------------------------------------------------------------------------------ the store
 def test_the_layout_is_built_with_the_store_and_is_part_of_its_key(tok: Any, tmp_path: Path) -> None:
-    bfd = d.build_store(dspec(packingStrategy="bfd"), tok, 0, tmp_path)
+    bfd = prepare.build_store(dspec(packingStrategy="bfd"), tok, 0, tmp_path)
     assert bfd.train.layout is not None and bfd.validation.layout is not None
     examples, offsets = bfd.train.layout
     assert [examples[offsets[b]:offsets[b + 1]].tolist() for b in range(len(offsets) - 1)] == \
         bfd_layout(bfd.train.lengths, 256)
-    again = d.build_store(dspec(packingStrategy="bfd"), tok, 0, tmp_path)
+    again = prepare.build_store(dspec(packingStrategy="bfd"), tok, 0, tmp_path)
     assert again.path == bfd.path and (bfd.path / "train" / "blocks.bin").read_bytes() == \
         (again.path / "train" / "blocks.bin").read_bytes()
-    concatenated = d.build_store(dspec(packingStrategy="concatenate"), tok, 0, tmp_path)
+    concatenated = prepare.build_store(dspec(packingStrategy="concatenate"), tok, 0, tmp_path)
     assert concatenated.path != bfd.path
     assert concatenated.train.layout is None and concatenated.validation.layout is not None, \
         "evaluation packs by bfd whatever the strategy"
-    shorter = d.build_store(dspec(maxSeqLength=128), tok, 0, tmp_path)
+    shorter = prepare.build_store(dspec(maxSeqLength=128), tok, 0, tmp_path)
     assert shorter.path != bfd.path and shorter.train.layout is not None
     assert len(shorter.train.layout[1]) > len(bfd.train.layout[1])
-    assert d.build_store(dspec(packing=False), tok, 0, tmp_path).train.layout is None
+    assert prepare.build_store(dspec(packing=False), tok, 0, tmp_path).train.layout is None
 
 
 def test_the_data_event_reports_blocks_and_fill(tok: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    store = d.build_store(dspec(packingStrategy="bfd"), tok, 0, tmp_path)
+    store = prepare.build_store(dspec(packingStrategy="bfd"), tok, 0, tmp_path)
     event = read_events(capsys.readouterr().out, "data")[-1]
     blocks = len(store.train.layout[1]) - 1  # type: ignore[index]
     assert event["packing_strategy"] == "bfd" and event["train_blocks"] == blocks
@@ -151,9 +151,9 @@ def test_the_data_event_reports_blocks_and_fill(tok: Any, tmp_path: Path, capsys
 
 
 def test_packed_items_isolate_their_examples(tok: Any, tmp_path: Path) -> None:
-    store = d.build_store(dspec(packingStrategy="bfd"), tok, 0, tmp_path)
-    blocks = d.packed_dataset(store.train, dspec(packingStrategy="bfd"), validation=False)
-    assert isinstance(blocks, d.PackedExamples)
+    store = prepare.build_store(dspec(packingStrategy="bfd"), tok, 0, tmp_path)
+    blocks = batching.packed_dataset(store.train, dspec(packingStrategy="bfd"), validation=False)
+    assert isinstance(blocks, batching.PackedExamples)
     seen = []
     for b in range(len(blocks)):
         item, members = blocks[b], blocks.block(b)
@@ -164,12 +164,12 @@ def test_packed_items_isolate_their_examples(tok: Any, tmp_path: Path) -> None:
             n = len(tokens)
             assert item["input_ids"][at:at + n].tolist() == tokens.tolist()
             assert item["position_ids"][at:at + n].tolist() == list(range(n))
-            expected = [t if f else d.IGNORE_INDEX for t, f in zip(tokens.tolist(), loss.tolist(), strict=True)]
-            assert item["labels"][at:at + n].tolist() == [d.IGNORE_INDEX, *expected[1:]], "no label crosses a boundary"
+            expected = [t if f else encoding.IGNORE_INDEX for t, f in zip(tokens.tolist(), loss.tolist(), strict=True)]
+            assert item["labels"][at:at + n].tolist() == [encoding.IGNORE_INDEX, *expected[1:]], "no label crosses a boundary"
             at += n
         assert at == len(item["input_ids"]) <= 256
     assert sorted(seen) == list(range(len(store.train))), "every example in exactly one block"
-    batch = d.Collate(int(tok.pad_token_id))([blocks[0], blocks[len(blocks) - 1]])
+    batch = batching.Collate(int(tok.pad_token_id))([blocks[0], blocks[len(blocks) - 1]])
     n = len(blocks[len(blocks) - 1]["input_ids"])
     assert batch["position_ids"][1, n:].tolist() == list(range(batch["input_ids"].shape[1] - n)), \
         "padding is a sequence of its own"
@@ -196,7 +196,7 @@ def example_losses(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict
     out = {}
     for row, a, b in segments(batch):
         key = tuple(batch["input_ids"][row, a:b].tolist())
-        out[key] = F.cross_entropy(logits[row, a:b - 1].float(), batch["labels"][row, a + 1:b], ignore_index=d.IGNORE_INDEX,
+        out[key] = F.cross_entropy(logits[row, a:b - 1].float(), batch["labels"][row, a + 1:b], ignore_index=encoding.IGNORE_INDEX,
                                    reduction="sum")
     return out
 
@@ -251,7 +251,7 @@ def test_packed_examples_have_the_losses_and_gradients_they_have_alone(
     spec = dspec(source=str(source), validationSplit=0.0, maxSeqLength=384 if variant == "chat" else 256, **extra)
     path = chat_model if variant == "chat" else tiny_model
     tokenizer = AutoTokenizer.from_pretrained(path)
-    part = d.build_store(spec, tokenizer, 0, tmp_path / "store").train
+    part = prepare.build_store(spec, tokenizer, 0, tmp_path / "store").train
     torch.manual_seed(0)
     attention = "sdpa" if variant == "transformers-sdpa" else DOCUMENT_SDPA
     split = []
@@ -265,8 +265,8 @@ def test_packed_examples_have_the_losses_and_gradients_they_have_alone(
         assert apply_activation_checkpointing(decoder_layers(model), CheckpointingMode.FULL, 1) == 2 * 2
     model.train()
     chunks = 3 if variant == "loss-chunks" else 1
-    collate = d.Collate(int(tokenizer.pad_token_id))
-    blocks = d.packed_dataset(part, spec, validation=False)
+    collate = batching.Collate(int(tokenizer.pad_token_id))
+    blocks = batching.packed_dataset(part, spec, validation=False)
     batches = [collate([blocks[i] for i in range(s, min(s + 2, len(blocks)))]) for s in range(0, len(blocks), 2)]
     assert any(len(s) > 1 for s in (segments(b) for b in batches)), "some block holds several examples"
 
@@ -286,7 +286,7 @@ def test_packed_examples_have_the_losses_and_gradients_they_have_alone(
     model.zero_grad(set_to_none=True)
     alone_total, alone_targets, alone_each = 0.0, 0, {}
     for e in range(len(part)):
-        batch = collate([d.training_item(*part.example(e))])
+        batch = collate([batching.training_item(*part.example(e))])
         loss, n = token_loss_sum(model, batch, CPU, 1)
         loss.backward()
         alone_total, alone_targets = alone_total + float(loss.detach()), alone_targets + n
@@ -309,15 +309,15 @@ def test_packed_examples_have_the_losses_and_gradients_they_have_alone(
             loss.backward(retain_graph=True)
             packed_one = grads(model)
             model.zero_grad(set_to_none=True)
-            token_loss_sum(model, collate([d.training_item(*part.example(by_tokens[key]))]), CPU)[0].backward()
+            token_loss_sum(model, collate([batching.training_item(*part.example(by_tokens[key]))]), CPU)[0].backward()
             assert_grads_close(packed_one, grads(model))
 
 
 # --------------------------------------------------------------------------------- resume
 def test_a_resumed_bfd_epoch_gives_the_same_batches(tok: Any, tmp_path: Path) -> None:
     spec = dspec(packingStrategy="bfd", validationSplit=0.0, maxSeqLength=128)
-    store = d.build_store(spec, tok, 0, tmp_path)
-    data = d.loaders(store, spec, int(tok.pad_token_id), 2, 3, rank=1, world=2)
+    store = prepare.build_store(spec, tok, 0, tmp_path)
+    data = batching.loaders(store, spec, int(tok.pad_token_id), 2, 3, rank=1, world=2)
     whole = list(data.batches(epoch=1, skip=0))
     assert len(whole) > 8
     for skip in (1, 5, len(whole) - 1):

@@ -174,7 +174,7 @@ def test_conversations_need_a_chat_template(plain_tokenizer: PreTrainedTokenizer
 
 
 def test_the_single_sequence_encoder_refuses_pairs(plain_tokenizer: PreTrainedTokenizerBase) -> None:
-    from llamaft_trainer.data import Encoder
+    from llamaft_trainer.data.encoding import Encoder
 
     with pytest.raises(ConfigError, match="format preference holds pairs for training.method dpo"):
         Encoder(spec(), plain_tokenizer)

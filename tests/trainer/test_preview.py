@@ -18,8 +18,8 @@ import pytest
 import yaml
 from llamaft.api.spec import DatasetSpec, TrainOn
 from llamaft.cli import main as cli
-from llamaft_trainer import data as d
 from llamaft_trainer.chat import ChatEncoder, conversation, resolve_template
+from llamaft_trainer.data import batching, encoding, prepare
 from llamaft_trainer.errors import ConfigError
 from llamaft_trainer.preview import (
     CLOSE,
@@ -95,12 +95,12 @@ def reference(spec: DatasetSpec, tokenizer: Any, record: dict[str, Any], max_len
     if spec.format.value == "chat":
         encoder = ChatEncoder(tokenizer, resolve_template(spec, tokenizer), spec.train_on or TrainOn.ASSISTANT, max_len)
         return encoder.encode([conversation(record, spec.field_mapping.messages, "test")])[0]
-    example = d.tokenize(*d.Formatter(spec)(record), tokenizer, max_len)
+    example = encoding.tokenize(*encoding.Formatter(spec)(record), tokenizer, max_len)
     return example.input_ids, example.labels
 
 
 def labels_of(example: PreviewExample) -> list[int]:
-    return [t if flag else d.IGNORE_INDEX for t, flag in zip(example.input_ids, example.loss, strict=True)]
+    return [t if flag else encoding.IGNORE_INDEX for t, flag in zip(example.input_ids, example.loss, strict=True)]
 
 
 # ------------------------------------------------------------------------ every format
@@ -112,7 +112,7 @@ def test_each_format_shows_the_trainers_tokens_and_labels(
     spec = dataset_spec(case, data_files)
     tokenizer = tokenizer_for(case, tok, chat_tok)
     shown = build_preview(spec, tokenizer, SEED, tmp_path / "preview", count=4, split=split)
-    trainers = d.build_store(spec, tokenizer, SEED, tmp_path / "trainer")
+    trainers = prepare.build_store(spec, tokenizer, SEED, tmp_path / "trainer")
     part = trainers.train if split == "train" else trainers.validation
     assert shown.store == str(tmp_path / "preview" / trainers.path.name), "the same key as the trainer's store"
     assert (shown.examples_in_split, shown.records, shown.split) == (len(part), 256 if case.startswith("chat") else 320,
@@ -125,7 +125,7 @@ def test_each_format_shows_the_trainers_tokens_and_labels(
         assert (example.input_ids, labels_of(example)) == reference(spec, tokenizer, record_at(example.where), 512)
         assert example.loss_tokens > 0 and example.removed_tokens == 0
     wheres = [e.where for e in shown.examples]
-    held_out = d.validation_mask(shown.records, spec.validation_split, SEED)
+    held_out = prepare.validation_mask(shown.records, spec.validation_split, SEED)
     lines = [int(w.rpartition(" line ")[2]) for w in wheres]
     assert all(bool(held_out[n - 1]) == (split == "validation") for n in lines), "records of the split, as the store splits"
     assert lines == sorted(lines), "in file order"
@@ -210,8 +210,8 @@ def test_truncation_reports_the_tokens_and_loss_tokens_it_removed(
         assert (example.input_ids, labels_of(example)) == (ids, labels)
         assert full_ids[:len(ids)] == ids, "truncation keeps a prefix"
         assert example.removed_tokens == len(full_ids) - len(ids)
-        assert example.removed_loss_tokens == (sum(label != d.IGNORE_INDEX for label in full_labels)
-                                               - sum(label != d.IGNORE_INDEX for label in labels))
+        assert example.removed_loss_tokens == (sum(label != encoding.IGNORE_INDEX for label in full_labels)
+                                               - sum(label != encoding.IGNORE_INDEX for label in labels))
     cut = [e for e in shown.examples if e.removed_tokens]
     assert cut and any(e.removed_loss_tokens for e in cut), "the case must cut answers"
     text = render_text(shown)
@@ -238,10 +238,10 @@ def test_packing_info_is_the_stores_layout_and_block_report(
 ) -> None:
     spec = dataset_spec("samsum", data_files, maxSeqLength=160, packing=True, packingStrategy=strategy)
     shown = build_preview(spec, tok, SEED, tmp_path / "preview", count=10, split=split)
-    store = d.build_store(spec, tok, SEED, tmp_path / "trainer")
-    report = d.block_report(store, spec)
+    store = prepare.build_store(spec, tok, SEED, tmp_path / "trainer")
+    report = prepare.block_report(store, spec)
     part = store.train if split == "train" else store.validation
-    packed = d.packed_dataset(part, spec, validation=split == "validation")  # what the trainer iterates
+    packed = batching.packed_dataset(part, spec, validation=split == "validation")  # what the trainer iterates
     assert shown.packing is not None and shown.packing.report == report
     assert shown.packing.blocks == report[f"{split}_blocks"] == len(packed)  # type: ignore[arg-type]
     assert shown.packing.fill == report[f"{split}_fill"]
@@ -251,7 +251,7 @@ def test_packing_info_is_the_stores_layout_and_block_report(
         place = example.placement
         assert place is not None
         if bfd:
-            assert isinstance(packed, d.PackedExamples)
+            assert isinstance(packed, batching.PackedExamples)
             members = packed.block(place.blocks[0])
             assert example.index in members and place.with_examples == [i for i in members if i != example.index]
             lengths = [int(part.lengths[i]) for i in members]
@@ -260,7 +260,7 @@ def test_packing_info_is_the_stores_layout_and_block_report(
             item = packed[place.blocks[0]]
             assert item["input_ids"][place.offset:place.offset + example.tokens].tolist() == example.input_ids
         else:
-            assert isinstance(packed, d.PackedBlocks)
+            assert isinstance(packed, batching.PackedBlocks)
             assert place.blocks == list(range(place.blocks[0], place.blocks[-1] + 1))
             joined = [t for b in place.blocks for t in packed[b]["input_ids"].tolist()]
             kept = example.tokens - place.dropped_tokens

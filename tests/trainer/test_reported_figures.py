@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 import torch
-from llamaft_trainer.data import IGNORE_INDEX, Collate, ValidationShare
+from llamaft_trainer.data.batching import Collate, ValidationShare
+from llamaft_trainer.data.encoding import IGNORE_INDEX
 
 from tests.conftest import REPO
 from tests.trainer.conftest import base_config, torchrun_cmd, trainer_env

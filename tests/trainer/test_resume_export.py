@@ -102,12 +102,12 @@ def test_export_round_trips_through_from_pretrained_and_generates(runs: dict[str
     assert out.shape[1] > prompt["input_ids"].shape[1]
     # The exported weights reproduce the trainer's own final eval loss on the same sequences.
     from llamaft.api.spec import TrainingJobConfig
-    from llamaft_trainer import data as d
+    from llamaft_trainer.data import batching, prepare
     from llamaft_trainer.train import token_loss_sum
 
     cfg = TrainingJobConfig.model_validate(_config(tiny_model, runs["full_dir"]))
-    store = d.build_store(cfg.dataset, tok, cfg.training.seed, runs["full_dir"] / "data")  # the run's own store: reused
-    val = d.packed_dataset(store.validation, cfg.dataset, validation=True) if cfg.dataset.packing else d.PaddedExamples(store.validation)
+    store = prepare.build_store(cfg.dataset, tok, cfg.training.seed, runs["full_dir"] / "data")  # the run's own store: reused
+    val = batching.packed_dataset(store.validation, cfg.dataset, validation=True) if cfg.dataset.packing else batching.PaddedExamples(store.validation)
     used = len(val)  # the eval evaluates every sequence once (data.ValidationShare)
     loss_sum, tokens = 0.0, 0
     with torch.no_grad():

@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 import torch
 from llamaft.api.spec import DatasetSpec
-from llamaft_trainer import data as d
 from llamaft_trainer import streaming
+from llamaft_trainer.data import encoding
+from llamaft_trainer.records import read_numbered
 
 from tests.trainer.conftest import DATASET, cpu_runtime
 
@@ -40,8 +41,8 @@ def test_ranks_share_one_order_and_take_disjoint_records(tok: Any) -> None:
     s = spec()
     held_out = streaming.validation_count(s, 50)
     assert held_out == 5 and streaming.validation_count(s, 7) == 1 and streaming.validation_count(spec(validationSplit=0.5), 2) == 1
-    records = [r for _, r in d.read_numbered(s)][held_out:]
-    expected = {tuple(ids) for ids, _ in d.pairs_of(d.Encoder(s, tok).encode([("x", r) for r in records]))}
+    records = [r for _, r in read_numbered(s)][held_out:]
+    expected = {tuple(ids) for ids, _ in encoding.pairs_of(encoding.Encoder(s, tok).encode([("x", r) for r in records]))}
     per_rank = [rows(stream(s, tok, r).batches(epoch=0, skip=0)) for r in (0, 1)]
     assert len(per_rank[0]) == len(per_rank[1]), "the epoch ends on every rank at the same micro-batch"
     seen = [tuple(x) for x in per_rank[0] + per_rank[1]]
@@ -53,7 +54,7 @@ def test_ranks_share_one_order_and_take_disjoint_records(tok: Any) -> None:
 
 def test_the_validation_head_is_never_trained_on(tok: Any) -> None:
     s = spec()
-    head = {tuple(ids) for ids, _ in d.pairs_of(d.Encoder(s, tok).encode(d.read_numbered(s)[:5]))}
+    head = {tuple(ids) for ids, _ in encoding.pairs_of(encoding.Encoder(s, tok).encode(read_numbered(s)[:5]))}
     data = streaming.streaming_data(s, tok, 2, 5, cpu_runtime(0, 1))
     assert data.validation is not None and len(data.validation) == 5
     assert data.batches_per_epoch is None

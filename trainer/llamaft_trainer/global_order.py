@@ -36,7 +36,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from llamaft_trainer.data import IGNORE_INDEX, Data, StepGroup
+from llamaft_trainer.data.batching import Data, StepGroup
+from llamaft_trainer.data.encoding import IGNORE_INDEX
 from llamaft_trainer.errors import ConfigError
 
 LOG_ITEMS_ENV = "LLAMAFT_LOG_ITEMS"

@@ -10,7 +10,8 @@ import time
 from llamaft.api.spec import DatasetFormat, DatasetSpec
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from llamaft_trainer.data import Data, loaders, prepared_store, store_root
+from llamaft_trainer.data.batching import Data, loaders
+from llamaft_trainer.data.prepare import prepared_store, store_root
 from llamaft_trainer.errors import ConfigError
 from llamaft_trainer.global_order import attach
 from llamaft_trainer.preference_data import PairEncoder, pair_loaders

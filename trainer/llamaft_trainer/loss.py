@@ -37,7 +37,7 @@ import torch.utils.checkpoint
 from torch import nn
 from transformers import PreTrainedModel
 
-from llamaft_trainer.data import IGNORE_INDEX
+from llamaft_trainer.data.encoding import IGNORE_INDEX
 
 
 def causal_lm(model: nn.Module) -> PreTrainedModel:

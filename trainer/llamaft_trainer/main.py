@@ -34,7 +34,6 @@ from llamaft.api.spec import LoraExport, TrainingJobConfig, TrainingMethod
 from llamaft.api.validation import SpecInvalid, validate_resource
 from torch import nn
 
-from llamaft_trainer import data as data_step
 from llamaft_trainer import (
     dpo_step,
     elastic,
@@ -47,6 +46,7 @@ from llamaft_trainer import (
 )
 from llamaft_trainer import model as model_step
 from llamaft_trainer.checkpoint import Checkpointer, RunState, TrainState
+from llamaft_trainer.data import encoding
 from llamaft_trainer.errors import EXIT_CONFIG_ERROR, EXIT_FAILURE, ConfigError
 from llamaft_trainer.evaluation import build_evaluator
 from llamaft_trainer.export import export_hugging_face
@@ -157,7 +157,7 @@ def setup(cfg: TrainingJobConfig, rt: Runtime, stop: StopSignal | None = None) -
     _phase(rt, "loading the tokenizer and preparing the data", stop)
     tokenizer = model_step.load_tokenizer(cfg.model, rt)
     model_config = model_step.load_config(cfg.model, rt)
-    data_step.check_sequence_length(cfg.dataset, getattr(model_config, "max_position_embeddings", None))
+    encoding.check_sequence_length(cfg.dataset, getattr(model_config, "max_position_embeddings", None))
     data = inputs.build_data(
         cfg.dataset, tokenizer, cfg.training.per_device_batch_size, cfg.training.seed, rt, cfg.checkpointing.directory,
         cfg.training.global_batch_size,

@@ -29,7 +29,8 @@ from torch.utils.data import DataLoader, Dataset
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from llamaft_trainer import store as store_mod
-from llamaft_trainer.data import Data, ResumableSampler, ValidationShare, _generator, tokenizer_fingerprint
+from llamaft_trainer.data.batching import Data, ResumableSampler, ValidationShare, loader_generator
+from llamaft_trainer.data.encoding import tokenizer_fingerprint
 from llamaft_trainer.dpo import concatenated_batch
 from llamaft_trainer.errors import ConfigError
 from llamaft_trainer.preference import PreferenceEncoder, PreferenceExample, keeps, preference_record
@@ -148,7 +149,7 @@ def pair_loaders(store: store_mod.Store, spec: DatasetSpec, pad_id: int, batch_s
     collate = PairCollate(pad_id, spec.max_seq_length)
     sampler = ResumableSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
     loader: DataLoader[Any] = DataLoader(train, batch_size=batch_size, sampler=sampler, drop_last=True,
-                                         collate_fn=collate, generator=_generator(seed))
+                                         collate_fn=collate, generator=loader_generator(seed))
     validation: PreferencePairs | None = PreferencePairs(store.validation)
     val_loader = None
     if validation is not None and len(validation) > 0:

@@ -36,9 +36,9 @@ from llamaft.api.spec import DatasetSpec, TrainingJobConfig
 from torch import nn
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from llamaft_trainer import data as data_mod
 from llamaft_trainer import store as store_mod
 from llamaft_trainer import streaming
+from llamaft_trainer.data import batching, prepare
 from llamaft_trainer.metrics import log_json
 from llamaft_trainer.preference_data import PairCollate, PairEncoder, PairShare, PreferencePairs, pair_of
 from llamaft_trainer.records import Numbered, RecordSource
@@ -93,11 +93,11 @@ class PairStream(BatchStream):
 
 
 def streaming_pairs(spec: DatasetSpec, tok: PreTrainedTokenizerBase, batch_size: int, seed: int, rt: Runtime,
-                    index_root: Path | None = None) -> data_mod.Data:
+                    index_root: Path | None = None) -> batching.Data:
     """Data whose training pairs come from a PairStream; validation is the held-out head's pairs,
     in memory, scored by PairShare as a token store's. `store_path` is the stream's folder (its
     window index and reference), None where ranks share no folder."""
-    key = data_mod.store_key(spec, PairEncoder(spec, tok), RecordSource(spec).fingerprint(), seed)
+    key = prepare.store_key(spec, PairEncoder(spec, tok), RecordSource(spec).fingerprint(), seed)
     folder = index_root / f"stream-{key}" if index_root is not None else None
     stream = PairStream(spec, tok, batch_size, seed, rt, folder / "windows.json" if folder is not None else None)
     part = stream.validation()
@@ -106,7 +106,7 @@ def streaming_pairs(spec: DatasetSpec, tok: PreTrainedTokenizerBase, batch_size:
     if validation is not None:
         val_loader = PairShare(validation, rt.rank, rt.world_size, batch_size,
                                PairCollate(int(tok.pad_token_id), spec.max_seq_length))
-    data = data_mod.Data(train=None, validation=validation, loader=None,  # type: ignore[arg-type]
+    data = batching.Data(train=None, validation=validation, loader=None,  # type: ignore[arg-type]
                          validation_loader=val_loader, batch_size=batch_size, store_path=folder, stream=stream)
     data.info.update(train_pairs=None, streaming=True, window=streaming.WINDOW,
                      validation_pairs=0 if validation is None else len(validation))
@@ -118,7 +118,7 @@ Scorer = Callable[[PreferencePairs, PairCollate], np.ndarray[Any, Any]]
 every rank (dpo_step's no-grad pass over the part's PairShare, summed across ranks)."""
 
 
-def precompute_stream_reference(cfg: TrainingJobConfig, rt: Runtime, model: nn.Module, data: data_mod.Data,
+def precompute_stream_reference(cfg: TrainingJobConfig, rt: Runtime, model: nn.Module, data: batching.Data,
                                  score: Scorer) -> dict[str, Any]:
     """dpo_step.precompute_reference for a stream: read back, or scored now by `score` in one pass
     over the stream in file order (every rank tokenizes each window and scores the kept pairs) and

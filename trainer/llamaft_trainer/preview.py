@@ -34,8 +34,8 @@ import torch
 from llamaft.api.spec import DatasetSpec, PackingStrategy, TrainingJobConfig
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from llamaft_trainer import data as data_mod
 from llamaft_trainer import store as store_mod
+from llamaft_trainer.data import encoding, prepare
 from llamaft_trainer.errors import ConfigError
 from llamaft_trainer.records import Numbered, RecordSource
 from llamaft_trainer.runtime import Runtime
@@ -170,7 +170,7 @@ def trainer_tokenizer(config: TrainingJobConfig) -> PreTrainedTokenizerBase:
     rt = single_process()
     tokenizer = model_mod.load_tokenizer(config.model, rt)
     model_config = model_mod.load_config(config.model, rt)
-    data_mod.check_sequence_length(config.dataset, getattr(model_config, "max_position_embeddings", None))
+    encoding.check_sequence_length(config.dataset, getattr(model_config, "max_position_embeddings", None))
     return tokenizer
 
 
@@ -202,7 +202,7 @@ def build_preview(dataset: DatasetSpec, tokenizer: PreTrainedTokenizerBase, seed
         dataset = dataset.model_copy(update={"streaming": False})
     before = set(os.listdir(root)) if root.is_dir() else set()
     with _trainer_log_kept_off_stdout():
-        store = data_mod.build_store(dataset, tokenizer, seed, root)
+        store = prepare.build_store(dataset, tokenizer, seed, root)
     part = store.train if split == "train" else store.validation
     shown = min(count, len(part))
     records = _split_records(dataset, seed, split, store, tokenizer, shown)
@@ -221,7 +221,7 @@ def build_preview(dataset: DatasetSpec, tokenizer: PreTrainedTokenizerBase, seed
             notes.append(f"example {index} ({where}) carries no loss: every token is context")
     packing = None
     if dataset.packing:
-        report = data_mod.block_report(store, dataset)
+        report = prepare.block_report(store, dataset)
         strategy = dataset.packing_strategy.value if split == "train" else PackingStrategy.BFD.value
         packing = PackingSummary(strategy, int(report[f"{split}_blocks"]), report[f"{split}_fill"], report)
     return Preview(
@@ -243,10 +243,10 @@ def _split_records(dataset: DatasetSpec, seed: int, split: str, store: store_mod
     if count == 0:
         return []
     part = store.train if split == "train" else store.validation
-    encoder = data_mod.Encoder(dataset, tokenizer)
-    untruncated = data_mod.Encoder(dataset.model_copy(update={"max_seq_length": UNLIMITED}), tokenizer)
+    encoder = encoding.Encoder(dataset, tokenizer)
+    untruncated = encoding.Encoder(dataset.model_copy(update={"max_seq_length": UNLIMITED}), tokenizer)
     source = RecordSource(dataset)
-    held_out = data_mod.validation_mask(int(store.meta["records"]), dataset.validation_split, seed)
+    held_out = prepare.validation_mask(int(store.meta["records"]), dataset.validation_split, seed)
     out: list[tuple[str, tuple[int, int]]] = []
     for batch in _records_of_split(source, held_out, split == "validation"):
         stored, full = encoder.encode(batch), untruncated.encode(batch)
@@ -345,7 +345,7 @@ def preview(config: TrainingJobConfig, *, count: int = 3, split: str = "train", 
     """`llamaft data preview`: the trainer's tokenizer (unless given), the store built into `store`
     (kept) or a temporary directory (removed before this returns), and the preview of it."""
     tok = tokenizer if tokenizer is not None else trainer_tokenizer(config)
-    trainer_root, _ = data_mod.store_root(config.checkpointing.directory)
+    trainer_root, _ = prepare.store_root(config.checkpointing.directory)
     if store is not None:
         store = store.expanduser()
         try:

@@ -33,8 +33,8 @@ import torch
 from llamaft.api.spec import DatasetSpec, PackingStrategy
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from llamaft_trainer import data as data_mod
 from llamaft_trainer import store as store_mod
+from llamaft_trainer.data import batching, encoding, prepare
 from llamaft_trainer.records import Numbered, RecordSource
 from llamaft_trainer.runtime import Runtime
 
@@ -77,7 +77,7 @@ class BatchStream:
     def _codec(self, spec: DatasetSpec, tok: PreTrainedTokenizerBase) -> tuple[Any, Any]:
         """(records -> a store part, items -> a batch): single sequences here, pairs in
         preference_stream.PairStream."""
-        return data_mod.Encoder(spec, tok), data_mod.Collate(int(tok.pad_token_id))
+        return encoding.Encoder(spec, tok), batching.Collate(int(tok.pad_token_id))
 
     # -------------------------------------------------------------------- the window index
     def _read_index(self) -> list[int]:
@@ -170,7 +170,7 @@ class BatchStream:
                 block_loss = loss[used:used + group * length][mine]
                 used += group * length
                 yield self.collate([
-                    data_mod.training_item(block_ids[i * length:(i + 1) * length], block_loss[i * length:(i + 1) * length])
+                    batching.training_item(block_ids[i * length:(i + 1) * length], block_loss[i * length:(i + 1) * length])
                     for i in range(self.batch_size)
                 ])
             ids, loss = ids[used:], loss[used:]
@@ -179,16 +179,16 @@ class BatchStream:
         """`bfd`: the stream's items are each window's best-fit-decreasing blocks, in block order."""
         first, drop = self._resume_point(skip * self.world * self.batch_size)  # blocks already trained on
 
-        def windows() -> Iterator[list[tuple[data_mod.PackedExamples, int]]]:
+        def windows() -> Iterator[list[tuple[batching.PackedExamples, int]]]:
             for window, records in self._windows(epoch, first):
-                blocks = data_mod.PackedExamples(self.encoder.encode(records), self.spec.max_seq_length)
+                blocks = batching.PackedExamples(self.encoder.encode(records), self.spec.max_seq_length)
                 self._learn(window, len(blocks))
                 yield [(blocks, i) for i in range(len(blocks))]
         for mine in self._rank_groups(windows(), drop):
             yield self.collate([blocks_of[i] for blocks_of, i in mine])
 
     def _batch(self, encoded: store_mod.Part) -> dict[str, torch.Tensor]:
-        batch: dict[str, torch.Tensor] = self.collate([data_mod.training_item(*encoded.example(i))
+        batch: dict[str, torch.Tensor] = self.collate([batching.training_item(*encoded.example(i))
                                                       for i in range(len(encoded))])
         return batch
 
@@ -206,21 +206,21 @@ class BatchStream:
 
 
 def streaming_data(spec: DatasetSpec, tok: PreTrainedTokenizerBase, batch_size: int, seed: int, rt: Runtime,
-                   index_root: Path | None = None) -> data_mod.Data:
+                   index_root: Path | None = None) -> batching.Data:
     """Data whose training batches come from a BatchStream; validation is the held-out head, in memory."""
-    key = data_mod.store_key(spec, data_mod.Encoder(spec, tok), RecordSource(spec).fingerprint(), seed)
+    key = prepare.store_key(spec, encoding.Encoder(spec, tok), RecordSource(spec).fingerprint(), seed)
     index_path = index_root / f"stream-{key}" / "windows.json" if index_root is not None else None
     stream = BatchStream(spec, tok, batch_size, seed, rt, index_path)
     part = stream.validation()
     validation: Any = None
     val_loader = None
     if part is not None and len(part):
-        validation = data_mod.packed_dataset(part, spec, validation=True) if spec.packing else data_mod.PaddedExamples(part)
+        validation = batching.packed_dataset(part, spec, validation=True) if spec.packing else batching.PaddedExamples(part)
         if len(validation):
-            val_loader = data_mod.ValidationShare(validation, rt.rank, rt.world_size, batch_size, stream.collate)
+            val_loader = batching.ValidationShare(validation, rt.rank, rt.world_size, batch_size, stream.collate)
         else:
             validation = None
-    data = data_mod.Data(train=None, validation=validation, loader=None, validation_loader=val_loader,
+    data = batching.Data(train=None, validation=validation, loader=None, validation_loader=val_loader,
                          batch_size=batch_size, stream=stream)
     data.info.update(train_sequences=None, streaming=True, window=WINDOW, validation_sequences=0 if validation is None else len(validation))
     return data

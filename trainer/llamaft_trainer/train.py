@@ -55,7 +55,8 @@ from torch.distributed.tensor import DTensor
 
 from llamaft_trainer import faults, float8, global_order, profiling
 from llamaft_trainer.checkpoint import Checkpointer, TrainState
-from llamaft_trainer.data import IGNORE_INDEX, Data, StepGroup, StepOrder
+from llamaft_trainer.data.batching import Data, StepGroup, StepOrder
+from llamaft_trainer.data.encoding import IGNORE_INDEX
 from llamaft_trainer.errors import ConfigError
 from llamaft_trainer.evaluation import Evaluator
 from llamaft_trainer.metrics import Progress, log_json, peak_memory_bytes
