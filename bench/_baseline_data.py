@@ -12,7 +12,7 @@ from typing import Any
 from llamaft.api.spec import DatasetSpec
 from llamaft_trainer.data import encoding
 from llamaft_trainer.data.prepare import split_records
-from llamaft_trainer.records import read_numbered
+from llamaft_trainer.data.records import read_numbered
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 Rows = list[tuple[list[int], list[int], list[int]]]

@@ -30,8 +30,8 @@ sys.path[:0] = [str(REPO / "operator"), str(REPO / "trainer")]
 import _samsum_like as samsum_like  # noqa: E402
 import torch  # noqa: E402
 from llamaft.api.spec import DatasetSpec  # noqa: E402
-from llamaft_trainer.attention import DOCUMENT_SDPA  # noqa: E402
 from llamaft_trainer.data import batching, prepare  # noqa: E402
+from llamaft_trainer.model.attention import DOCUMENT_SDPA  # noqa: E402
 from llamaft_trainer.tiny import build_tiny_llama  # noqa: E402
 from llamaft_trainer.train import token_loss_sum  # noqa: E402
 from transformers import AutoTokenizer, LlamaForCausalLM  # noqa: E402

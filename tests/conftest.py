@@ -70,7 +70,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def served_progress(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, str]]:
     """The trainer's real metrics.Progress serving on a local port: (progress, base URL); its
     /progress is the operator's contract, its /metrics Prometheus' exposition."""
-    from llamaft_trainer.metrics import Progress
+    from llamaft_trainer.report.metrics import Progress
 
     monkeypatch.setenv("LLAMAFT_METRICS_HOST", "127.0.0.1")
     progress = Progress()

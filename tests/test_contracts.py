@@ -32,7 +32,7 @@ from llamaft.api.contracts import (
 )
 from llamaft.api.status import read_status
 from llamaft.operator import failures, lifecycle, observe
-from llamaft_trainer import termination
+from llamaft_trainer.process import termination
 
 from tests.conftest import REPO
 
@@ -249,7 +249,7 @@ def trainer_progress_keys() -> set[str]:
     `self.update(...)` in metrics.py), by wire name, and updatedAt (update sets it)."""
     wire = {name: str(f.alias) for name, f in ProgressDocument.model_fields.items()}
     keys = {"updatedAt"}
-    for path in sorted(TRAINER.glob("*.py")):
+    for path in sorted(TRAINER.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "update"):
                 continue

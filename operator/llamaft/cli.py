@@ -314,10 +314,10 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 def _without_torchao() -> contextlib.AbstractContextManager[None]:
     """transformers imports torchao whenever it is installed, and torchao's import prints notices
-    that concern float8 only (llamaft_trainer.quiet says which): kept out of commands that load
+    that concern float8 only (llamaft_trainer.process.quiet says which): kept out of commands that load
     transformers for other work."""
     try:
-        from llamaft_trainer.quiet import torchao_kept_out
+        from llamaft_trainer.process.quiet import torchao_kept_out
     except ImportError:
         return contextlib.nullcontext()
     return torchao_kept_out()
@@ -335,7 +335,7 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 def _cmd_data_preview(args: argparse.Namespace) -> int:
     """The first examples of the file's dataset exactly as the trainer will see them (tokens, what
-    carries loss, truncation, packing), through the trainer's own code (llamaft_trainer.preview).
+    carries loss, truncation, packing), through the trainer's own code (llamaft_trainer.data.preview).
     Bad input (the file, a missing path, a record without its fields) exits 1 naming the field."""
     from llamaft.local import missing_inputs
     from llamaft.manifests import load_finetune
@@ -346,8 +346,8 @@ def _cmd_data_preview(args: argparse.Namespace) -> int:
         _print_errors("error", problems, sys.stderr)
         return 1
     with _without_torchao():
-        from llamaft_trainer.errors import ConfigError
-        from llamaft_trainer.preview import preview, render_json, render_text, use_colour
+        from llamaft_trainer.data.preview import preview, render_json, render_text, use_colour
+        from llamaft_trainer.process.errors import ConfigError
 
         try:
             result = preview(spec.training_config(), count=args.examples, split=args.split,
@@ -631,7 +631,7 @@ def _version() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        from llamaft_trainer.quiet import silence_known_warnings
+        from llamaft_trainer.process.quiet import silence_known_warnings
     except ImportError:
         pass
     else:

@@ -32,8 +32,8 @@ from kubernetes import client, config
 from llamaft.api.validation import validate_resource
 from llamaft.render import backends
 from llamaft.render.naming import Owner
-from llamaft_trainer.local_etcd import LocalEtcd
-from llamaft_trainer.logline import read_events
+from llamaft_trainer.process.local_etcd import LocalEtcd
+from llamaft_trainer.report.logline import read_events
 
 from tests.conftest import REPO, need_etcd
 from tests.controlplane.cluster import ControlPlane

@@ -210,7 +210,7 @@ def test_the_trainers_precedence_follows_the_operators_priority() -> None:
     message) must rank the trainer's reasons as failures.PRIORITY ranks them, TrainerError
     standing for any other exception (OTHER_ERROR_PRECEDENCE); else a pod's message could keep a
     cause the operator ranks below the one a peer overwrote."""
-    from llamaft_trainer import termination
+    from llamaft_trainer.process import termination
 
     ranks = {**termination.PRECEDENCE, failures.TRAINER_ERROR: termination.OTHER_ERROR_PRECEDENCE}
     assert set(ranks) <= set(failures.PRIORITY)

@@ -13,7 +13,7 @@ it, with Prometheus' pod discovery replaced by a static target list of what it w
   the running filter, keep rules for the selector, the port keep rule (`port` on the port name,
   `portNumber` on the port number), namespace/container/pod/job/endpoint labels, the endpoint's
   relabelings (generateRelabelConfig), the sharding rules of one shard.
-Then a real Prometheus scrapes the trainer's real metrics server (llamaft_trainer.metrics.Progress,
+Then a real Prometheus scrapes the trainer's real metrics server (llamaft_trainer.report.metrics.Progress,
 as tests/operator/test_prometheus.py does) on each pod's own loopback address, and a replayed
 dcgm-exporter / kube-state-metrics endpoint; `promtool test rules` checks every alert against
 series named after each backend's pods.
@@ -43,7 +43,7 @@ from llamaft.api.validation import validate_resource
 from llamaft.operator import gpu_health
 from llamaft.render import desired, monitoring, trainjob
 from llamaft.render.naming import Owner
-from llamaft_trainer.local_etcd import free_port
+from llamaft_trainer.process.local_etcd import free_port
 
 from tests.conftest import EXAMPLES, need_binary
 from tests.operator.conftest import wait_for
@@ -464,9 +464,9 @@ def query(url: str, expr: str) -> list[Obj]:
 
 
 def _trainer_metrics(ip: str, port: int, stale: bool) -> Any:
-    """The trainer's own metrics server (llamaft_trainer.metrics.Progress) on the pod's address, as
+    """The trainer's own metrics server (llamaft_trainer.report.metrics.Progress) on the pod's address, as
     LLAMAFT_METRICS_HOST pins it, after one optimizer step."""
-    from llamaft_trainer.metrics import Progress
+    from llamaft_trainer.report.metrics import Progress
 
     progress = Progress()
     progress.total_steps.set(100)

@@ -69,7 +69,7 @@ def serve() -> tuple[ThreadingHTTPServer, int]:
 @starts_processes
 def prometheus() -> Iterator[str]:
     binary = need_binary("prometheus", "prometheus")
-    from llamaft_trainer.metrics import Progress
+    from llamaft_trainer.report.metrics import Progress
 
     progress = Progress()
     progress.total_steps.set(100)

@@ -186,7 +186,7 @@ def test_epochs_to_steps_for_a_known_dataset() -> None:
 
 def test_flops_formula_is_the_trainers() -> None:
     transformers = pytest.importorskip("transformers")
-    from llamaft_trainer.metrics import flops_per_token as trainer_fpt
+    from llamaft_trainer.report.metrics import flops_per_token as trainer_fpt
 
     shape = resolve_shape("meta-llama/Meta-Llama-3-8B")
     config = transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

@@ -23,11 +23,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from llamaft.api.spec import TrainingJobConfig
-from llamaft_trainer import store as store_mod
 from llamaft_trainer.data import batching, encoding
+from llamaft_trainer.data import store as store_mod
 from llamaft_trainer.main import setup
-from llamaft_trainer.runtime import Runtime, init_runtime
-from llamaft_trainer.shutdown import exit_process
+from llamaft_trainer.process.runtime import Runtime, init_runtime
+from llamaft_trainer.process.shutdown import exit_process
 from llamaft_trainer.train import Trainer, evaluate, token_loss_sum
 
 BLOCKS_PER_RANK = 3

@@ -33,7 +33,7 @@ from typing import Any
 import fsspec
 import pytest
 from fsspec.implementations.local import LocalFileOpener, LocalFileSystem
-from llamaft_trainer.logline import parse_event, read_events
+from llamaft_trainer.report.logline import parse_event, read_events
 
 from tests.conftest import REPO
 from tests.trainer.conftest import base_config, kill_tree, run_harness, torchrun_cmd, trainer_env
@@ -174,7 +174,7 @@ def test_async_and_sync_checkpoints_resume_bit_identically(harness: dict[str, An
 
 
 def test_prune_keeps_the_newest_complete_and_anything_newer(tmp_path: Path) -> None:
-    from llamaft_trainer.checkpoint import Checkpointer
+    from llamaft_trainer.checkpoint.dcp import Checkpointer
 
     for step, complete in ((3, True), (6, False), (9, True), (12, False)):
         (tmp_path / f"step-{step:08d}").mkdir()
@@ -191,7 +191,7 @@ def test_prune_keeps_the_newest_complete_and_anything_newer(tmp_path: Path) -> N
 def test_a_kill_during_a_background_write_leaves_nothing_resumable(
     tiny_model: Path, tmp_path: Path, harness: dict[str, Any],
 ) -> None:
-    from llamaft_trainer.checkpoint import Checkpointer
+    from llamaft_trainer.checkpoint.dcp import Checkpointer
 
     directory = tmp_path / "killed"
     uri = f"slowfile://{directory}"
@@ -288,7 +288,7 @@ def test_sigterm_abandons_a_background_write_that_outlasts_the_grace_period(
     time), or after the last step (3) while the run waits for that step's write: each way the
     ranks agree on it within a STOP_CHECK_SECONDS slice and give the write what is left of the
     grace period."""
-    from llamaft_trainer.checkpoint import Checkpointer
+    from llamaft_trainer.checkpoint.dcp import Checkpointer
 
     directory = tmp_path / "abandoned"
     config = _config(tiny_model, f"slowfile://{directory}", resume=True)
@@ -321,6 +321,6 @@ def test_sigterm_abandons_a_background_write_that_outlasts_the_grace_period(
 # ------------------------------------------------------------------ worker entry (torchrun runs this file)
 if __name__ == "__main__":
     from llamaft_trainer.main import main
-    from llamaft_trainer.shutdown import exit_process
+    from llamaft_trainer.process.shutdown import exit_process
 
     exit_process(main())

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from llamaft_trainer import attention
-from llamaft_trainer.attention import DOCUMENT_SDPA, example_spans
+from llamaft_trainer.model import attention
+from llamaft_trainer.model.attention import DOCUMENT_SDPA, example_spans
 from transformers import LlamaConfig, LlamaForCausalLM
 
 

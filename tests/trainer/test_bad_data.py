@@ -1,6 +1,6 @@
 """Bad data and a bad model end the run at once with exit 2 and one message naming the file (and the
 line and field), run directly, under torchrun and through `llamaft run --local`; torchrun never
-restarts the workers into the same error (elastic.py), so nothing hangs or turns retryable.
+restarts the workers into the same error (process/restarts.py), so nothing hangs or turns retryable.
 
 Time bounds: measured on 2 CPU cores, a case takes 3.5-11 s directly, 7-15 s under one torchrun
 and 9-28 s through `llamaft run --local` (2 agents and 2 trainers importing torch at once; the high
@@ -25,7 +25,7 @@ from typing import Any
 import psutil
 import pytest
 import yaml
-from llamaft_trainer.logline import read_events
+from llamaft_trainer.report.logline import read_events
 
 from tests.conftest import REPO
 from tests.trainer.conftest import DATASET, base_config, torchrun_cmd, trainer_env

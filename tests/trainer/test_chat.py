@@ -1,4 +1,4 @@
-"""`chat` format (llamaft_trainer.chat): labels token by token against hand-built expectations,
+"""`chat` format (llamaft_trainer.data.chat): labels token by token against hand-built expectations,
 template resolution, record validation, truncation and `make-tiny-model --chat-template`.
 
 The expectations are built by tokenizing the template's pieces one by one (header, content,
@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 from llamaft.api.spec import BUILTIN_CHAT_TEMPLATES, DatasetSpec, TrainOn
-from llamaft_trainer.chat import (
+from llamaft_trainer.data import encoding
+from llamaft_trainer.data.chat import (
     BUILTIN_TEMPLATES,
     IGNORE_INDEX,
     ROLES,
@@ -22,8 +23,7 @@ from llamaft_trainer.chat import (
     conversation,
     resolve_template,
 )
-from llamaft_trainer.data import encoding
-from llamaft_trainer.errors import ConfigError
+from llamaft_trainer.process.errors import ConfigError
 
 from tests.conftest import REPO
 

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from llamaft_trainer import shutdown
-from llamaft_trainer.local_etcd import free_port
-from llamaft_trainer.runtime import Runtime
+from llamaft_trainer.process import shutdown
+from llamaft_trainer.process.local_etcd import free_port
+from llamaft_trainer.process.runtime import Runtime
 
 from tests.conftest import REPO
 from tests.trainer.conftest import trainer_env
@@ -58,7 +58,7 @@ class SlowFinalizer:
 keep = SlowFinalizer()
 open(marker, "w").close()
 if sys.argv[1] == "trainer":
-    from llamaft_trainer.shutdown import exit_process
+    from llamaft_trainer.process.shutdown import exit_process
     exit_process(0)
 """
 

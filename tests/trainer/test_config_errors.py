@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 from llamaft.api.spec import TrainingJobConfig
-from llamaft_trainer.errors import EXIT_CONFIG_ERROR, ConfigError
 from llamaft_trainer.main import load_config, setup
-from llamaft_trainer.runtime import Runtime
+from llamaft_trainer.process.errors import EXIT_CONFIG_ERROR, ConfigError
+from llamaft_trainer.process.runtime import Runtime
 
 from tests.conftest import REPO
 from tests.trainer.conftest import base_config, trainer_env
@@ -81,8 +81,8 @@ def test_main_exits_with_the_permanent_config_code(tiny_model: Path, tmp_path: P
 
 def test_model_from_an_fsspec_uri_is_staged_once_and_loads(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """s3://-style sources go through fsspec into a node-local cache (file:// here, same code)."""
-    from llamaft_trainer import downloads
-    from llamaft_trainer import model as model_step
+    from llamaft_trainer.model import model as model_step
+    from llamaft_trainer.sources import downloads
 
     monkeypatch.setattr(downloads, "CACHE_ROOT", tmp_path / "cache")
     cfg = _cfg(tiny_model, tmp_path)

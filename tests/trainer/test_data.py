@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from llamaft.api.spec import DatasetSpec
 from llamaft_trainer.data import encoding, prepare
-from llamaft_trainer.errors import ConfigError
-from llamaft_trainer.records import read_numbered
+from llamaft_trainer.data.records import read_numbered
+from llamaft_trainer.process.errors import ConfigError
 
 from tests.trainer.conftest import DATASET
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from llamaft_trainer.logline import read_events
+from llamaft_trainer.report.logline import read_events
 
 from tests.trainer.conftest import base_config, launch_trainer, run_harness
 from tests.trainer.load_worker import digest, launch
@@ -80,7 +80,7 @@ def loads(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 def _peft_on_the_loaded_model(config: dict[str, Any]) -> dict[str, torch.Tensor]:
     """peft's DoRA init where it is meant to run: on the whole pretrained model, in one process."""
     from llamaft.api.spec import TrainingJobConfig
-    from llamaft_trainer import model as model_step
+    from llamaft_trainer.model import model as model_step
     from transformers import AutoModelForCausalLM
 
     cfg = TrainingJobConfig.model_validate(config)
@@ -124,8 +124,8 @@ def test_dora_on_an_embedding_is_a_config_error_naming_use_dora(loads: dict[str,
 def test_dora_refusal_happens_when_the_model_is_wrapped() -> None:
     """apply_lora refuses on every rank alike, on the meta model, before any collective."""
     from llamaft.api.spec import LoraSpec
-    from llamaft_trainer import model as model_step
-    from llamaft_trainer.errors import ConfigError
+    from llamaft_trainer.model import model as model_step
+    from llamaft_trainer.process.errors import ConfigError
     from transformers import LlamaConfig, LlamaForCausalLM
 
     with torch.device("meta"):

@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 import torch
-from llamaft_trainer import downloads, loading
-from llamaft_trainer.errors import ConfigError
-from llamaft_trainer.runtime import Runtime
+from llamaft_trainer.model import loading
+from llamaft_trainer.process.errors import ConfigError
+from llamaft_trainer.process.runtime import Runtime
+from llamaft_trainer.sources import downloads
 
 from tests.trainer import countingfs
 from tests.trainer.conftest import base_config

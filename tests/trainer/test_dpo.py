@@ -1,4 +1,4 @@
-"""DPO/IPO pieces (llamaft_trainer.dpo): the concatenated batch, summed completion log-probabilities,
+"""DPO/IPO pieces (llamaft_trainer.methods.dpo): the concatenated batch, summed completion log-probabilities,
 the losses and TRL's metrics, by hand and against TRL's DPOTrainer._compute_loss on the same tiny
 model and pairs (TRL run in .venv-peers: tests/trainer/trl_peer.py)."""
 
@@ -10,8 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 from llamaft.api.spec import DpoLoss
-from llamaft_trainer.dpo import DpoMetrics, concatenated_batch, dpo_losses, sequence_logps, split_pairs
-from llamaft_trainer.preference import PreferenceExample
+from llamaft_trainer.data.preference import PreferenceExample
+from llamaft_trainer.methods.dpo import (
+    DpoMetrics,
+    concatenated_batch,
+    dpo_losses,
+    sequence_logps,
+    split_pairs,
+)
 from transformers import AutoModelForCausalLM
 
 from tests.trainer.trl_compare import run_trl

@@ -1,4 +1,4 @@
-"""training.method dpo on a streamed preference set (dataset.streaming, preference_stream.py)
+"""training.method dpo on a streamed preference set (dataset.streaming, methods/dpo_stream.py)
 through the trainer (torchrun, FSDP on CPU): the same losses and TRL metrics as the token store's
 run on the same pairs, the precomputed reference scored in a pass over the stream and read back by
 a resumed run, which continues with the uninterrupted run's losses."""

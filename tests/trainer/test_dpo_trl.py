@@ -81,7 +81,7 @@ def initial_adapters(model: Path, lora: dict[str, Any], out: Path) -> Path:
     for TRL's side to start from."""
     import torch
     from llamaft.api.spec import LoraSpec, ModelSpec
-    from llamaft_trainer.loading import initial_adapters as adapters_of
+    from llamaft_trainer.model.loading import initial_adapters as adapters_of
     from safetensors.torch import save_file
     from transformers import AutoConfig
 

@@ -12,7 +12,7 @@ import torch
 from llamaft.api.spec import EvalMetric
 from llamaft_trainer import evaluation
 from llamaft_trainer.data import encoding
-from llamaft_trainer.logline import read_events
+from llamaft_trainer.report.logline import read_events
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.trainer.conftest import base_config, launch_trainer
@@ -63,7 +63,7 @@ def test_sharded_generations_are_the_exported_models_and_are_scored(tiny_model: 
     tok = AutoTokenizer.from_pretrained(export)
     store_runs = sorted((tmp_path / "gen" / "data").iterdir())
     assert store_runs, "the token store is beside the checkpoints"
-    from llamaft_trainer import store as store_mod
+    from llamaft_trainer.data import store as store_mod
 
     opened = store_mod.open_store(store_runs[0])
     assert opened is not None
@@ -94,8 +94,8 @@ def test_generation_runs_the_compiled_layers_eagerly(tiny_model: Path) -> None:
     a new length at every token, which would recompile each layer (up to dynamo's limit) for a few
     prompts. Generation runs them eagerly (as HF's Seq2SeqTrainer generates with the uncompiled
     model) and writes what the uncompiled model writes; training forwards still compile."""
-    from llamaft_trainer.parallelize import decoder_layers
-    from llamaft_trainer.runtime import Runtime
+    from llamaft_trainer.parallel.parallelize import decoder_layers
+    from llamaft_trainer.process.runtime import Runtime
 
     compiled: list[int] = []
 

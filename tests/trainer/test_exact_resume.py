@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from llamaft_trainer.logline import parse_event, read_events
+from llamaft_trainer.report.logline import parse_event, read_events
 
 from tests.trainer.conftest import (
     DATASET,

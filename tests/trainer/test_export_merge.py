@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from llamaft_trainer.export import merged_weights
+from llamaft_trainer.checkpoint.export import merged_weights
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -1,4 +1,4 @@
-"""The trainer's test-only fault hook (llamaft_trainer/faults.py): off unless set, fires at the
+"""The trainer's test-only fault hook (llamaft_trainer/process/faults.py): off unless set, fires at the
 named step and rank, once per marker file, and a malformed value names the variable."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from llamaft_trainer import faults
+from llamaft_trainer.process import faults
 
 
 def test_unset_does_nothing(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,4 @@
-"""spec.fsdp.float8 (llamaft_trainer/float8.py) on CPU, through torchao's emulation.
+"""spec.fsdp.float8 (llamaft_trainer/parallel/float8.py) on CPU, through torchao's emulation.
 
 Which linears become Float8Linear (names) for the tiny Llama, full and LoRA; the device refusal as
 a pure function of the compute capability; and real 2-rank torchrun runs (gloo) of tensorwise +
@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 from llamaft.api.spec import FsdpSpec, LoraSpec
-from llamaft_trainer import float8
-from llamaft_trainer import model as model_step
-from llamaft_trainer.errors import ConfigError
+from llamaft_trainer.model import model as model_step
+from llamaft_trainer.parallel import float8
+from llamaft_trainer.process.errors import ConfigError
 from torch import nn
 
 from tests.trainer.conftest import base_config, run_harness

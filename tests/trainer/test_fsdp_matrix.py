@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from llamaft_trainer.parallelize import CPU_OVERLAP_ENV
+from llamaft_trainer.parallel.parallelize import CPU_OVERLAP_ENV
 
 from tests.trainer.conftest import base_config, run_harness
 

@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import torch
 from llamaft_trainer.data.batching import Collate, training_item
-from llamaft_trainer.errors import ConfigError
-from llamaft_trainer.global_order import LOG_ITEMS_ENV, GlobalOrder, is_filler
-from llamaft_trainer.logline import read_events
+from llamaft_trainer.data.global_order import LOG_ITEMS_ENV, GlobalOrder, is_filler
+from llamaft_trainer.process.errors import ConfigError
+from llamaft_trainer.report.logline import read_events
 
 from tests.trainer.conftest import DATASET, base_config, run_harness
 from tests.trainer.test_dpo_run import dpo_config, head
@@ -93,7 +93,7 @@ def test_a_checkpoint_without_the_global_position_is_refused_by_field(tmp_path: 
     """A run with globalBatchSize cannot continue from a checkpoint of a run without it (its data
     position is per rank); one without it still resumes from it (its keys are today's)."""
     import torch.distributed as dist
-    from llamaft_trainer.checkpoint import Checkpointer, RunState, TrainState
+    from llamaft_trainer.checkpoint.dcp import Checkpointer, RunState, TrainState
 
     def checkpointer(state: TrainState) -> Checkpointer:
         model = torch.nn.Linear(2, 2)

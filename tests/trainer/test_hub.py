@@ -1,4 +1,4 @@
-"""llamaft_trainer.hub against the Hub server on loopback (tests/hub): snapshots through the HF cache,
+"""llamaft_trainer.sources.hub against the Hub server on loopback (tests/hub): snapshots through the HF cache,
 one fetch per file for concurrent processes, and Hub errors in the spec's terms."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
-from llamaft_trainer import hub
-from llamaft_trainer.errors import ConfigError
-from llamaft_trainer.local_etcd import free_port
+from llamaft_trainer.process.errors import ConfigError
+from llamaft_trainer.process.local_etcd import free_port
+from llamaft_trainer.sources import hub
 
 from tests.conftest import REPO
 from tests.hub.fixture import HubServer
@@ -116,7 +116,7 @@ def test_hub_error_of_non_hub_errors_and_server_errors_is_none() -> None:
 FETCH = """
 import json, sys, time
 from pathlib import Path
-from llamaft_trainer import hub
+from llamaft_trainer.sources import hub
 go = Path(sys.argv[2])
 while not go.exists():
     time.sleep(0.01)

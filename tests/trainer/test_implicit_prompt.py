@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 from llamaft.api.spec import DatasetSpec, FieldMapping
-from llamaft_trainer.errors import ConfigError
-from llamaft_trainer.preference import encode_records, implicit_prompt, preference_record
-from llamaft_trainer.records import read_numbered
+from llamaft_trainer.data.preference import encode_records, implicit_prompt, preference_record
+from llamaft_trainer.data.records import read_numbered
+from llamaft_trainer.process.errors import ConfigError
 from transformers import AutoTokenizer
 
 from tests.conftest import REPO

@@ -1,5 +1,5 @@
 """The leader's progress posted to Kubeflow Trainer's TrainJob status endpoint
-(llamaft_trainer.kubeflow_progress), against a local HTTPS endpoint that checks the bearer token the
+(llamaft_trainer.report.kubeflow_progress), against a local HTTPS endpoint that checks the bearer token the
 way the upstream guide describes (tests/fixtures/upstream/kubeflow-trainer-v2.3/trainjob-progress.md)."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from llamaft_trainer import kubeflow_progress
-from llamaft_trainer.kubeflow_progress import KubeflowProgress, trainer_status
+from llamaft_trainer.report import kubeflow_progress
+from llamaft_trainer.report.kubeflow_progress import KubeflowProgress, trainer_status
 
 from tests.conftest import REFERENCE, need_binary
 
@@ -253,7 +253,7 @@ def test_trainer_status_follows_the_crd() -> None:
 def test_the_progress_document_feeds_the_reporter(endpoint: Endpoint, tls: Tls) -> None:
     """metrics.Progress (the /progress document) calls its listeners on every update; `attach`
     wires the reporter in when the environment names the endpoint, and close() is the final post."""
-    from llamaft_trainer.metrics import Progress
+    from llamaft_trainer.report.metrics import Progress
 
     progress = Progress()
     env = {"KUBEFLOW_TRAINER_SERVER_URL": endpoint.url, "KUBEFLOW_TRAINER_SERVER_CA_CERT": str(tls.ca),

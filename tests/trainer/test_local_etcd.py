@@ -7,7 +7,7 @@ import json
 import socket
 import urllib.request
 
-from llamaft_trainer.local_etcd import LocalEtcd
+from llamaft_trainer.process.local_etcd import LocalEtcd
 
 from tests.tiers import starts_processes
 

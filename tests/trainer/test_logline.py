@@ -1,4 +1,4 @@
-"""A structured log record reaches stdout in one write (llamaft_trainer/logline.py), and reads
+"""A structured log record reaches stdout in one write (llamaft_trainer/report/logline.py), and reads
 back through the one reader beside the writer (parse_event, read_events).
 
 Where stdout and stderr share one file, as in the simulated cluster's pod logs or any merged
@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from llamaft_trainer import kubeflow_progress, metrics
-from llamaft_trainer.logline import log_json, parse_event, read_events
+from llamaft_trainer.report import kubeflow_progress, metrics
+from llamaft_trainer.report.logline import log_json, parse_event, read_events
 
 
 class Writes:

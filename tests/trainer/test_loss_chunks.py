@@ -1,4 +1,4 @@
-"""training.lossChunks: the chunked LM head + cross-entropy (loss.py) gives the unchunked loss and
+"""training.lossChunks: the chunked LM head + cross-entropy (methods/sft.py) gives the unchunked loss and
 gradients, and never holds more than one chunk's logits (single process; 1 and 2 ranks under
 FSDP: test_loss_chunks_fsdp.py).
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from llamaft_trainer.data.encoding import IGNORE_INDEX
-from llamaft_trainer.loss import causal_lm, chunked_cross_entropy_sum
+from llamaft_trainer.methods.sft import causal_lm, chunked_cross_entropy_sum
 from llamaft_trainer.train import token_loss_sum
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM

@@ -1,7 +1,7 @@
 """training.lossChunks and activationCheckpointing selective-op in real trainer runs: 1 process and
 2 processes under FSDP2 (and FSDP1), against the same configuration without them.
 
-lossChunks runs the head and loss as the forward of the root's call (loss.py), so the root FSDP
+lossChunks runs the head and loss as the forward of the root's call (methods/sft.py), so the root FSDP
 unit's all-gather of the LM head / final norm and the reduce-scatter of their gradients happen as
 without chunks; a chunked loss computed outside the root's forward would meet sharded parameters.
 5 chunks do not divide the 63 target positions of the 64-token packed sequences.

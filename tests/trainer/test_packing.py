@@ -27,13 +27,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from llamaft.api.spec import CheckpointingMode, DatasetSpec
-from llamaft_trainer import attention as attention_module
-from llamaft_trainer import streaming
-from llamaft_trainer.attention import DOCUMENT_SDPA
-from llamaft_trainer.data import batching, encoding, prepare
-from llamaft_trainer.logline import read_events
-from llamaft_trainer.packing import bfd_layout, fill_ratio, flatten_layout
-from llamaft_trainer.runtime import Runtime
+from llamaft_trainer.data import batching, encoding, prepare, streaming
+from llamaft_trainer.data.packing import bfd_layout, fill_ratio, flatten_layout
+from llamaft_trainer.model import attention as attention_module
+from llamaft_trainer.model.attention import DOCUMENT_SDPA
+from llamaft_trainer.process.runtime import Runtime
+from llamaft_trainer.report.logline import read_events
 from llamaft_trainer.train import token_loss_sum
 from transformers import AutoTokenizer, LlamaForCausalLM
 
@@ -260,7 +259,7 @@ def test_packed_examples_have_the_losses_and_gradients_they_have_alone(
     if variant in ("lora", "dora"):
         model = with_lora(model, dora=variant == "dora")
     if variant == "activation-checkpointing":
-        from llamaft_trainer.parallelize import apply_activation_checkpointing, decoder_layers
+        from llamaft_trainer.parallel.parallelize import apply_activation_checkpointing, decoder_layers
 
         assert apply_activation_checkpointing(decoder_layers(model), CheckpointingMode.FULL, 1) == 2 * 2
     model.train()

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 from llamaft.api.spec import CheckpointingMode, ShardingStrategy
-from llamaft_trainer.parallelize import apply_activation_checkpointing, decoder_layers
+from llamaft_trainer.parallel.parallelize import apply_activation_checkpointing, decoder_layers
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -147,7 +147,7 @@ def test_the_adapter_of_a_compiled_model_is_selected_by_the_names_its_state_dict
     """torch.compile's wrappers add `_orig_mod` to the module names and distributed checkpoint's
     state dicts leave it out: peft, which selects the adapter by its modules' names, found none of
     a compiled model's LoRA weights (an empty exported adapter) until the wrappers are set aside."""
-    from llamaft_trainer.parallelize import apply_compile, compile_wrappers_removed
+    from llamaft_trainer.parallel.parallelize import apply_compile, compile_wrappers_removed
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

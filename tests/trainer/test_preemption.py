@@ -22,11 +22,11 @@ from typing import Any
 import psutil
 import pytest
 import torch.distributed as dist
-from llamaft_trainer import termination
-from llamaft_trainer.checkpoint import Checkpointer
-from llamaft_trainer.errors import ConfigError
-from llamaft_trainer.logline import parse_event, read_events
-from llamaft_trainer.preemption import grace_budget_seconds
+from llamaft_trainer.checkpoint.dcp import Checkpointer
+from llamaft_trainer.process import termination
+from llamaft_trainer.process.errors import ConfigError
+from llamaft_trainer.process.preemption import grace_budget_seconds
+from llamaft_trainer.report.logline import parse_event, read_events
 
 from tests.conftest import REPO
 from tests.tiers import starts_processes

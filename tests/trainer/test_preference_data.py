@@ -1,4 +1,4 @@
-"""`preference` records -> token ids (llamaft_trainer.preference), bit for bit as TRL's DPOTrainer
+"""`preference` records -> token ids (llamaft_trainer.data.preference), bit for bit as TRL's DPOTrainer
 tokenizes them (TRL run in .venv-peers: tests/trainer/trl_peer.py), plain text and conversations,
 and bad records refused naming the file and line."""
 
@@ -11,9 +11,7 @@ from typing import Any
 
 import pytest
 from llamaft.api.spec import DatasetSpec
-from llamaft_trainer.dpo import concatenated_batch
-from llamaft_trainer.errors import ConfigError
-from llamaft_trainer.preference import (
+from llamaft_trainer.data.preference import (
     PreferenceEncoder,
     PreferenceExample,
     common_prefix_length,
@@ -21,7 +19,9 @@ from llamaft_trainer.preference import (
     keeps,
     preference_record,
 )
-from llamaft_trainer.records import read_numbered
+from llamaft_trainer.data.records import read_numbered
+from llamaft_trainer.methods.dpo import concatenated_batch
+from llamaft_trainer.process.errors import ConfigError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tests.conftest import REPO

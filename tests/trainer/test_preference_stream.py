@@ -1,4 +1,4 @@
-"""dataset.streaming with format preference (preference_stream.PairStream): one order of the kept
+"""dataset.streaming with format preference (dpo_stream.PairStream): one order of the kept
 pairs shared by every rank, disjoint shares, pairs TRL drops (prompt alone filling maxSeqLength)
 left out as the token store leaves them out, each batch's `index` naming its pairs' records (what
 the precomputed reference is read by), and a resumed epoch continuing at its exact position, with
@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import torch
 from llamaft.api.spec import DatasetSpec
-from llamaft_trainer import streaming
-from llamaft_trainer.dpo import concatenated_batch
-from llamaft_trainer.preference_data import PairEncoder, pair_of
-from llamaft_trainer.preference_stream import PairStream
-from llamaft_trainer.records import read_numbered
+from llamaft_trainer.data import streaming
+from llamaft_trainer.data.records import read_numbered
+from llamaft_trainer.methods.dpo import concatenated_batch
+from llamaft_trainer.methods.dpo_pairs import PairEncoder, pair_of
+from llamaft_trainer.methods.dpo_stream import PairStream
 
 from tests.conftest import REPO
 from tests.trainer.conftest import cpu_runtime

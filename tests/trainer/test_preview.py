@@ -1,4 +1,4 @@
-"""`llamaft data preview` (llamaft_trainer.preview): what it shows is what the trainer trains on.
+"""`llamaft data preview` (llamaft_trainer.data.preview): what it shows is what the trainer trains on.
 
 Each shown example is checked against the record it names, encoded by the trainer's one-record
 reference (`data.tokenize`) or its chat encoder, and against a store the test builds itself with
@@ -18,10 +18,9 @@ import pytest
 import yaml
 from llamaft.api.spec import DatasetSpec, TrainOn
 from llamaft.cli import main as cli
-from llamaft_trainer.chat import ChatEncoder, conversation, resolve_template
 from llamaft_trainer.data import batching, encoding, prepare
-from llamaft_trainer.errors import ConfigError
-from llamaft_trainer.preview import (
+from llamaft_trainer.data.chat import ChatEncoder, conversation, resolve_template
+from llamaft_trainer.data.preview import (
     CLOSE,
     LOSS_COLOUR,
     OPEN,
@@ -31,6 +30,7 @@ from llamaft_trainer.preview import (
     render_json,
     render_text,
 )
+from llamaft_trainer.process.errors import ConfigError
 
 from tests.conftest import REPO
 

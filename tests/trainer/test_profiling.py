@@ -1,4 +1,4 @@
-"""The opt-in phase timers (llamaft_trainer/profiling.py): off unless asked for, exclusive time per
+"""The opt-in phase timers (llamaft_trainer/report/profiling.py): off unless asked for, exclusive time per
 phase that sums to the step, and on a real 2-process run a `phases` event per step and rank with
 every phase and the collectives' volume. Nothing here asserts on speed."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from llamaft_trainer import profiling
-from llamaft_trainer.logline import read_events
+from llamaft_trainer.report import profiling
+from llamaft_trainer.report.logline import read_events
 
 from tests.conftest import REPO
 from tests.trainer.conftest import base_config, torchrun_cmd, trainer_env

@@ -1,5 +1,5 @@
 """The first screen: torchao (and its notices) only in processes that use float8, and torch's
-known Enum-deprecation notice dropped exactly, nothing else (llamaft_trainer/quiet.py)."""
+known Enum-deprecation notice dropped exactly, nothing else (llamaft_trainer/process/quiet.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from llamaft_trainer import quiet
+from llamaft_trainer.process import quiet
 
 from tests.conftest import REPO
 from tests.trainer.conftest import DATASET, trainer_env
@@ -21,7 +21,7 @@ NOTICES = ("Failed to load", "is an Enum subclass", "Traceback")
 # the trainer makes; prints whether torchao got imported.
 PROBE = """
 import sys
-from llamaft_trainer.quiet import prepare_trainer
+from llamaft_trainer.process.quiet import prepare_trainer
 prepare_trainer(sys.argv[1])
 from llamaft_trainer import main  # noqa: F401  (transformers, peft, torch: everything the trainer imports)
 import transformers

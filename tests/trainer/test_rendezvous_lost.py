@@ -1,5 +1,5 @@
 """etcd lost mid-run: torchrun's agent fails with RendezvousConnectionError and SIGTERMs its workers.
-The workers' report must say so (RendezvousLost), not Preempted: `elastic.rendezvous_lost` tries the
+The workers' report must say so (RendezvousLost), not Preempted: `restarts.rendezvous_lost` tries the
 agent's store when a SIGTERM stopped the run."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import socket
 from types import SimpleNamespace
 
 import pytest
-from llamaft_trainer import elastic, termination
+from llamaft_trainer.process import restarts, termination
 
 
 def _params(endpoint: str, backend: str = "etcd") -> SimpleNamespace:
@@ -29,8 +29,8 @@ def _closed_port() -> int:
 
 def test_an_unreachable_store_is_a_lost_rendezvous(torchrun: pytest.MonkeyPatch) -> None:
     port = _closed_port()
-    torchrun.setattr(elastic, "rendezvous_parameters", lambda timeout_s: (_params(f"http://127.0.0.1:{port}"), ""))
-    why = elastic.rendezvous_lost(0.5)
+    torchrun.setattr(restarts, "rendezvous_parameters", lambda timeout_s: (_params(f"http://127.0.0.1:{port}"), ""))
+    why = restarts.rendezvous_lost(0.5)
     assert why is not None and f"etcd at 127.0.0.1:{port}" in why and "RendezvousConnectionError" in why
 
 
@@ -39,22 +39,22 @@ def test_a_store_that_answers_is_a_preemption(torchrun: pytest.MonkeyPatch) -> N
         server.bind(("127.0.0.1", 0))
         server.listen()
         port = server.getsockname()[1]
-        torchrun.setattr(elastic, "rendezvous_parameters", lambda timeout_s: (_params(f"127.0.0.1:{port}"), ""))
-        assert elastic.rendezvous_lost(0.5) is None
+        torchrun.setattr(restarts, "rendezvous_parameters", lambda timeout_s: (_params(f"127.0.0.1:{port}"), ""))
+        assert restarts.rendezvous_lost(0.5) is None
 
 
 def test_nothing_to_try(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    assert elastic.rendezvous_lost(0.5) is None  # not under torchrun
+    assert restarts.rendezvous_lost(0.5) is None  # not under torchrun
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "r")
-    monkeypatch.setattr(elastic, "rendezvous_parameters", lambda timeout_s: (None, "torchrun --standalone"))
-    assert elastic.rendezvous_lost(0.5) is None
+    monkeypatch.setattr(restarts, "rendezvous_parameters", lambda timeout_s: (None, "torchrun --standalone"))
+    assert restarts.rendezvous_lost(0.5) is None
 
     def broken(timeout_s: float) -> None:
         raise RuntimeError("cannot parse")
 
-    monkeypatch.setattr(elastic, "rendezvous_parameters", broken)
-    assert elastic.rendezvous_lost(0.5) is None  # the stop path never fails
+    monkeypatch.setattr(restarts, "rendezvous_parameters", broken)
+    assert restarts.rendezvous_lost(0.5) is None  # the stop path never fails
 
 
 def test_a_lost_rendezvous_outranks_a_preemption_in_the_shared_message() -> None:

@@ -8,7 +8,7 @@ init_process_group found the dead workers' addresses in the agent's shared TCPSt
 (render/desired.py: TORCH_DISABLE_SHARE_RDZV_TCP_STORE) and failed with "Connection refused" or
 waited out the collective timeout, attempt after attempt, never training again.
 
-The faults come from the trainer's test-only hook (llamaft_trainer/faults.py): a retryable
+The faults come from the trainer's test-only hook (llamaft_trainer/process/faults.py): a retryable
 RuntimeError on every rank (as the issue's eval error), or a SIGKILL of rank 1, after step 3, once
 per rank. The restart runs are a pairwise covering set of {1 worker x 2 processes, 2 workers x 1
 process} x {c10d, etcd} x {raise, sigkill}: every pair of values of any two dimensions occurs in one
@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 import yaml
-from llamaft_trainer import faults
-from llamaft_trainer.logline import read_events
+from llamaft_trainer.process import faults
+from llamaft_trainer.report.logline import read_events
 
 from tests.conftest import REPO, need_etcd
 from tests.trainer.conftest import DATASET, kill_tree, trainer_env

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from llamaft_trainer.logline import parse_event, read_events
+from llamaft_trainer.report.logline import parse_event, read_events
 
 from tests.trainer.conftest import base_config, kill_tree, launch_trainer
 

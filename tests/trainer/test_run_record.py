@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from llamaft_trainer.termination import RunRecord, fit, succeeded
+from llamaft_trainer.process.termination import RunRecord, fit, succeeded
 
 
 def test_the_first_step_of_an_attempt_is_left_out() -> None:

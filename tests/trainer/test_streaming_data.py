@@ -11,9 +11,8 @@ from typing import Any
 import pytest
 import torch
 from llamaft.api.spec import DatasetSpec
-from llamaft_trainer import streaming
-from llamaft_trainer.data import encoding
-from llamaft_trainer.records import read_numbered
+from llamaft_trainer.data import encoding, streaming
+from llamaft_trainer.data.records import read_numbered
 
 from tests.trainer.conftest import DATASET, cpu_runtime
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from llamaft_trainer.logline import read_events
+from llamaft_trainer.report.logline import read_events
 
 from tests.trainer.conftest import base_config
 from tests.trainer.load_worker import digest, launch
@@ -129,7 +129,7 @@ def reference(case: dict[str, Any]) -> dict[str, str]:
     """Digests of `from_pretrained` (+ torch.manual_seed(seed) and apply_lora, as the previous
     path), in this process."""
     from llamaft.api.spec import TrainingJobConfig
-    from llamaft_trainer import model as model_step
+    from llamaft_trainer.model import model as model_step
     from transformers import AutoModelForCausalLM
 
     cfg = TrainingJobConfig.model_validate(case["config"])

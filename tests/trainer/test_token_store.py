@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 from llamaft.api.spec import DatasetSpec
-from llamaft_trainer import store as store_mod
 from llamaft_trainer.data import batching, encoding, prepare
-from llamaft_trainer.errors import ConfigError
-from llamaft_trainer.records import read_numbered
+from llamaft_trainer.data import store as store_mod
+from llamaft_trainer.data.records import read_numbered
+from llamaft_trainer.process.errors import ConfigError
 from transformers import AutoTokenizer
 
 from tests.trainer.conftest import DATASET, trainer_env
@@ -171,7 +171,7 @@ def test_a_resumed_epoch_starts_at_its_position_without_reading_earlier_batches(
 
 def _rank(rank: int, port: int, root: str, sources: list[str], model: str, out: str) -> None:
     import torch.distributed as dist
-    from llamaft_trainer.runtime import Runtime
+    from llamaft_trainer.process.runtime import Runtime
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -204,7 +204,7 @@ def test_the_ranks_build_one_store_together_or_all_get_the_first_bad_record(
     """Each rank tokenizes every other batch and rank 0 merges: the store is the one a single
     process builds; a bad record in either rank's batches is every rank's error, the first in
     file order (line 1500, in rank 1's second batch, not line 2500 in rank 0's third)."""
-    from llamaft_trainer.local_etcd import free_port
+    from llamaft_trainer.process.local_etcd import free_port
 
     for path in reversed(trainer_env()["PYTHONPATH"].split(os.pathsep)):
         monkeypatch.syspath_prepend(path)  # spawned ranks take the parent's sys.path and import this module

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 from llamaft.api.spec import TrainingJobConfig
-from llamaft_trainer import tracking
-from llamaft_trainer.logline import parse_event, read_events
+from llamaft_trainer.report import tracking
+from llamaft_trainer.report.logline import parse_event, read_events
 
 from tests.conftest import REPO
 from tests.trackers import Gate, MlflowServer, tensorboard_scalars, wandb_offline_runs
@@ -205,7 +205,7 @@ def test_dpo_rewards_and_logps_reach_every_tracker_under_trls_names(
     """A DPO run's step and eval events (train.py's figures, dpo_step.evaluate's report) through
     the trainer's own path (metrics.Progress -> Tracker): TRL's names under train/ and eval/, as
     transformers' trackers log DPOTrainer's; an SFT step logs no reward."""
-    from llamaft_trainer.metrics import Progress
+    from llamaft_trainer.report.metrics import Progress
 
     monkeypatch.setenv("LLAMAFT_RUN_NAME", "dpo-run")
     cfg = config(tmp_path, mlflow_server.url, "dpo")

@@ -25,8 +25,8 @@ from llamaft.api.spec import EvalMetric, EvaluationSpec
 from torch import nn
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from llamaft_trainer import store as store_mod
-from llamaft_trainer.runtime import Runtime
+from llamaft_trainer.data import store as store_mod
+from llamaft_trainer.process.runtime import Runtime
 
 
 @dataclass(frozen=True)

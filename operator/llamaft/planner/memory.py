@@ -35,7 +35,7 @@ What it follows (FSDP2, `fully_shard` per decoder layer plus the root, as parall
   * logits and loss: train.py computes `logits[:, :-1].float()` and cross-entropy: bf16 logits,
     an fp32 copy and log-softmax's fp32 output in forward; in backward the saved log-softmax plus
     two fp32 gradients (12 bytes per vocabulary entry per token at the peak). With
-    training.lossChunks N (loss.py) the same tensors exist for one slice of the sequence at a
+    training.lossChunks N (methods/sft.py) the same tensors exist for one slice of the sequence at a
     time (the largest: ceil(seq / N) positions), in forward and again in backward's recompute of
     each slice, and nothing vocabulary-wide is kept between them.
   * selective-op checkpointing: each layer keeps its input, the odd-numbered matmul outputs and
@@ -282,7 +282,7 @@ def _unit(name: str, tensors: list[tuple[tuple[int, ...], bool]], group: int, im
 
 
 FLOAT8_DIVISOR = 16
-"""llamaft_trainer/float8.py converts a linear only when in and out features are multiples of 16."""
+"""llamaft_trainer/parallel/float8.py converts a linear only when in and out features are multiples of 16."""
 
 
 def float8_gathered_numel(shape: ModelShape, setup: Setup) -> int:
@@ -346,7 +346,7 @@ def layer_matmuls(shape: ModelShape, setup: Setup) -> list[tuple[str, int, int, 
 
 
 def op_sac_saved_bytes(shape: ModelShape, setup: Setup, tokens: int) -> float:
-    """What one decoder layer keeps under `selective-op` (llamaft_trainer.parallelize.op_sac_context,
+    """What one decoder layer keeps under `selective-op` (llamaft_trainer.parallel.parallelize.op_sac_context,
     torchtitan's op-level policy): its input (the checkpoint's), the outputs of the odd-numbered
     matmuls of its forward (`layer_matmuls`: q, v, gate and down for a full fine-tune) and the
     attention kernel's outputs (sdpa/flash: the output and the fp32 log-sum-exp per head; eager

@@ -156,7 +156,7 @@ def _gpu_names() -> list[str]:
 @dataclass(frozen=True)
 class HostMemory:
     """Host RAM per node: every process has its baseline; while loading, each reads the weights
-    tensor by tensor (llamaft_trainer/loading.py: its own slices, or rank 0 one tensor at a time
+    tensor by tensor (llamaft_trainer/model/loading.py: its own slices, or rank 0 one tensor at a time
     for the broadcast), so it holds at most the largest tensor besides its shards; CPU offload
     keeps each rank's shards and optimizer state in host memory. DoRA's magnitudes are computed on
     the host from a copy of the rank's rows of each adapted weight, made after that tensor's read
@@ -368,7 +368,7 @@ def checkpoint_size(spec: LlamaFineTuneSpec, shape: ModelShape, est: MemoryEstim
 
 
 def flops_per_token(shape: ModelShape, seq: int) -> float:
-    """The trainer's formula (llamaft_trainer.metrics.flops_per_token, torchtitan's):
+    """The trainer's formula (llamaft_trainer.report.metrics.flops_per_token, torchtitan's):
     6 * (N - embedding) + 12 * layers * heads * head_dim * seq."""
     return 6.0 * (shape.parameters - shape.embedding_parameters) + 12.0 * shape.num_layers * shape.q_dim * seq
 

@@ -28,10 +28,10 @@ import torch
 from llamaft.api.spec import DatasetSpec, PackingStrategy
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from llamaft_trainer import packing as packing_mod
-from llamaft_trainer import store as store_mod
+from llamaft_trainer.data import packing as packing_mod
+from llamaft_trainer.data import store as store_mod
 from llamaft_trainer.data.encoding import IGNORE_INDEX
-from llamaft_trainer.errors import ConfigError
+from llamaft_trainer.process.errors import ConfigError
 
 
 # ------------------------------------------------------------------------------ batching

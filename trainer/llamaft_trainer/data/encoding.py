@@ -20,9 +20,9 @@ import numpy as np
 from llamaft.api.spec import DatasetFormat, DatasetSpec, TrainOn
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from llamaft_trainer import store as store_mod
-from llamaft_trainer.errors import ConfigError
-from llamaft_trainer.records import Numbered, digest
+from llamaft_trainer.data import store as store_mod
+from llamaft_trainer.data.records import Numbered, digest
+from llamaft_trainer.process.errors import ConfigError
 
 IGNORE_INDEX = -100
 
@@ -132,14 +132,14 @@ class Encoder:
         self.chat: Any = None
         self.formatter: Formatter | None = None
         if spec.format is DatasetFormat.PREFERENCE:
-            # Pairs are tokenized by llamaft_trainer.preference, for the DPO loop; a single-sequence
+            # Pairs are tokenized by llamaft_trainer.data.preference, for the DPO loop; a single-sequence
             # encoder would train on them as something they are not.
             raise ConfigError(
                 "spec.dataset.format: format preference holds pairs for training.method dpo, which this trainer "
-                "reads with llamaft_trainer.preference, not as single sequences"
+                "reads with llamaft_trainer.data.preference, not as single sequences"
             )
         if spec.format is DatasetFormat.CHAT:
-            from llamaft_trainer import chat
+            from llamaft_trainer.data import chat
 
             self.template: str | None = chat.resolve_template(spec, tok)
             self.chat = chat.ChatEncoder(tok, self.template, spec.train_on or TrainOn.ASSISTANT, spec.max_seq_length)
@@ -160,7 +160,7 @@ class Encoder:
         """The records as an in-memory part: each example <bos> prompt response <eos> (or the
         rendered conversation), loss on what `tokenize` / `trainOn` label, cut to maxSeqLength."""
         if self.chat is not None:
-            from llamaft_trainer import chat
+            from llamaft_trainer.data import chat
 
             field_name = self.spec.field_mapping.messages
             conversations = [chat.conversation(record, field_name, where) for where, record in numbered]

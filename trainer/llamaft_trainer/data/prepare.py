@@ -24,13 +24,13 @@ import torch.distributed as dist
 from llamaft.api.spec import DatasetSpec, PackingStrategy
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from llamaft_trainer import packing as packing_mod
-from llamaft_trainer import store as store_mod
+from llamaft_trainer.data import packing as packing_mod
+from llamaft_trainer.data import store as store_mod
 from llamaft_trainer.data.encoding import Encoder
-from llamaft_trainer.errors import ConfigError
-from llamaft_trainer.metrics import log_json
-from llamaft_trainer.records import BATCH, Numbered, RecordSource, digest
-from llamaft_trainer.runtime import Runtime
+from llamaft_trainer.data.records import BATCH, Numbered, RecordSource, digest
+from llamaft_trainer.process.errors import ConfigError
+from llamaft_trainer.process.runtime import Runtime
+from llamaft_trainer.report.metrics import log_json
 
 BUILD_TIMEOUT = timedelta(hours=12)
 """How long the other ranks wait for the store's builder (a 10^6-record set takes minutes)."""
@@ -60,7 +60,7 @@ def validation_mask(n: int, fraction: float, seed: int) -> np.ndarray[Any, np.dt
 # ----------------------------------------------------------------------------- the store
 class StoreEncoder(Protocol):
     """What build_store needs of an encoder: Encoder (single sequences) or
-    preference_data.PairEncoder (pairs, format preference, which inputs.build_data passes)."""
+    methods.dpo_pairs.PairEncoder (pairs, format preference, which inputs.build_data passes)."""
 
     def identity(self) -> dict[str, Any]: ...
 
@@ -68,7 +68,7 @@ class StoreEncoder(Protocol):
 
 
 EncoderFactory = Callable[[DatasetSpec, PreTrainedTokenizerBase], StoreEncoder]
-"""Builds a store's encoder: Encoder, or preference_data.PairEncoder for format preference."""
+"""Builds a store's encoder: Encoder, or methods.dpo_pairs.PairEncoder for format preference."""
 
 
 def store_key(spec: DatasetSpec, encoder: StoreEncoder, fingerprint: str, seed: int) -> str:
@@ -288,7 +288,7 @@ def store_root(checkpoint_directory: str) -> tuple[Path, bool]:
     operator mounted spec.cache.volumeClaim there: LLAMAFT_CACHE_SHARED=1)."""
     if "://" not in checkpoint_directory:
         return Path(checkpoint_directory).expanduser() / "data", True
-    from llamaft_trainer.downloads import CACHE_ROOT
+    from llamaft_trainer.sources.downloads import CACHE_ROOT
 
     return CACHE_ROOT / "data", os.environ.get("LLAMAFT_CACHE_SHARED") == "1"
 
