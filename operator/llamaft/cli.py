@@ -314,10 +314,10 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 def _without_torchao() -> contextlib.AbstractContextManager[None]:
     """transformers imports torchao whenever it is installed, and torchao's import prints notices
-    that concern float8 only (llamaft_trainer.process.quiet says which): kept out of commands that load
+    that concern float8 only (the trainer's process/quiet.py says which): kept out of commands that load
     transformers for other work."""
     try:
-        from llamaft_trainer.process.quiet import torchao_kept_out
+        from llamaft_trainer.public import torchao_kept_out
     except ImportError:
         return contextlib.nullcontext()
     return torchao_kept_out()
@@ -325,7 +325,7 @@ def _without_torchao() -> contextlib.AbstractContextManager[None]:
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     with _without_torchao():
-        from llamaft_trainer.tiny import build_tiny_llama
+        from llamaft_trainer.public import build_tiny_llama
 
         out = build_tiny_llama(Path(args.output), Path(args.dataset), chat_template=args.chat_template)
     chat = f" (chat template {args.chat_template})" if args.chat_template else ""
@@ -335,7 +335,7 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 def _cmd_data_preview(args: argparse.Namespace) -> int:
     """The first examples of the file's dataset exactly as the trainer will see them (tokens, what
-    carries loss, truncation, packing), through the trainer's own code (llamaft_trainer.data.preview).
+    carries loss, truncation, packing), through the trainer's own code (llamaft_trainer.public.data_preview).
     Bad input (the file, a missing path, a record without its fields) exits 1 naming the field."""
     from llamaft.local import missing_inputs
     from llamaft.manifests import load_finetune
@@ -346,17 +346,16 @@ def _cmd_data_preview(args: argparse.Namespace) -> int:
         _print_errors("error", problems, sys.stderr)
         return 1
     with _without_torchao():
-        from llamaft_trainer.data.preview import preview, render_json, render_text, use_colour
-        from llamaft_trainer.process.errors import ConfigError
+        from llamaft_trainer.public import ConfigError, data_preview
 
         try:
-            result = preview(spec.training_config(), count=args.examples, split=args.split,
-                             store=Path(args.store) if args.store else None)
+            shown = data_preview(spec.training_config(), count=args.examples, split=args.split,
+                                 store=Path(args.store) if args.store else None, as_json=args.json,
+                                 colour=args.color, stream=sys.stdout, environ=os.environ)
         except ConfigError as exc:
             _print_errors("error", str(exc).splitlines(), sys.stderr)
             return 1
-    sys.stdout.write(render_json(result) if args.json else render_text(result, use_colour(args.color, sys.stdout,
-                                                                                           os.environ)))
+    sys.stdout.write(shown)
     return 0
 
 
@@ -631,7 +630,7 @@ def _version() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        from llamaft_trainer.process.quiet import silence_known_warnings
+        from llamaft_trainer.public import silence_known_warnings
     except ImportError:
         pass
     else:

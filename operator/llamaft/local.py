@@ -48,10 +48,15 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
-from llamaft_trainer.process import termination
-from llamaft_trainer.process.errors import EXIT_CONFIG_ERROR, ConfigError
-from llamaft_trainer.process.local_etcd import LocalEtcd, free_port, parent_death_signal
-from llamaft_trainer.report.logline import parse_event
+from llamaft_trainer.public import (
+    EXIT_CONFIG_ERROR,
+    ConfigError,
+    LocalEtcd,
+    free_port,
+    parent_death_signal,
+    parse_event,
+    termination,
+)
 
 from llamaft.api.contracts import final_figures
 from llamaft.api.sources import SourceKind, parse_source
@@ -414,12 +419,12 @@ def stopping_line(signum: int, grace_s: float) -> str:
 
 def _checkpoint_note(p: LocalPlan) -> str:
     """Where a rerun of the same command starts."""
-    from llamaft_trainer.checkpoint.dcp import Checkpointer
+    from llamaft_trainer.public import latest_checkpoint
 
     if not p.resume:
         return "spec.checkpointing.resume is false: a rerun starts from step 0"
     try:
-        latest = Checkpointer(p.checkpoints, 1, 0).latest()
+        latest = latest_checkpoint(p.checkpoints)
     except Exception as exc:  # an unreadable directory must not hide the interrupt
         return f"cannot read {p.checkpoints}: {exc}"
     if latest is None:

@@ -352,7 +352,7 @@ def op_sac_saved_bytes(shape: ModelShape, setup: Setup, tokens: int) -> float:
     attention kernel's outputs (sdpa/flash: the output and the fp32 log-sum-exp per head; eager
     attention is recomputed). Everything else is recomputed in backward. With DoRA, the dense
     adapters built from eye() are among the kept matmul outputs: weight-sized, once per layer.
-    (Measured on CPU in tests/trainer/test_parallelize.py: the same bytes.)"""
+    (Measured on CPU in tests/trainer/parallel/test_parallelize.py: the same bytes.)"""
     c = compute_bytes(setup.precision)
     per_token = float(shape.hidden_size)
     per_forward = 0.0

@@ -461,7 +461,7 @@ def _stager_for(model: nn.Module) -> Any:
     WeightWithDynamicFloat8CastTensor): `BlockingAsyncStager` too, because DefaultStager copies
     a tensor through its untyped storage, and a wrapper subclass has none (data_ptr() 0): it gets
     an uninitialized tensor of the same shape and the checkpoint holds garbage (seen with torch
-    2.13 and torchao 0.18; tests/trainer/test_float8.py resumes such a run bit for bit).
+    2.13 and torchao 0.18; tests/trainer/parallel/test_float8.py resumes such a run bit for bit).
     BlockingAsyncStager copies with `copy_` / `.to("cpu")`, which the subclass dispatches."""
     from torch.distributed.checkpoint.staging import BlockingAsyncStager, DefaultStager, StagingOptions
     from torch.distributed.fsdp import FullyShardedDataParallel

@@ -42,7 +42,7 @@ placeholder. Each rank computes the magnitudes of the rows it holds from the row
 filled, on the CPU in the base weight's dtype as peft does on a loaded model (`Magnitude`): a
 Linear weight and its magnitude are both sharded on dim 0 over the same mesh, so a rank holds
 whole rows of the one and the same rows of the other, and a row's norm does not depend on the
-other rows (bit for bit, tests/trainer/test_dora.py). No collective, no extra read.
+other rows (bit for bit, tests/trainer/model/test_dora.py). No collective, no extra read.
 Stricter than `from_pretrained`: a missing or unexpected tensor is a ConfigError naming
 spec.model.source (it would initialise the missing ones randomly and warn).
 

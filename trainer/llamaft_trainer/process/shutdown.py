@@ -9,7 +9,7 @@ GIL. If that thread asks for the GIL while the main thread is about to finalize 
 Python 3.11 ends it with `pthread_exit` once finalization has begun; the forced unwind reaches the
 `noexcept` destructor and C++ calls std::terminate, with no exception active. The rank most
 exposed is the one that finishes first, rank 1: it only joins the export's gather and exits while
-rank 0 still writes the files. tests/trainer/test_clean_exit.py forces the schedule and aborts
+rank 0 still writes the files. tests/trainer/process/test_clean_exit.py forces the schedule and aborts
 every time.
 
 Joining those threads first is not possible with torch 2.13's public API: destroy_process_group()

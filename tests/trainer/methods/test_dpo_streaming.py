@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.test_dpo_run import METRICS, dpo_config, head, of, train
+from tests.trainer.methods.test_dpo_run import METRICS, dpo_config, head, of, train
 
 REL, ABS = 1e-6, 2e-6
 """The streamed batch holds the same pairs in another order (the stream's shuffle, not the
 sampler's), so sums run in another order: fp32 roundings of about 1e-7 relative; the events round
-to 6 decimals (ABS: two such roundings), as tests/trainer/test_dpo_combinations.py's EXACT runs."""
+to 6 decimals (ABS: two such roundings), as tests/trainer/methods/test_dpo_combinations.py's EXACT runs."""
 
 
 def test_a_streamed_set_trains_as_the_token_stores_on_the_same_pairs(tiny_model: Path, tmp_path: Path) -> None:

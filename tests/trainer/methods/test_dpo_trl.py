@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO
-from tests.trainer.test_dpo_run import METRICS, PAIRS, dpo_config, of, train
+from tests.trainer.methods.test_dpo_run import METRICS, PAIRS, dpo_config, of, train
 from tests.trainer.trl_compare import run_trl
 
 STEPS = 4

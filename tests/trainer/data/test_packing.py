@@ -40,7 +40,7 @@ from tests.trainer.conftest import DATASET, REPO, base_config, torchrun_cmd, tra
 
 STRATEGY = os.environ.get("LLAMAFT_TEST_PACKING_STRATEGY", "bfd")
 CHAT_DATASET = REPO / "examples" / "data" / "chat-tiny.jsonl"
-WORKER = Path(__file__).with_name("packing_worker.py")
+WORKER = Path(__file__).parent.parent / "packing_worker.py"
 CPU = torch.device("cpu")
 
 

@@ -26,7 +26,7 @@ from llamaft_trainer.process.errors import ConfigError
 from llamaft_trainer.report.logline import read_events
 
 from tests.trainer.conftest import DATASET, base_config, run_harness
-from tests.trainer.test_dpo_run import dpo_config, head
+from tests.trainer.methods.test_dpo_run import dpo_config, head
 
 
 # ------------------------------------------------------------------ the order, in process

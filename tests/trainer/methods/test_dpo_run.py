@@ -2,7 +2,7 @@
 accuracy rises on a learnable set, 2 ranks equal 1, LoRA's reference is the adapter-disabled base, a
 resumed run continues with the same losses (the precomputed reference read back), and a bad record
 is a configuration error naming its file and line. Each mode's per-step equality with TRL's
-DPOTrainer on the same batches is tests/trainer/test_dpo_trl.py's.
+DPOTrainer on the same batches is tests/trainer/methods/test_dpo_trl.py's.
 
 The data is examples/data/preference-tiny.jsonl (generate_preference_tiny.py: chosen = the
 dialogue's own summary, rejected = another dialogue's)."""

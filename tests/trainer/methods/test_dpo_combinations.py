@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.trainer.test_dpo_run import METRICS, dpo_config, head, of, train
+from tests.trainer.methods.test_dpo_run import METRICS, dpo_config, head, of, train
 
 LORA: dict[str, Any] = {"enabled": True, "r": 4, "alpha": 8, "dropout": 0.0, "targetModules": ["q_proj", "v_proj", "down_proj"],
         "export": "both"}

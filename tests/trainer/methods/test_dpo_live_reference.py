@@ -2,7 +2,7 @@
 trainer: the frozen copy is the initial policy in the compute dtype under FSDP2 and FSDP1, and a
 resumed run continues bit for bit with the copy loaded again (checkpoints never hold it). 2 ranks
 (each holding its shard of the copy) equal 1: test_dpo_run.py, for either reference. Its per-step equality with TRL's DPOTrainer is
-tests/trainer/test_dpo_trl.py's."""
+tests/trainer/methods/test_dpo_trl.py's."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.trainer.test_dpo_run import METRICS, REFERENCES, dpo_config, head, of, train
+from tests.trainer.methods.test_dpo_run import METRICS, REFERENCES, dpo_config, head, of, train
 
 LIVE = REFERENCES["live"]
 
