@@ -29,7 +29,7 @@ def load(mode: str, cfg: TrainingJobConfig) -> dict[str, float]:
     before = peak_rss_mb()
     started = time.perf_counter()
     if mode == "ours":
-        model, _ = build_model(cfg, rt, model_step.load_config(cfg.model, rt))
+        model, _ = build_model(cfg, rt, model_step.load_model_config(cfg.model, rt))
     else:
         from transformers import AutoModelForCausalLM
 

@@ -158,7 +158,7 @@ def measure_case(case: dict[str, Any], steps: int, warmup: int) -> dict[str, Any
     from llamaft_trainer.model import model as model_step
     from llamaft_trainer.parallel.parallelize import parallelize
     from llamaft_trainer.process.runtime import build_mesh, init_runtime, sharding_plan
-    from llamaft_trainer.report.metrics import flops_per_token, peak_flops
+    from llamaft_trainer.report.metrics import model_flops_per_token, peak_flops
     from llamaft_trainer.train import build_optimizer, micro_step_sync, optimizer_step, token_loss_sum
     from transformers import LlamaConfig
 
@@ -203,7 +203,7 @@ def measure_case(case: dict[str, Any], steps: int, warmup: int) -> dict[str, Any
     step_s = sum(times) / len(times)
     tps = real_tokens / step_s
     peak = peak_flops(rt.device)
-    mfu = tps * flops_per_token(config, n_params, seq) / peak if peak else None
+    mfu = tps * model_flops_per_token(config, n_params, seq) / peak if peak else None
     result = {
         "params": n_params, "batch": batch, "seq": seq, "real_tokens_per_step": real_tokens, "step_s": step_s, "tokens_per_s_per_gpu": tps, "mfu": mfu,
         "peak_memory_bytes": int(torch.cuda.max_memory_allocated(rt.device)) if cuda else None,

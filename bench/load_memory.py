@@ -83,7 +83,7 @@ def worker(mode: str, cfg_path: str, out_path: str) -> None:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     started = time.perf_counter()
     if mode == "ours":
-        model, _ = build_model(cfg, rt, model_step.load_config(cfg.model, rt))
+        model, _ = build_model(cfg, rt, model_step.load_model_config(cfg.model, rt))
     else:
         from transformers import AutoModelForCausalLM
 

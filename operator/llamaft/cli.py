@@ -263,9 +263,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     table and the chart. Exit 0 when every size that could run was measured, 1 when one failed or
     timed out, 2 for bad input."""
     from llamaft.sweep import SweepError, plan_sweep, write_outputs
-    from llamaft.sweep.plan import parse_sizes
     from llamaft.sweep.point import with_scaling
     from llamaft.sweep.report import table
+    from llamaft.sweep.runs import parse_sizes
 
     if args.local and args.at_once:
         print("llamaft sweep: error: --at-once is for a cluster: here the sizes run one after another (they would share "

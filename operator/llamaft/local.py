@@ -232,7 +232,7 @@ def agent(p: LocalPlan, endpoint: str, index: int) -> Localized:
 
 
 @contextlib.contextmanager
-def rendezvous_endpoint(p: LocalPlan, spec: LlamaFineTuneSpec) -> Iterator[str]:
+def local_rendezvous_endpoint(p: LocalPlan, spec: LlamaFineTuneSpec) -> Iterator[str]:
     if p.backend is RendezvousBackend.C10D:
         yield f"127.0.0.1:{free_port()}"
     elif spec.rendezvous.endpoint:
@@ -504,7 +504,7 @@ def _run(p: LocalPlan, spec: LlamaFineTuneSpec, interrupt: Interrupt) -> int:
     procs: list[subprocess.Popen[str]] = []
     threads: list[threading.Thread] = []
     codes: list[int] = []
-    with rendezvous_endpoint(p, spec) as endpoint:
+    with local_rendezvous_endpoint(p, spec) as endpoint:
         try:
             for index in range(p.workers):
                 if interrupt.first is not None:

@@ -225,10 +225,10 @@ def test_operator_killed_mid_reconcile_creates_no_duplicates(cluster: Cluster, k
 
 
 def test_progress_from_the_trainer_endpoint(cluster: Cluster, operator: Operator) -> None:
-    from llamaft_trainer.report.metrics import Progress
+    from llamaft_trainer.report.metrics import ProgressPublisher
 
     port = free_port()
-    progress = Progress()
+    progress = ProgressPublisher()
     progress.update(rank=0, pod="prog-leader")
     server = progress.serve(port)
     try:

@@ -55,7 +55,7 @@ def run_case(case: dict[str, Any], rt: Runtime) -> dict[str, Any]:
     cfg = TrainingJobConfig.model_validate(case["config"])
     torch.manual_seed(cfg.training.seed)  # as main.setup does
     try:
-        model, _ = build_model(cfg, rt, model_step.load_config(cfg.model, rt))
+        model, _ = build_model(cfg, rt, model_step.load_model_config(cfg.model, rt))
     except ConfigError as exc:
         return {"error": str(exc)}
     rng = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16]

@@ -106,8 +106,8 @@ def test_generation_runs_the_compiled_layers_eagerly(tiny_model: Path) -> None:
     tok = AutoTokenizer.from_pretrained(tiny_model)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).train()
     rt = Runtime(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
-    samples = [evaluation.Sample(prompt_ids=tok("a b c")["input_ids"], prompt="a b c", reference="d"),
-               evaluation.Sample(prompt_ids=tok("hello there friend")["input_ids"], prompt="", reference="x")]
+    samples = [evaluation.HeldOutSample(prompt_ids=tok("a b c")["input_ids"], prompt="a b c", reference="d"),
+               evaluation.HeldOutSample(prompt_ids=tok("hello there friend")["input_ids"], prompt="", reference="x")]
     eager = evaluation.generate(model, samples, tok, rt, max_new_tokens=6)
     layers = decoder_layers(model)
     for index, layer in enumerate(list(layers)):

@@ -51,7 +51,7 @@ from llamaft_trainer.process.runtime import Runtime, build_mesh, init_runtime, s
 from llamaft_trainer.process.shutdown import exit_process, teardown
 from llamaft_trainer.process.termination import RunRecord
 from llamaft_trainer.report import kubeflow_progress, tracking
-from llamaft_trainer.report.metrics import Progress, flops_per_token, log_json, peak_flops
+from llamaft_trainer.report.metrics import ProgressPublisher, log_json, model_flops_per_token, peak_flops
 from llamaft_trainer.train import (
     LoopResult,
     Session,
@@ -152,7 +152,7 @@ def setup(cfg: TrainingJobConfig, rt: Runtime, stop: StopSignal | None = None) -
     float8.check_device(cfg.fsdp, rt.device)  # likewise: each rank its own GPU
     _phase(rt, "loading the tokenizer and preparing the data", stop)
     tokenizer = model_step.load_tokenizer(cfg.model, rt)
-    model_config = model_step.load_config(cfg.model, rt)
+    model_config = model_step.load_model_config(cfg.model, rt)
     encoding.check_sequence_length(cfg.dataset, getattr(model_config, "max_position_embeddings", None))
     data = inputs.build_data(
         cfg.dataset, tokenizer, cfg.training.per_device_batch_size, cfg.training.seed, rt, cfg.checkpointing.directory,
@@ -174,12 +174,12 @@ def setup(cfg: TrainingJobConfig, rt: Runtime, stop: StopSignal | None = None) -
         raise ConfigError("spec.training.epochs: a streamed dataset has no known length: set training.maxSteps instead")
     steps = total_steps(cfg, per_epoch or 0)
     scheduler = build_scheduler(optimizer, cfg, steps)
-    fpt = flops_per_token(model_config, n_params, cfg.dataset.max_seq_length)
+    fpt = model_flops_per_token(model_config, n_params, cfg.dataset.max_seq_length)
     return Session(cfg, rt, model, tokenizer, model_config, data, optimizer, scheduler, steps, fpt, n_params, plan, dpo)
 
 
 def run(
-    cfg: TrainingJobConfig, rt: Runtime, *, progress: Progress | None = None, stop_after: int | None = None,
+    cfg: TrainingJobConfig, rt: Runtime, *, progress: ProgressPublisher | None = None, stop_after: int | None = None,
     stop: StopSignal | None = None, record: RunRecord | None = None,
 ) -> tuple[Session, LoopResult]:
     """One whole run: setup, resume, train, final checkpoint and export (not after a stop on
@@ -215,7 +215,7 @@ def run(
     outcome = "FAILED"
     try:
         if tracker is not None:
-            progress = progress or Progress()
+            progress = progress or ProgressPublisher()
             progress.trackers.append(tracker)
         trainer = Trainer(
             s, state=state, scaler=scaler, checkpointer=checkpointer, progress=progress, record=record, stop=stop,
@@ -245,7 +245,7 @@ def run(
     return s, result
 
 
-def _start_tracking(cfg: TrainingJobConfig, rt: Runtime, resumed_at: int, progress: Progress | None) -> tracking.Tracker | None:
+def _start_tracking(cfg: TrainingJobConfig, rt: Runtime, resumed_at: int, progress: ProgressPublisher | None) -> tracking.Tracker | None:
     """Rank 0's experiment trackers (tracking.py): where the runs are, and a tracker that is
     down, go into the progress document (the operator's status.tracking and events)."""
     if not rt.is_leader:
@@ -282,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rt = init_runtime(cfg.training.collective_timeout_seconds)
         progress = None
         if rt.is_local_leader:
-            progress = Progress()
+            progress = ProgressPublisher()
             # The operator asks every worker and takes global rank 0's document as the leader's.
             progress.update(rank=rt.rank, pod=os.environ.get("LLAMAFT_POD_NAME") or os.environ.get("HOSTNAME"))
             if args.metrics_port:
@@ -311,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG_ERROR
     except Exception as exc:
         traceback.print_exc()
-        reason, retryable = termination.classify(exc)
+        reason, retryable = termination.classify_exception(exc)
         _report(termination.failed(reason, f"{type(exc).__name__}: {exc}", record, retryable=retryable), rt, always=True)
         return EXIT_FAILURE
     finally:
@@ -320,7 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         teardown(rt, server, healthy=healthy)
 
 
-def _stopped(report: StopReport, stop: StopSignal, record: RunRecord, rt: Runtime, progress: Progress | None) -> int:
+def _stopped(report: StopReport, stop: StopSignal, record: RunRecord, rt: Runtime, progress: ProgressPublisher | None) -> int:
     """The termination message and exit code of a run that stopped on a signal."""
     message = report.message(record.checkpoint_step, stop.name)
     # A person's Ctrl-C (SIGINT, from llamaft run --local) is no preemption; a SIGTERM is

@@ -72,7 +72,7 @@ from llamaft_trainer.process.preemption import (
 from llamaft_trainer.process.runtime import Runtime
 from llamaft_trainer.process.termination import RunRecord
 from llamaft_trainer.report import profiling
-from llamaft_trainer.report.metrics import Progress, log_json, peak_memory_bytes
+from llamaft_trainer.report.metrics import ProgressPublisher, log_json, peak_memory_bytes
 
 if TYPE_CHECKING:  # dpo_step is imported where a DPO run needs it
     from llamaft_trainer.methods.dpo_step import DpoMethod
@@ -340,7 +340,7 @@ class Trainer:
 
     def __init__(
         self, session: Session, *, state: TrainState | None = None, scaler: Any | None = None,
-        checkpointer: Checkpointer | None = None, progress: Progress | None = None, record: RunRecord | None = None,
+        checkpointer: Checkpointer | None = None, progress: ProgressPublisher | None = None, record: RunRecord | None = None,
         stop: StopSignal | None = None, evaluator: Evaluator | None = None, peak_flops: float | None = None,
     ) -> None:
         """`state`/`scaler`: as a resume restored them (the checkpointer's run state; new ones when

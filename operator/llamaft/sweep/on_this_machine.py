@@ -11,8 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from llamaft.sweep.plan import SizedRun, SweepPlan
 from llamaft.sweep.point import Point, from_performance
+from llamaft.sweep.runs import SizedRun, SweepPlan
 
 
 def capacity(plan: SweepPlan) -> tuple[int, str]:

@@ -89,7 +89,7 @@ def test_model_from_an_fsspec_uri_is_staged_once_and_loads(tiny_model: Path, tmp
     cfg.model.source = f"file://{tiny_model}"
     where = downloads.resolve(cfg.model.source, SOLO, "spec.model.source")
     assert Path(where, "config.json").exists() and Path(where, ".complete").exists()
-    assert model_step.load_config(cfg.model, SOLO).num_hidden_layers == 4
+    assert model_step.load_model_config(cfg.model, SOLO).num_hidden_layers == 4
     assert model_step.load_tokenizer(cfg.model, SOLO).eos_token == "</s>"
     with pytest.raises(ConfigError, match="cannot read file:///nowhere"):
         downloads.resolve("file:///nowhere", SOLO, "spec.model.source")

@@ -270,7 +270,7 @@ def test_a_long_message_is_cut_to_valid_json_under_4096_bytes() -> None:
     (RuntimeError("CUDA out of memory"), "RuntimeError", True),
 ])
 def test_failures_are_classified(exc: Exception, reason: str, retryable: bool) -> None:
-    assert termination.classify(exc) == (reason, retryable)
+    assert termination.classify_exception(exc) == (reason, retryable)
 
 
 def test_an_echo_never_hides_the_cause_in_the_shared_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -251,11 +251,11 @@ def test_trainer_status_follows_the_crd() -> None:
 
 
 def test_the_progress_document_feeds_the_reporter(endpoint: Endpoint, tls: Tls) -> None:
-    """metrics.Progress (the /progress document) calls its listeners on every update; `attach`
+    """metrics.ProgressPublisher (the /progress document) calls its listeners on every update; `attach`
     wires the reporter in when the environment names the endpoint, and close() is the final post."""
-    from llamaft_trainer.report.metrics import Progress
+    from llamaft_trainer.report.metrics import ProgressPublisher
 
-    progress = Progress()
+    progress = ProgressPublisher()
     env = {"KUBEFLOW_TRAINER_SERVER_URL": endpoint.url, "KUBEFLOW_TRAINER_SERVER_CA_CERT": str(tls.ca),
            "KUBEFLOW_TRAINER_SERVER_TOKEN": str(endpoint.token_file)}
     r = kubeflow_progress.attach(progress, env)
@@ -269,4 +269,4 @@ def test_the_progress_document_feeds_the_reporter(endpoint: Endpoint, tls: Tls) 
     last = endpoint.posts[-1]["trainerStatus"]
     assert last["progressPercentage"] == 100 and last["estimatedRemainingSeconds"] == 0
     assert {m["name"]: m["value"] for m in last["metrics"]} == {"loss": "2", "tokens_per_second": "99"}
-    assert kubeflow_progress.attach(Progress(), {}) is None
+    assert kubeflow_progress.attach(ProgressPublisher(), {}) is None

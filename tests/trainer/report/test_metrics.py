@@ -1,4 +1,4 @@
-"""metrics.Progress's Prometheus exposition (GET /metrics), parsed with prometheus_client's own
+"""metrics.ProgressPublisher's Prometheus exposition (GET /metrics), parsed with prometheus_client's own
 parser: DPO's gauges (each of TRL's per-step metrics, the eval's rewards) and their help text; an
 SFT run has none."""
 

@@ -203,16 +203,16 @@ def test_dpo_rewards_and_logps_reach_every_tracker_under_trls_names(
     tmp_path: Path, mlflow_server: MlflowServer, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A DPO run's step and eval events (train.py's figures, dpo_step.evaluate's report) through
-    the trainer's own path (metrics.Progress -> Tracker): TRL's names under train/ and eval/, as
+    the trainer's own path (metrics.ProgressPublisher -> Tracker): TRL's names under train/ and eval/, as
     transformers' trackers log DPOTrainer's; an SFT step logs no reward."""
-    from llamaft_trainer.report.metrics import Progress
+    from llamaft_trainer.report.metrics import ProgressPublisher
 
     monkeypatch.setenv("LLAMAFT_RUN_NAME", "dpo-run")
     cfg = config(tmp_path, mlflow_server.url, "dpo")
     infos: list[dict[str, str]] = []
     tracker = tracking.start(cfg, 1, 0, lambda message: None, infos.append)
     assert tracker is not None
-    progress = Progress()
+    progress = ProgressPublisher()
     progress.trackers.append(tracker)
     progress.record_step({**step_metrics(1, 0.69), "tokens": 64})  # an SFT-shaped step: no reward keys
     progress.record_step({**step_metrics(2, 0.6), "tokens": 64, **DPO_STEP})

@@ -49,7 +49,7 @@ OPEN, CLOSE = "[[", "]]"
 LOSS_COLOUR, RESET = "\x1b[1;32m", "\x1b[0m"
 """Bold green for the tokens that carry loss on a terminal; context stays in the default colour."""
 
-__all__ = ["Placement", "Preview", "PreviewExample", "Span", "build_preview", "preview", "render_json",
+__all__ = ["BlockPlacement", "Preview", "PreviewExample", "Span", "build_preview", "preview", "render_json",
            "render_text", "spans", "to_document", "trainer_tokenizer", "use_colour"]
 
 
@@ -66,7 +66,7 @@ class Span:
 
 
 @dataclass(frozen=True)
-class Placement:
+class BlockPlacement:
     """Where a packed example lands among the split's blocks (the sequences the model sees)."""
 
     blocks: list[int]
@@ -96,7 +96,7 @@ class PreviewExample:
     spans: list[Span]
     untruncated_tokens: int
     untruncated_loss_tokens: int
-    placement: Placement | None = None
+    placement: BlockPlacement | None = None
     """With packing: its block(s)."""
 
     @property
@@ -169,7 +169,7 @@ def trainer_tokenizer(config: TrainingJobConfig) -> PreTrainedTokenizerBase:
 
     rt = single_process()
     tokenizer = model_mod.load_tokenizer(config.model, rt)
-    model_config = model_mod.load_config(config.model, rt)
+    model_config = model_mod.load_model_config(config.model, rt)
     encoding.check_sequence_length(config.dataset, getattr(model_config, "max_position_embeddings", None))
     return tokenizer
 
@@ -284,7 +284,7 @@ def _records_of_split(source: RecordSource, held_out: np.ndarray[Any, Any], vali
         yield pending
 
 
-def _placements(part: store_mod.Part, dataset: DatasetSpec, split: str, count: int) -> list[Placement | None]:
+def _placements(part: store_mod.Part, dataset: DatasetSpec, split: str, count: int) -> list[BlockPlacement | None]:
     """Where each of the first `count` examples lands: the store's own layout where it keeps one
     (`bfd`, and validation always), else `concatenate`'s cut of the examples laid back to back
     into maxSeqLength blocks, the last partial block dropped (`data.PackedBlocks`)."""
@@ -295,13 +295,13 @@ def _placements(part: store_mod.Part, dataset: DatasetSpec, split: str, count: i
         at = np.empty(len(part), dtype=np.int64)
         at[order] = np.arange(len(order))
         sizes = part.lengths
-        out: list[Placement | None] = []
+        out: list[BlockPlacement | None] = []
         for index in range(count):
             b = int(block_of[at[index]])
             members = [int(i) for i in order[offsets[b]:offsets[b + 1]]]
             lengths = [int(sizes[i]) for i in members]
             mine = members.index(index)
-            out.append(Placement([b], sum(lengths[:mine]), [i for i in members if i != index], sum(lengths)))
+            out.append(BlockPlacement([b], sum(lengths[:mine]), [i for i in members if i != index], sum(lengths)))
         return out
     if split != "train" or dataset.packing_strategy is not PackingStrategy.CONCATENATE:
         raise RuntimeError(f"the token store's {split} part has no block layout, which {dataset.packing_strategy.value} "
@@ -313,7 +313,7 @@ def _placements(part: store_mod.Part, dataset: DatasetSpec, split: str, count: i
         spanned = range(start // capacity, (end - 1) // capacity + 1)
         kept = [b for b in spanned if b < full_blocks]
         dropped = max(0, end - max(start, full_blocks * capacity))
-        out.append(Placement(kept, start % capacity, [], capacity if kept else 0, dropped))
+        out.append(BlockPlacement(kept, start % capacity, [], capacity if kept else 0, dropped))
     return out
 
 

@@ -41,7 +41,7 @@ def load_tokenizer(spec: ModelSpec, rt: Runtime) -> PreTrainedTokenizerBase:
     return tok
 
 
-def load_config(spec: ModelSpec, rt: Runtime) -> PretrainedConfig:
+def load_model_config(spec: ModelSpec, rt: Runtime) -> PretrainedConfig:
     where = resolve(spec.source, rt, "spec.model.source", revision=spec.revision, weights=False)
     try:
         config: PretrainedConfig = AutoConfig.from_pretrained(where, revision=spec.revision, token=hf_token())

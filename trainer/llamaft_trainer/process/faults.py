@@ -8,7 +8,7 @@ in a rendered job sets these variables; with LLAMAFT_TEST_FAULT unset `after_ste
     LLAMAFT_TEST_FAULT_ONCE=<path>                optional: fire only while <path> does not exist
 
 `raise`: a RuntimeError after optimizer step <step> on global rank <rank>, which the trainer
-reports as a retryable failure (termination.classify) like any unexpected error. `sigkill`: the
+reports as a retryable failure (termination.classify_exception) like any unexpected error. `sigkill`: the
 rank SIGKILLs itself there, as the kernel's OOM killer or a crashed worker would end it (no
 handler, no termination message). With LLAMAFT_TEST_FAULT_ONCE the fault fires on the first
 attempt that reaches the step and creates the file, so the restart trains on; without it, every

@@ -5,7 +5,7 @@ WORLD_SIZE and LOCAL_WORLD_SIZE; CUDA/NCCL is chosen when GPUs are visible, CPU/
 
 Every process group gets `training.collectiveTimeoutSeconds`: a peer that died or hangs (SIGSTOP,
 a wedged GPU, a lost node) turns a blocked collective into an error in bounded time, which the
-trainer reports as CollectiveTimeout or PeerLost (termination.classify) instead of holding the job.
+trainer reports as CollectiveTimeout or PeerLost (termination.classify_exception) instead of holding the job.
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ class RunRecord:
         }
 
 
-def classify(exc: BaseException) -> tuple[str, bool]:
+def classify_exception(exc: BaseException) -> tuple[str, bool]:
     """(reason, retryable) for an exception that ended the run.
 
     gloo raises a plain RuntimeError ("Timed out waiting 15000ms for recv operation", "Connection

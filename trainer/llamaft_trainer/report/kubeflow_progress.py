@@ -11,7 +11,7 @@ and accepts `POST {"trainerStatus": {"progressPercentage", "estimatedRemainingSe
 [{"name", "value"}], "lastUpdatedTime"}}` with `Authorization: Bearer <token>`. `kubectl get trainjob
 -o jsonpath='{.status.trainerStatus}'` then shows the run's progress, ETA, loss, tokens/s and MFU.
 
-The leader (global rank 0) feeds every update of its /progress document (metrics.Progress) to
+The leader (global rank 0) feeds every update of its /progress document (metrics.ProgressPublisher) to
 `KubeflowProgress.offer`, which only keeps the latest value (a queue of one) and returns at once.
 A background thread posts it at most every `min_interval_s` (the guide asks for at most one post per
 5 s) with short timeouts and a small bounded retry (urllib3), and `close()` makes one final post of
@@ -34,7 +34,7 @@ import urllib3
 from llamaft_trainer.report.logline import log_json
 
 if TYPE_CHECKING:  # metrics imports torch; this module must not
-    from llamaft_trainer.report.metrics import Progress
+    from llamaft_trainer.report.metrics import ProgressPublisher
 
 ENV_URL = "KUBEFLOW_TRAINER_SERVER_URL"
 ENV_CA_CERT = "KUBEFLOW_TRAINER_SERVER_CA_CERT"
@@ -199,8 +199,8 @@ class KubeflowProgress:
         self.last_error = error
 
 
-def attach(progress: Progress, env: Mapping[str, str] | None = None) -> KubeflowProgress | None:
-    """Report `progress` (a metrics.Progress) to Kubeflow Trainer when it injected its endpoint."""
+def attach(progress: ProgressPublisher, env: Mapping[str, str] | None = None) -> KubeflowProgress | None:
+    """Report `progress` (a metrics.ProgressPublisher) to Kubeflow Trainer when it injected its endpoint."""
     reporter = KubeflowProgress.from_env(env)
     if reporter is not None:
         progress.add_listener(reporter.offer)

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from llamaft.api.contracts import ProgressDocument, ProgressPhase
+from llamaft.api.flops import flops_per_token
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from transformers import PretrainedConfig
 
@@ -40,20 +41,13 @@ _WIRE_NAMES = {name: str(field.alias) for name, field in ProgressDocument.model_
 PEAK_FLOPS_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
 
 
-def flops_per_token(config: PretrainedConfig, n_params: int, seq_len: int) -> float:
-    """Training FLOPs per token, torchtitan's formula:
-
-        6 * N  +  12 * L * H * Q * T
-
-    N: parameters without the input embedding (each does a multiply-add forward, twice that
-    backward: 6 FLOPs per token); L layers, H attention heads, Q head dim, T sequence length: the
-    attention score and value matmuls, which N does not count. Activation recomputation is not
-    counted (MFU, not HFU)."""
-    layers = int(config.num_hidden_layers)
+def model_flops_per_token(config: PretrainedConfig, n_params: int, seq_len: int) -> float:
+    """llamaft.api.flops.flops_per_token (the planner counts with it too) for a Hugging Face config
+    and the model's parameter count."""
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
     embedding = int(config.vocab_size) * int(config.hidden_size)
-    return 6.0 * (n_params - embedding) + 12.0 * layers * heads * head_dim * seq_len
+    return flops_per_token(n_params, embedding, int(config.num_hidden_layers), heads * head_dim, seq_len)
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -96,7 +90,7 @@ REWARD_GAUGES = {
 """DPO's figures (step event or eval report key) -> their gauge and its help text."""
 
 
-class Progress:
+class ProgressPublisher:
     """What the leader publishes: Prometheus gauges plus the JSON progress document."""
 
     def __init__(self) -> None:

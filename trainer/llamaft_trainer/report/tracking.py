@@ -86,7 +86,7 @@ class RunIdentity:
         return self.name if self.namespace in ("local", "default") else f"{self.namespace}/{self.name}"
 
 
-class Backend(Protocol):
+class TrackerClient(Protocol):
     """One tracker. `open` finds or creates the run and says where to find it (for status);
     calls happen on the tracking thread only."""
 
@@ -265,7 +265,7 @@ class _Health:
 class Tracker:
     """The trackers of one run behind one bounded queue (see the module docstring)."""
 
-    backends: list[Backend]
+    backends: list[TrackerClient]
     on_warning: Callable[[str], None] = field(default=lambda message: None)
     on_info: Callable[[dict[str, str]], None] = field(default=lambda info: None)
     """Called with where the runs are (run ids, directories) each time a tracker opens."""
@@ -335,7 +335,7 @@ class Tracker:
             for backend in self.backends:
                 self._call(backend, kind, payload)
 
-    def _call(self, backend: Backend, kind: str, payload: Any) -> None:
+    def _call(self, backend: TrackerClient, kind: str, payload: Any) -> None:
         health = self._health[backend.name]
         if health.down and time.monotonic() < health.retry_at:
             health.dropped += 1  # not tried again yet: the run never waits on a tracker that is away
@@ -394,11 +394,11 @@ def check(cfg: TrainingJobConfig) -> None:
                               f"llamaft[trainer] (it includes the trackers' clients) or remove spec.tracking.{field_name}")
 
 
-def backends(cfg: TrainingJobConfig, identity: RunIdentity) -> list[Backend]:
+def backends(cfg: TrainingJobConfig, identity: RunIdentity) -> list[TrackerClient]:
     """The spec's trackers, in the order they are called."""
     check(cfg)
     root = cfg.checkpointing.directory.rstrip("/")
-    found: list[Backend] = []
+    found: list[TrackerClient] = []
     tracking = cfg.tracking
     if tracking.tensorboard is not None:
         found.append(TensorBoardBackend(tracking.tensorboard.directory or f"{root}/tensorboard"))

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import yaml
-from llamaft.sweep.plan import SWEEP_LABEL, WORKERS_LABEL, SweepError, parse_sizes, plan_sweep
+from llamaft.sweep.runs import SWEEP_LABEL, WORKERS_LABEL, SweepError, parse_sizes, plan_sweep
 
 
 def write(tmp: Path, spec: dict[str, Any] | None = None, name: str = "blog-7b", **metadata: Any) -> Path:
