@@ -221,6 +221,50 @@ def test_the_seam_starts_without_torch() -> None:
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
 
 
+BACKEND_MODULES = {"llamaft.api.spec", "llamaft.render.backends", "llamaft.render.desired", "llamaft.render.trainjob"}
+"""Where the backends' knowledge lives: the enum, the JobBackend protocol and its registry, and one
+module per backend (ARCHITECTURE.md, Backends)."""
+STILL_BRANCHING = {"llamaft.render.admission"}
+"""Call sites that still branch on the kind (issue 53: admission's hostname rule, its job
+rendering and its per-kind schema checks are to move into the backends)."""
+JOB_KINDS = {"PyTorchJob", "TrainJob"}
+
+
+def kind_branches(source: str) -> list[int]:
+    """Lines that compare something with a job kind: a `Backend` member, a kind's name as a string
+    or a backend module's KIND constant."""
+    def is_kind(node: ast.expr) -> bool:
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            return node.value.id == "Backend" or (node.attr == "KIND" and node.value.id in ("trainjob", "desired"))
+        if isinstance(node, ast.Constant):
+            return node.value in JOB_KINDS
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            return any(is_kind(e) for e in node.elts)
+        return False
+
+    return sorted({node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Compare)
+                   and any(is_kind(n) for n in (node.left, *node.comparators))})
+
+
+def test_no_call_site_branches_on_the_backend_kind() -> None:
+    """ARCHITECTURE.md: the operator and the CLI ask `backend_for(kind)`; only the backends know
+    what a kind means."""
+    found = {module: lines for module, path in modules() if layer_of(module) not in (None, "trainer")
+             and module not in BACKEND_MODULES | STILL_BRANCHING
+             and (lines := kind_branches(path.read_text(encoding="utf-8")))}
+    assert found == {}
+
+
+@pytest.mark.parametrize(("source", "branches"), [
+    ("if backend is Backend.TRAIN_JOB:\n    pass\n", True),
+    ("x = [o for o in objs if o['kind'] == 'PyTorchJob']\n", True),
+    ("if kind in ('Service', trainjob.KIND):\n    pass\n", True),
+    ("job = backend_for(backend).render(owner, spec, 1)\nok = job['kind'] == backend_for(backend).kind\n", False),
+])
+def test_a_branch_on_the_kind_is_found(source: str, branches: bool) -> None:
+    assert bool(kind_branches(source)) is branches
+
+
 MAX_HANDLER_STATEMENTS = 8
 
 

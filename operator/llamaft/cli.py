@@ -374,7 +374,6 @@ def _cmd_render(args: argparse.Namespace) -> int:
     from llamaft.api.spec import Backend
     from llamaft.render import trainjob
     from llamaft.render.admission import PLACEHOLDER_UID
-    from llamaft.render.backends import backend_for
     from llamaft.render.naming import Owner
     from llamaft.render.objects import desired_objects
 
@@ -425,8 +424,7 @@ def _cmd_render(args: argparse.Namespace) -> int:
             return 1
     owner = Owner(name, namespace, uid)
     try:
-        job = backend_for(backend).render(owner, spec, args.attempt)
-        objects = [job if o["kind"] == "PyTorchJob" else o for o in desired_objects(owner, spec, args.attempt)]
+        objects = desired_objects(owner, spec, args.attempt, backend=backend)
     except Exception as exc:  # --force of a spec the renderer cannot handle (child_errors said so)
         print(_bounded(f"error: cannot be rendered ({type(exc).__name__}: {exc})"), file=sys.stderr)
         return 1
