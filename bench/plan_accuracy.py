@@ -279,7 +279,8 @@ def measure(cases: list[dict[str, Any]], world: int, tmp: Path) -> list[dict[str
 
 def estimate(case: dict[str, Any], device: str = "cpu") -> Any:
     from llamaft.api.spec import TrainingJobConfig
-    from llamaft.planner.memory import estimate_memory, setup_from_spec
+    from llamaft.planner.memory import setup_from_spec
+    from llamaft.planner.replay import estimate_memory
     from llamaft.planner.shapes import shape_from_config
 
     cfg = TrainingJobConfig.model_validate(case["config"])

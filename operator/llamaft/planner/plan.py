@@ -23,13 +23,12 @@ from llamaft.api.spec import (
 from llamaft.planner.catalog import GiB, GpuModel, InstanceType, gpu_model, instance_type
 from llamaft.planner.memory import (
     COMPONENTS,
-    MemoryEstimate,
     Setup,
-    estimate_memory,
     master_bytes,
     op_sac_recomputed_fraction,
     setup_from_spec,
 )
+from llamaft.planner.replay import MemoryEstimate, estimate_memory
 from llamaft.planner.shapes import ModelShape
 
 # ------------------------------------------------------------------------------ assumptions
