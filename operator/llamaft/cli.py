@@ -131,7 +131,7 @@ def _validate_document(doc: Document, checks: CheckCache | None, notes: set[str]
         print(f"{doc.label}: ok ({summary})")
         print("  schema only: the API server would accept it; the operator's checks were not run")
         return True
-    from llamaft.render.admission import schemas_available
+    from llamaft.render.schemas import schemas_available
 
     if not schemas_available() and "schemas" not in notes:
         print("note: kubernetes-validate is not installed (pip install 'llamaft[operator]'): the objects the "

@@ -20,8 +20,9 @@ from llamaft.api.validation import SpecInvalid, validate_resource, validate_spec
 from llamaft.cli import main
 from llamaft.operator import lifecycle
 from llamaft.render import backends, desired, trainjob
-from llamaft.render.admission import child_errors, schema_errors
+from llamaft.render.admission import child_errors
 from llamaft.render.naming import Owner
+from llamaft.render.schemas import schema_errors
 
 from tests.conftest import EXAMPLES, REFERENCE, REPO
 from tests.operator.kubeflow_rules import crd_schema
