@@ -177,7 +177,7 @@ def test_an_import_up_the_layers_is_found(module: str, source: str) -> None:
     ("llamaft.render.desired", "from llamaft.render.naming import Owner\nfrom llamaft.api.spec import LlamaFineTuneSpec\n"),
     ("llamaft.render.desired", "from .naming import Owner\nimport json\nimport jsonschema\n"),
     ("llamaft.operator.handlers", "import kopf\nfrom llamaft.render import desired\nfrom llamaft.planner import admission\n"),
-    ("llamaft.cli", "from llamaft.operator import peering\nfrom llamaft_trainer.public import build_tiny_llama\n"),
+    ("llamaft.cli", "from llamaft.operator import peering\nfrom llamaft_trainer.public import make_tiny_model\n"),
     ("llamaft.local", "from llamaft_trainer import public\n"),
     ("llamaft_trainer.main", "from llamaft.api.spec import TrainingJobConfig\nfrom llamaft.render.naming import CONFIG_FILE\n"),
     ("llamaft_trainer.methods.dpo", "from llamaft_trainer.data.preference import PreferenceExample\n"),

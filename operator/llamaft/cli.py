@@ -325,9 +325,9 @@ def _without_torchao() -> contextlib.AbstractContextManager[None]:
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     with _without_torchao():
-        from llamaft_trainer.public import build_tiny_llama
+        from llamaft_trainer.public import make_tiny_model
 
-        out = build_tiny_llama(Path(args.output), Path(args.dataset), chat_template=args.chat_template)
+        out = make_tiny_model(Path(args.output), Path(args.dataset), chat_template=args.chat_template)
     chat = f" (chat template {args.chat_template})" if args.chat_template else ""
     print(f"wrote a tiny random-init Llama and its tokenizer{chat} to {out}")
     return 0

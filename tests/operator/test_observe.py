@@ -18,14 +18,14 @@ def job(*conditions: tuple[str, str, str], **status: Any) -> dict[str, Any]:
 
 
 def test_phase_priority_follows_the_training_operator() -> None:
-    assert backends.phase_of(None)[0] == "Creating"
-    assert backends.phase_of(job(("Created", "True", "PyTorchJobCreated")))[0] == "Creating"
+    assert backends.phase_of_job(None)[0] == "Creating"
+    assert backends.phase_of_job(job(("Created", "True", "PyTorchJobCreated")))[0] == "Creating"
     running = job(("Created", "True", "c"), ("Running", "True", "PyTorchJobRunning"))
-    assert backends.phase_of(running)[:2] == ("Running", "PyTorchJobRunning")
-    assert backends.phase_of(job(("Running", "False", "r"), ("Succeeded", "True", "s")))[0] == "Succeeded"
-    assert backends.phase_of(job(("Running", "True", "r"), ("Restarting", "True", "x")))[0] == "Restarting"
-    assert backends.phase_of(job(("Running", "True", "r"), ("Failed", "True", "f")))[0] == "Failed"
-    assert backends.phase_of(job(("Suspended", "True", "PyTorchJobSuspended")))[0] == "Suspended"
+    assert backends.phase_of_job(running)[:2] == ("Running", "PyTorchJobRunning")
+    assert backends.phase_of_job(job(("Running", "False", "r"), ("Succeeded", "True", "s")))[0] == "Succeeded"
+    assert backends.phase_of_job(job(("Running", "True", "r"), ("Restarting", "True", "x")))[0] == "Restarting"
+    assert backends.phase_of_job(job(("Running", "True", "r"), ("Failed", "True", "f")))[0] == "Failed"
+    assert backends.phase_of_job(job(("Suspended", "True", "PyTorchJobSuspended")))[0] == "Suspended"
 
 
 def test_conditions_keep_transition_time_until_status_changes() -> None:

@@ -99,7 +99,7 @@ def test_pod_selectors_name_the_jobs_own_pods() -> None:
     ({"kind": "TrainJob", "metadata": {"name": "x"}, "status": {}}, Phase.CREATING),
 ])
 def test_the_phase_is_read_by_the_jobs_own_backend(job: dict[str, Any] | None, phase: Phase) -> None:
-    assert backends.phase_of(job)[0] is phase
+    assert backends.phase_of_job(job)[0] is phase
 
 
 def test_a_trainjob_reads_as_the_lifecycles_view_and_a_pytorchjob_as_itself() -> None:

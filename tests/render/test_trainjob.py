@@ -434,7 +434,7 @@ def node(**counts: int) -> dict[str, Any]:
 
 
 def test_job_phase_reads_trainjob_conditions_and_jobs_status() -> None:
-    phase = backends.phase_of
+    phase = backends.phase_of_job
     assert phase(train_job_obj())[:2] == (Phase.CREATING, "TrainJobCreated")
     assert phase(train_job_obj(jobs=[node()]))[:2] == (Phase.CREATING, "JobsCreated")
     assert phase(train_job_obj(jobs=[node(active=1)]))[0] is Phase.RUNNING

@@ -25,13 +25,13 @@ if TYPE_CHECKING:
     from llamaft.api.spec import TrainingJobConfig
 
 __all__ = [
-    "EXIT_CONFIG_ERROR", "ConfigError", "LocalEtcd", "build_tiny_llama", "data_preview", "free_port",
-    "latest_checkpoint", "parent_death_signal", "parse_event", "read_events", "silence_known_warnings",
+    "EXIT_CONFIG_ERROR", "ConfigError", "LocalEtcd", "data_preview", "free_port",
+    "latest_checkpoint", "make_tiny_model", "parent_death_signal", "parse_event", "read_events", "silence_known_warnings",
     "termination", "torchao_kept_out",
 ]
 
 
-def build_tiny_llama(out_dir: Path, dataset: Path, *, chat_template: str | None = None) -> Path:
+def make_tiny_model(out_dir: Path, dataset: Path, *, chat_template: str | None = None) -> Path:
     """`llamaft make-tiny-model`: a random-init tiny Llama and its tokenizer trained on `dataset`
     (tiny.py; imports transformers)."""
     from llamaft_trainer.tiny import build_tiny_llama as build
