@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from llamaft_trainer.local_etcd import free_port
+from llamaft_trainer.process.local_etcd import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 DATASET = REPO / "examples" / "data" / "samsum-tiny.jsonl"

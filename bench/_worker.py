@@ -10,8 +10,8 @@ import time
 import torch
 import torch.distributed as dist
 from llamaft.api.spec import TrainingJobConfig
-from llamaft_trainer.runtime import build_mesh, init_runtime, sharding_plan
-from llamaft_trainer.shutdown import exit_process
+from llamaft_trainer.process.runtime import build_mesh, init_runtime, sharding_plan
+from llamaft_trainer.process.shutdown import exit_process
 
 
 def peak_rss_mb() -> float:
@@ -22,14 +22,14 @@ def load(mode: str, cfg: TrainingJobConfig) -> dict[str, float]:
     """Peak host RSS after putting the sharded model in place: `ours` (meta init, rank 0 reads and
     broadcasts) or `naive` (every rank calls from_pretrained, then shards)."""
     rt = init_runtime()
-    from llamaft_trainer import model as model_step
     from llamaft_trainer.main import build_model
-    from llamaft_trainer.parallelize import parallelize
+    from llamaft_trainer.model import model as model_step
+    from llamaft_trainer.parallel.parallelize import parallelize
 
     before = peak_rss_mb()
     started = time.perf_counter()
     if mode == "ours":
-        model, _ = build_model(cfg, rt, model_step.load_config(cfg.model, rt))
+        model, _ = build_model(cfg, rt, model_step.load_model_config(cfg.model, rt))
     else:
         from transformers import AutoModelForCausalLM
 
@@ -60,5 +60,5 @@ if __name__ == "__main__":
     dist.barrier()
     dist.destroy_process_group()
     # Never interpreter finalization: a gloo worker thread that drops a tensor then aborts the
-    # process (SIGABRT, "terminate called without an active exception"; llamaft_trainer/shutdown.py).
+    # process (SIGABRT, "terminate called without an active exception"; llamaft_trainer/process/shutdown.py).
     exit_process(0)

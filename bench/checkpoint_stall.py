@@ -37,8 +37,8 @@ from _common import DATASET, REPO
 
 
 def run(mode: str, model: Path, tmp: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
-    from llamaft_trainer.local_etcd import free_port
-    from llamaft_trainer.logline import read_events
+    from llamaft_trainer.process.local_etcd import free_port
+    from llamaft_trainer.report.logline import read_events
 
     config = {
         "model": {"source": str(model), "dtype": "float32"},

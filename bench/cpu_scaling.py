@@ -4,7 +4,7 @@ the time goes.
 Same per-process batch (weak scaling), FULL_SHARD fp32, a small Llama; all runs in this one
 invocation. Prints tokens/s (median over steps after warm-up) and efficiency = tps(2) / (2 x tps(1)),
 then a per-phase breakdown (ms per step) from the trainer's phase timers (LLAMAFT_PHASE_TIMERS=1,
-llamaft_trainer/profiling.py):
+llamaft_trainer/report/profiling.py):
 
   1 proc     one trainer process, one thread, one core
   2x1 conc.  two independent 1-process trainers at once (no communication at all): what running
@@ -74,9 +74,9 @@ def config(model: Path, checkpoints: Path, steps: int) -> dict[str, Any]:
 def train(nproc: int, model: Path, tmp: Path, steps: int, phases: bool, overlap: bool = True, stat: str = "median") -> Run:
     """`overlap`: parallelize.overlap_on_cpu (False: FSDP2's defaults, as before it existed).
     `stat`: over the steps after warm-up, "median" or "min" (the fastest step: tokens/s and phases)."""
-    from llamaft_trainer.logline import read_events
-    from llamaft_trainer.parallelize import CPU_OVERLAP_ENV
-    from llamaft_trainer.profiling import ENV_VAR, summarize
+    from llamaft_trainer.parallel.parallelize import CPU_OVERLAP_ENV
+    from llamaft_trainer.report.logline import read_events
+    from llamaft_trainer.report.profiling import ENV_VAR, summarize
 
     tmp.mkdir(parents=True, exist_ok=True)
     env = {ENV_VAR: "1" if phases else "0", CPU_OVERLAP_ENV: "1" if overlap else "0"}
@@ -128,7 +128,7 @@ def median_phases(runs: list[Run]) -> dict[str, float]:
 
 def print_table(columns: dict[str, dict[str, float]], stat: str) -> None:
     """Phases x runs, then `delta`: the last column (2 procs) minus the first (1 proc)."""
-    from llamaft_trainer.profiling import PHASES
+    from llamaft_trainer.report.profiling import PHASES
 
     names = list(columns)
     first, last = columns[names[0]], columns[names[-1]]

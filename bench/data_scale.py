@@ -80,7 +80,7 @@ def baseline_worker(cfg: dict[str, Any], out: Path) -> None:
     import _baseline_data
     import torch.distributed as dist
     from llamaft.api.spec import DatasetSpec
-    from llamaft_trainer.runtime import init_runtime
+    from llamaft_trainer.process.runtime import init_runtime
     from transformers import AutoTokenizer
 
     rt = init_runtime()
@@ -100,7 +100,7 @@ def store_worker(cfg: dict[str, Any], out: Path) -> None:
     import torch.distributed as dist
     from llamaft.api.spec import DatasetSpec
     from llamaft_trainer.inputs import build_data
-    from llamaft_trainer.runtime import init_runtime
+    from llamaft_trainer.process.runtime import init_runtime
     from transformers import AutoTokenizer
 
     rt = init_runtime()
@@ -125,7 +125,7 @@ def _finish(rt: Any, result: dict[str, Any], out: Path) -> None:
     """Every rank's figures to rank 0's file, then leave as the trainer does (exit_process: gloo's
     threads can abort a process that finalizes the interpreter)."""
     import torch.distributed as dist
-    from llamaft_trainer.shutdown import exit_process, teardown
+    from llamaft_trainer.process.shutdown import exit_process, teardown
 
     gathered: list[Any] = [None] * rt.world_size
     dist.all_gather_object(gathered, result)
@@ -143,7 +143,7 @@ def _env() -> dict[str, str]:
 
 
 def launch(ranks: int, mode: str, cfg: dict[str, Any], tmp: Path, tag: str) -> Any:
-    from llamaft_trainer.local_etcd import free_port
+    from llamaft_trainer.process.local_etcd import free_port
 
     cfg_path, out = tmp / f"{tag}.json", tmp / f"{tag}.out.json"
     cfg_path.write_text(json.dumps(cfg))

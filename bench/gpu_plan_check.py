@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
-    from llamaft_trainer.runtime import init_runtime
+    from llamaft_trainer.process.runtime import init_runtime
 
     rt = init_runtime()
     cases = SMOKE_CASES if args.smoke else GPU_CASES

@@ -56,7 +56,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import REPO  # noqa: E402
-from llamaft_trainer.logline import read_events  # noqa: E402
+from llamaft_trainer.report.logline import read_events  # noqa: E402
 from plan_accuracy import _case, estimate, shape_config  # noqa: E402
 
 LLAMA_32_1B: dict[str, Any] = {
@@ -155,10 +155,10 @@ def measure_case(case: dict[str, Any], steps: int, warmup: int) -> dict[str, Any
     """Train the case's steps in this process (world size 1) and measure them."""
     import torch
     from llamaft.api.spec import TrainingJobConfig
-    from llamaft_trainer import model as model_step
-    from llamaft_trainer.metrics import flops_per_token, peak_flops
-    from llamaft_trainer.parallelize import parallelize
-    from llamaft_trainer.runtime import build_mesh, init_runtime, sharding_plan
+    from llamaft_trainer.model import model as model_step
+    from llamaft_trainer.parallel.parallelize import parallelize
+    from llamaft_trainer.process.runtime import build_mesh, init_runtime, sharding_plan
+    from llamaft_trainer.report.metrics import model_flops_per_token, peak_flops
     from llamaft_trainer.train import build_optimizer, micro_step_sync, optimizer_step, token_loss_sum
     from transformers import LlamaConfig
 
@@ -203,7 +203,7 @@ def measure_case(case: dict[str, Any], steps: int, warmup: int) -> dict[str, Any
     step_s = sum(times) / len(times)
     tps = real_tokens / step_s
     peak = peak_flops(rt.device)
-    mfu = tps * flops_per_token(config, n_params, seq) / peak if peak else None
+    mfu = tps * model_flops_per_token(config, n_params, seq) / peak if peak else None
     result = {
         "params": n_params, "batch": batch, "seq": seq, "real_tokens_per_step": real_tokens, "step_s": step_s, "tokens_per_s_per_gpu": tps, "mfu": mfu,
         "peak_memory_bytes": int(torch.cuda.max_memory_allocated(rt.device)) if cuda else None,
@@ -216,7 +216,7 @@ def measure_case(case: dict[str, Any], steps: int, warmup: int) -> dict[str, Any
 
 
 def _env(cpu: bool) -> dict[str, str]:
-    from llamaft_trainer.local_etcd import free_port
+    from llamaft_trainer.process.local_etcd import free_port
 
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
                WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")

@@ -68,22 +68,22 @@ def worker(mode: str, cfg_path: str, out_path: str) -> None:
     """One rank (under torchrun): peak RSS before and after putting the sharded model in place,
     `ours` (main.build_model, LLAMAFT_WEIGHT_LOADING picks the method) or `naive` (every rank calls
     from_pretrained, then shards). Leaves through exit_process like the trainer: gloo's threads can
-    abort a process that finalizes the interpreter (llamaft_trainer/shutdown.py)."""
+    abort a process that finalizes the interpreter (llamaft_trainer/process/shutdown.py)."""
     import torch
     import torch.distributed as dist
     from llamaft.api.spec import TrainingJobConfig
-    from llamaft_trainer import model as model_step
     from llamaft_trainer.main import build_model
-    from llamaft_trainer.parallelize import parallelize
-    from llamaft_trainer.runtime import build_mesh, init_runtime, sharding_plan
-    from llamaft_trainer.shutdown import exit_process, teardown
+    from llamaft_trainer.model import model as model_step
+    from llamaft_trainer.parallel.parallelize import parallelize
+    from llamaft_trainer.process.runtime import build_mesh, init_runtime, sharding_plan
+    from llamaft_trainer.process.shutdown import exit_process, teardown
 
     cfg = TrainingJobConfig.model_validate(json.loads(Path(cfg_path).read_text()))
     rt = init_runtime()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     started = time.perf_counter()
     if mode == "ours":
-        model, _ = build_model(cfg, rt, model_step.load_config(cfg.model, rt))
+        model, _ = build_model(cfg, rt, model_step.load_model_config(cfg.model, rt))
     else:
         from transformers import AutoModelForCausalLM
 
@@ -103,7 +103,7 @@ def worker(mode: str, cfg_path: str, out_path: str) -> None:
 
 def run(nproc: int, method: str, cfg: dict[str, Any], tmp: Path) -> list[dict[str, Any]]:
     """One torchrun launch of `nproc` workers; every rank's figures, by rank."""
-    from llamaft_trainer.local_etcd import free_port
+    from llamaft_trainer.process.local_etcd import free_port
 
     cfg_path, out = tmp / f"{method}-{nproc}.json", tmp / f"{method}-{nproc}.out.json"
     cfg_path.write_text(json.dumps(cfg))

@@ -30,8 +30,8 @@ sys.path[:0] = [str(REPO / "operator"), str(REPO / "trainer")]
 import _samsum_like as samsum_like  # noqa: E402
 import torch  # noqa: E402
 from llamaft.api.spec import DatasetSpec  # noqa: E402
-from llamaft_trainer import data as d  # noqa: E402
-from llamaft_trainer.attention import DOCUMENT_SDPA  # noqa: E402
+from llamaft_trainer.data import batching, prepare  # noqa: E402
+from llamaft_trainer.model.attention import DOCUMENT_SDPA  # noqa: E402
 from llamaft_trainer.tiny import build_tiny_llama  # noqa: E402
 from llamaft_trainer.train import token_loss_sum  # noqa: E402
 from transformers import AutoTokenizer, LlamaForCausalLM  # noqa: E402
@@ -45,15 +45,15 @@ MODES = {"bfd": {"packing": True, "packingStrategy": "bfd"},
 def batches(mode: str, source: Path, tok: Any, root: Path, max_len: int, batch_size: int, steps: int) -> tuple[list[dict[str, torch.Tensor]], dict[str, Any]]:
     spec = DatasetSpec.model_validate({"format": "samsum", "source": str(source), "maxSeqLength": max_len,
                                        "validationSplit": 0.0, **MODES[mode]})
-    store = d.build_store(spec, tok, 0, root)
-    data = d.loaders(store, spec, int(tok.pad_token_id), batch_size, 0, rank=0, world=1)
+    store = prepare.build_store(spec, tok, 0, root)
+    data = batching.loaders(store, spec, int(tok.pad_token_id), batch_size, 0, rank=0, world=1)
     out = []
     for batch in data.batches(epoch=0, skip=0):
         out.append(batch)
         if len(out) == steps:
             break
     computed = sum(int(b["input_ids"].numel()) for b in out)
-    info = {"sequences": data.info["train_sequences"], **d.block_report(store, spec),
+    info = {"sequences": data.info["train_sequences"], **prepare.block_report(store, spec),
             "computed_fill": sum(int(b["attention_mask"].sum()) for b in out) / max(computed, 1),
             "tokens_per_batch": computed / max(len(out), 1)}
     return out, info

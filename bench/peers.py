@@ -66,7 +66,7 @@ other load changes both sides' figures a lot (the load average is printed at the
     .venv/bin/python bench/peers.py --hf-python .venv/bin/python   # HF side in another venv
 
 --phases times each step's phases on both sides and prints them per pair (rank 0, ms per step):
-llamaft's LLAMAFT_PHASE_TIMERS (llamaft_trainer/profiling.py: data, forward, backward, FSDP2's
+llamaft's LLAMAFT_PHASE_TIMERS (llamaft_trainer/report/profiling.py: data, forward, backward, FSDP2's
 all-gathers and reduce-scatters, grad norm, optimizer, the loop's syncs, other) and the HF peer's
 timers on the Trainer's own methods (data, forward = compute_loss, backward, grad norm, optimizer =
 optimizer.step + scheduler + zero_grad, other; the collectives stay inside forward and backward).
@@ -94,7 +94,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import DATASET, REPO  # noqa: E402
 from cpu_scaling import load_average  # noqa: E402
-from llamaft_trainer.logline import read_events  # noqa: E402
+from llamaft_trainer.report.logline import read_events  # noqa: E402
 
 HF_PEER = Path(__file__).with_name("_hf_peer.py")
 REQUIREMENTS = Path(__file__).with_name("peers-requirements.txt")
@@ -247,8 +247,9 @@ def export_batches(doc: dict[str, Any], model: Path, store_root: Path, world: in
     (its data code, its seed), interleaved: row block k * world + r is rank r's k-th batch."""
     import torch
     from llamaft.api.spec import LlamaFineTuneSpec
-    from llamaft_trainer.checkpoint import TrainState
-    from llamaft_trainer.data import build_store, loaders
+    from llamaft_trainer.checkpoint.dcp import TrainState
+    from llamaft_trainer.data.batching import loaders
+    from llamaft_trainer.data.prepare import build_store
     from llamaft_trainer.train import _micro_batches
     from transformers import AutoTokenizer
 
@@ -367,7 +368,7 @@ def run_llamaft(name: str, pair: Pair, steps: int, model: Path, store_root: Path
         timed = {e["step"]: e for e in events if e.get("event") == "phases" and e.get("rank") == 0}
         if sorted(timed) != list(range(1, steps + 1)):
             raise SystemExit(f"{name}: llamaft logged phases for steps {sorted(timed)}, not 1..{steps}")
-        from llamaft_trainer.profiling import PHASES
+        from llamaft_trainer.report.profiling import PHASES
 
         extra["phases"] = phase_medians([timed[k] for k in range(1, steps + 1)], PHASES)
     return Run("llamaft", median, cadence, ends[0] - tree.launched, tree.peak_rss_mb, tree.seconds,
@@ -398,7 +399,7 @@ def run_hf(name: str, pair: Pair, steps: int, model: Path, batches: Path, work: 
     (folder / "config.json").write_text(json.dumps(cfg))
     argv = [str(python), str(HF_PEER), str(folder / "config.json")]
     if pair.processes > 1:
-        from llamaft_trainer.local_etcd import free_port
+        from llamaft_trainer.process.local_etcd import free_port
 
         argv[1:1] = ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(pair.processes),
                      "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}"]
@@ -457,7 +458,7 @@ def phase_medians(rows: list[dict[str, Any]], names: Sequence[str]) -> dict[str,
 
 def print_phases(report: dict[str, Any]) -> None:
     """Per pair and tool, the median over rounds of each phase's median ms per step (rank 0)."""
-    from llamaft_trainer.profiling import PHASES
+    from llamaft_trainer.report.profiling import PHASES
 
     print()
     print("phases, ms per step (rank 0; the median over rounds of each run's median after the first "

@@ -160,9 +160,9 @@ def run_case(case: dict[str, Any], rt: Any, steps: int = 2, meter: str = "tracke
     from FSDPMemTracker (`tracker`) or torch.cuda.max_memory_allocated (`cuda`)."""
     import torch
     from llamaft.api.spec import MixedPrecision, TrainingJobConfig
-    from llamaft_trainer import model as model_step
-    from llamaft_trainer.parallelize import parallelize
-    from llamaft_trainer.runtime import build_mesh, sharding_plan
+    from llamaft_trainer.model import model as model_step
+    from llamaft_trainer.parallel.parallelize import parallelize
+    from llamaft_trainer.process.runtime import build_mesh, sharding_plan
     from llamaft_trainer.train import build_optimizer, micro_step_sync, optimizer_step, token_loss_sum
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from transformers import LlamaConfig
@@ -236,7 +236,7 @@ def run_case(case: dict[str, Any], rt: Any, steps: int = 2, meter: str = "tracke
 
 def worker(cases_path: str, out_path: str) -> None:
     import torch.distributed as dist
-    from llamaft_trainer.runtime import init_runtime
+    from llamaft_trainer.process.runtime import init_runtime
 
     rt = init_runtime()
     cases = json.loads(Path(cases_path).read_text())
@@ -257,7 +257,7 @@ def worker(cases_path: str, out_path: str) -> None:
 
 # ------------------------------------------------------------------------------ launcher
 def measure(cases: list[dict[str, Any]], world: int, tmp: Path) -> list[dict[str, Any]]:
-    from llamaft_trainer.local_etcd import free_port
+    from llamaft_trainer.process.local_etcd import free_port
 
     cases_file, out_file = tmp / f"cases-{world}.json", tmp / f"out-{world}.json"
     cases_file.write_text(json.dumps(cases))
@@ -279,7 +279,8 @@ def measure(cases: list[dict[str, Any]], world: int, tmp: Path) -> list[dict[str
 
 def estimate(case: dict[str, Any], device: str = "cpu") -> Any:
     from llamaft.api.spec import TrainingJobConfig
-    from llamaft.planner.memory import estimate_memory, setup_from_spec
+    from llamaft.planner.memory import setup_from_spec
+    from llamaft.planner.replay import estimate_memory
     from llamaft.planner.shapes import shape_from_config
 
     cfg = TrainingJobConfig.model_validate(case["config"])

@@ -27,7 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llamaft.operator.settings import OperatorSettings  # noqa: E402
-from llamaft_trainer.local_etcd import LocalEtcd  # noqa: E402
+from llamaft_trainer.process.local_etcd import LocalEtcd  # noqa: E402
 from llamaft_trainer.tiny import build_tiny_llama  # noqa: E402
 
 from tests.operator.conftest import Cluster, Operator, wait_for  # noqa: E402

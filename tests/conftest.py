@@ -68,12 +68,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture
 def served_progress(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, str]]:
-    """The trainer's real metrics.Progress serving on a local port: (progress, base URL); its
+    """The trainer's real metrics.ProgressPublisher serving on a local port: (progress, base URL); its
     /progress is the operator's contract, its /metrics Prometheus' exposition."""
-    from llamaft_trainer.metrics import Progress
+    from llamaft_trainer.report.metrics import ProgressPublisher
 
     monkeypatch.setenv("LLAMAFT_METRICS_HOST", "127.0.0.1")
-    progress = Progress()
+    progress = ProgressPublisher()
     server = progress.serve(0)
     try:
         yield progress, f"http://127.0.0.1:{server.server_address[1]}"

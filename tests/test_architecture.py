@@ -3,15 +3,24 @@
     api  <-  planner, render  <-  operator  <-  cli, local, launch, sweep, manifests
     api, render  <-  trainer (llamaft_trainer; the cluster never runs the operator's code there)
 
+and inside the trainer, down its wings:
+
+    process  <-  parallel  <-  report  <-  sources  <-  model  <-  data  <-  checkpoint  <-  methods
+      <-  the program at the package's top (main, train, inputs, evaluation, tiny, public)
+
 Every module of both packages is parsed (ast: imports inside functions and TYPE_CHECKING blocks
 count too, relative imports are resolved); a module may import only its own layer and the layers
-its row below names. The pure layers (api, planner, render) and the trainer never import kopf or
-the kubernetes client.
+its row below names, a trainer module only its own wing and the wings below it. The pure layers
+(api, planner, render) and the trainer never import kopf or the kubernetes client. The `llamaft`
+package reaches the trainer through one seam, llamaft_trainer.public, and no other module of it.
 """
 
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +39,13 @@ ALLOWED: dict[str, set[str]] = {
     TOP: {"package", "api", "planner", "render", "operator", "trainer", TOP},
 }
 """For each layer, the layers its modules may import."""
+TRAINER_WINGS = ("process", "parallel", "report", "sources", "model", "data", "checkpoint", "methods")
+"""The trainer's wings from the bottom up (ARCHITECTURE.md names each one's job)."""
+TRAINER_TOP = "program"
+"""The modules at llamaft_trainer's top: main (the program), train (the loop), inputs, evaluation,
+tiny, public and __main__; they may import every wing."""
+TRAINER_SEAM = "llamaft_trainer.public"
+"""The one module of the trainer the `llamaft` package may import."""
 PURE_EXTERNAL_BANNED = {"kopf", "kubernetes"}
 """Libraries that mean API calls: only the operator (and the entry points) may import them."""
 
@@ -46,6 +62,20 @@ def layer_of(module: str) -> str | None:
     if parts[1] in ("api", "planner", "render", "operator"):
         return parts[1]
     return TOP  # cli, local, launch, sweep, manifests and anything else at the top
+
+
+def wing_of(module: str) -> str | None:
+    """The wing of a module of llamaft_trainer (TRAINER_TOP for the package's top modules); None
+    for anything else."""
+    parts = module.split(".")
+    if parts[0] != "llamaft_trainer":
+        return None
+    return parts[1] if len(parts) > 1 and parts[1] in TRAINER_WINGS else TRAINER_TOP
+
+
+def wing_rank(wing: str) -> int:
+    """Where a wing stands, from 0 at the bottom; the program stands above every wing."""
+    return TRAINER_WINGS.index(wing) if wing in TRAINER_WINGS else len(TRAINER_WINGS)
 
 
 def imported_modules(module: str, source: str, is_package: bool = False) -> list[tuple[int, str]]:
@@ -82,6 +112,16 @@ def violations(module: str, source: str, is_package: bool = False) -> list[str]:
         if target_layer is not None and target_layer not in ALLOWED[layer]:
             problems.append(f"{module}:{line} imports {target}: the {layer} layer may not import the {target_layer} "
                             "layer (ARCHITECTURE.md)")
+        elif target_layer == "trainer" and layer != "trainer" and not (
+                target == TRAINER_SEAM or target.startswith(TRAINER_SEAM + ".")):
+            problems.append(f"{module}:{line} imports {target}: the llamaft package reaches the trainer through "
+                            f"{TRAINER_SEAM} only (ARCHITECTURE.md)")
+        elif target_layer == "trainer" and layer == "trainer":
+            wing, target_wing = wing_of(module), wing_of(target)
+            assert wing is not None and target_wing is not None
+            if wing_rank(target_wing) > wing_rank(wing):
+                problems.append(f"{module}:{line} imports {target}: the trainer's {wing} wing may not import the "
+                                f"{target_wing} wing above it (ARCHITECTURE.md)")
     return problems
 
 
@@ -99,6 +139,7 @@ def modules() -> list[tuple[str, Path]]:
 def test_every_import_points_down() -> None:
     checked = modules()
     assert len(checked) > 50 and {layer_of(m) for m, _ in checked} == set(ALLOWED), "every layer has modules"
+    assert {wing_of(m) for m, _ in checked} - {None} == {*TRAINER_WINGS, TRAINER_TOP}, "every wing has modules"
     problems = [p for module, path in checked
                 for p in violations(module, path.read_text(encoding="utf-8"), path.name == "__init__.py")]
     assert problems == []
@@ -119,6 +160,14 @@ def test_every_import_points_down() -> None:
     ("llamaft.operator.handlers", "from llamaft_trainer import termination\n"),
     ("llamaft_trainer.main", "from llamaft.operator.kube import Kube\n"),
     ("llamaft_trainer.main", "from kubernetes import client\n"),
+    ("llamaft.cli", "from llamaft_trainer.tiny import build_tiny_llama\n"),
+    ("llamaft.local", "from llamaft_trainer.process import termination\n"),
+    ("llamaft.sweep.on_this_machine", "def f():\n    from llamaft_trainer.checkpoint.dcp import Checkpointer\n"),
+    ("llamaft.local", "import llamaft_trainer\n"),
+    ("llamaft_trainer.process.runtime", "from llamaft_trainer.report.metrics import log_json\n"),
+    ("llamaft_trainer.data.encoding", "from llamaft_trainer.methods.dpo import concatenated_batch\n"),
+    ("llamaft_trainer.data.preview", "def f():\n    from llamaft_trainer import train\n"),
+    ("llamaft_trainer.model", "from llamaft_trainer.data import encoding\n"),
 ])
 def test_an_import_up_the_layers_is_found(module: str, source: str) -> None:
     assert violations(module, source, is_package=module == "llamaft.render") != []
@@ -128,11 +177,92 @@ def test_an_import_up_the_layers_is_found(module: str, source: str) -> None:
     ("llamaft.render.desired", "from llamaft.render.naming import Owner\nfrom llamaft.api.spec import LlamaFineTuneSpec\n"),
     ("llamaft.render.desired", "from .naming import Owner\nimport json\nimport jsonschema\n"),
     ("llamaft.operator.handlers", "import kopf\nfrom llamaft.render import desired\nfrom llamaft.planner import admission\n"),
-    ("llamaft.cli", "from llamaft.operator import peering\nfrom llamaft_trainer.tiny import build_tiny_llama\n"),
+    ("llamaft.cli", "from llamaft.operator import peering\nfrom llamaft_trainer.public import make_tiny_model\n"),
+    ("llamaft.local", "from llamaft_trainer import public\n"),
     ("llamaft_trainer.main", "from llamaft.api.spec import TrainingJobConfig\nfrom llamaft.render.naming import CONFIG_FILE\n"),
+    ("llamaft_trainer.methods.dpo", "from llamaft_trainer.data.preference import PreferenceExample\n"),
+    ("llamaft_trainer.data.batching", "from llamaft_trainer.data.encoding import IGNORE_INDEX\nfrom llamaft_trainer.process.errors import ConfigError\n"),
+    ("llamaft_trainer.train", "from llamaft_trainer.methods import sft\nfrom llamaft_trainer.checkpoint.dcp import Checkpointer\n"),
+    ("llamaft_trainer.public", "from llamaft_trainer.process import termination\n"),
 ])
 def test_an_import_down_the_layers_is_fine(module: str, source: str) -> None:
     assert violations(module, source) == []
+
+
+def test_every_trainer_folder_is_a_wing_in_the_order() -> None:
+    """A new folder of the trainer takes its place in TRAINER_WINGS (and ARCHITECTURE.md), or its
+    imports would go unchecked."""
+    trainer = REPO / "trainer" / "llamaft_trainer"
+    folders = {p.name for p in trainer.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == set(TRAINER_WINGS)
+
+
+def test_architecture_md_names_every_module() -> None:
+    """ARCHITECTURE.md draws both halves from the code: a module it never names is one a reader
+    cannot place."""
+    text = (REPO / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    unnamed = [str(path.relative_to(REPO)) for _, path in modules()
+               if path.stem != "__init__" and not re.search(rf"(?<!\w){re.escape(path.stem)}(?!\w)", text)]
+    assert unnamed == []
+
+
+def test_the_trainer_tests_mirror_its_wings() -> None:
+    """tests/trainer has a folder per wing, the same names (the program's tests and the shared
+    workers and helpers stay at its top), so a wing's tests are where its code is."""
+    tests = REPO / "tests" / "trainer"
+    assert {p.name for p in tests.iterdir() if p.is_dir() and (p / "__init__.py").exists()} == set(TRAINER_WINGS)
+
+
+def test_the_seam_starts_without_torch() -> None:
+    """Importing llamaft_trainer.public loads neither torch nor transformers (the CLI's start stays
+    free of them): what needs them is imported inside the seam's functions."""
+    probe = "import sys, llamaft_trainer.public; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+BACKEND_MODULES = {"llamaft.api.spec", "llamaft.render.backends", "llamaft.render.desired", "llamaft.render.trainjob"}
+"""Where the backends' knowledge lives: the enum, the JobBackend protocol and its registry, and one
+module per backend (ARCHITECTURE.md, Backends)."""
+STILL_BRANCHING = {"llamaft.render.admission"}
+"""Call sites that still branch on the kind (issue 53: admission's hostname rule, its job
+rendering and its per-kind schema checks are to move into the backends)."""
+JOB_KINDS = {"PyTorchJob", "TrainJob"}
+
+
+def kind_branches(source: str) -> list[int]:
+    """Lines that compare something with a job kind: a `Backend` member, a kind's name as a string
+    or a backend module's KIND constant."""
+    def is_kind(node: ast.expr) -> bool:
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            return node.value.id == "Backend" or (node.attr == "KIND" and node.value.id in ("trainjob", "desired"))
+        if isinstance(node, ast.Constant):
+            return node.value in JOB_KINDS
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            return any(is_kind(e) for e in node.elts)
+        return False
+
+    return sorted({node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Compare)
+                   and any(is_kind(n) for n in (node.left, *node.comparators))})
+
+
+def test_no_call_site_branches_on_the_backend_kind() -> None:
+    """ARCHITECTURE.md: the operator and the CLI ask `backend_for(kind)`; only the backends know
+    what a kind means."""
+    found = {module: lines for module, path in modules() if layer_of(module) not in (None, "trainer")
+             and module not in BACKEND_MODULES | STILL_BRANCHING
+             and (lines := kind_branches(path.read_text(encoding="utf-8")))}
+    assert found == {}
+
+
+@pytest.mark.parametrize(("source", "branches"), [
+    ("if backend is Backend.TRAIN_JOB:\n    pass\n", True),
+    ("x = [o for o in objs if o['kind'] == 'PyTorchJob']\n", True),
+    ("if kind in ('Service', trainjob.KIND):\n    pass\n", True),
+    ("job = backend_for(backend).render(owner, spec, 1)\nok = job['kind'] == backend_for(backend).kind\n", False),
+])
+def test_a_branch_on_the_kind_is_found(source: str, branches: bool) -> None:
+    assert bool(kind_branches(source)) is branches
 
 
 MAX_HANDLER_STATEMENTS = 8

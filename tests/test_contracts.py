@@ -1,7 +1,7 @@
 """The trainer-operator contract (llamaft.api.contracts): what the trainer's real writers produce is
 what the operator's readers take, key for key.
 
-- The writers (termination.write, metrics.Progress over HTTP) are run for real, their output checked
+- The writers (termination.write, metrics.ProgressPublisher over HTTP) are run for real, their output checked
   against the models strictly (an unknown key or a wrong type fails: a key the trainer writes that
   the model lacks) and read back with the operator's own functions.
 - Every field of the models is written by the trainer (a field the model has that the trainer never
@@ -32,7 +32,7 @@ from llamaft.api.contracts import (
 )
 from llamaft.api.status import read_status
 from llamaft.operator import failures, lifecycle, observe
-from llamaft_trainer import termination
+from llamaft_trainer.process import termination
 
 from tests.conftest import REPO
 
@@ -111,7 +111,7 @@ def test_every_failure_report_is_the_model_and_the_operator_classifies_it(
 
 
 def test_the_trainer_names_exactly_the_reasons_the_operator_knows_it_for() -> None:
-    """Every FailureReason the trainer can emit (termination's constants: classify's and main's
+    """Every FailureReason the trainer can emit (termination's constants: classify_exception's and main's
     reasons) is one the operator maps to itself, and every such reason has a trainer constant."""
     named = {v for v in vars(termination).values() if isinstance(v, FailureReason)}
     assert named == set(contracts.TRAINER_REASONS) == set(failures.TRAINER_REASONS)
@@ -245,11 +245,11 @@ def test_the_progress_writer_refuses_a_key_the_model_lacks(served_progress: tupl
 
 
 def trainer_progress_keys() -> set[str]:
-    """The keys the trainer's source passes to Progress.update (`progress.update(...)` anywhere,
+    """The keys the trainer's source passes to ProgressPublisher.update (`progress.update(...)` anywhere,
     `self.update(...)` in metrics.py), by wire name, and updatedAt (update sets it)."""
     wire = {name: str(f.alias) for name, f in ProgressDocument.model_fields.items()}
     keys = {"updatedAt"}
-    for path in sorted(TRAINER.glob("*.py")):
+    for path in sorted(TRAINER.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "update"):
                 continue

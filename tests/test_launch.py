@@ -20,7 +20,7 @@ from llamaft.launch import localize, torchrun_launch
 from llamaft.local import agent, device_for, local_threads, plan
 from llamaft.render import desired
 from llamaft.render.naming import CONFIG_FILE, Owner
-from llamaft_trainer.errors import ConfigError
+from llamaft_trainer.process.errors import ConfigError
 
 from tests.operator.sim import SimCluster
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from llamaft_trainer.local_etcd import free_port, parent_death_signal
+from llamaft_trainer.process.local_etcd import free_port, parent_death_signal
 
 from tests.conftest import REPO
 from tests.tiers import starts_processes

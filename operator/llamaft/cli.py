@@ -131,7 +131,7 @@ def _validate_document(doc: Document, checks: CheckCache | None, notes: set[str]
         print(f"{doc.label}: ok ({summary})")
         print("  schema only: the API server would accept it; the operator's checks were not run")
         return True
-    from llamaft.render.admission import schemas_available
+    from llamaft.render.schemas import schemas_available
 
     if not schemas_available() and "schemas" not in notes:
         print("note: kubernetes-validate is not installed (pip install 'llamaft[operator]'): the objects the "
@@ -263,9 +263,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     table and the chart. Exit 0 when every size that could run was measured, 1 when one failed or
     timed out, 2 for bad input."""
     from llamaft.sweep import SweepError, plan_sweep, write_outputs
-    from llamaft.sweep.plan import parse_sizes
     from llamaft.sweep.point import with_scaling
     from llamaft.sweep.report import table
+    from llamaft.sweep.runs import parse_sizes
 
     if args.local and args.at_once:
         print("llamaft sweep: error: --at-once is for a cluster: here the sizes run one after another (they would share "
@@ -314,10 +314,10 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 def _without_torchao() -> contextlib.AbstractContextManager[None]:
     """transformers imports torchao whenever it is installed, and torchao's import prints notices
-    that concern float8 only (llamaft_trainer.quiet says which): kept out of commands that load
+    that concern float8 only (the trainer's process/quiet.py says which): kept out of commands that load
     transformers for other work."""
     try:
-        from llamaft_trainer.quiet import torchao_kept_out
+        from llamaft_trainer.public import torchao_kept_out
     except ImportError:
         return contextlib.nullcontext()
     return torchao_kept_out()
@@ -325,9 +325,9 @@ def _without_torchao() -> contextlib.AbstractContextManager[None]:
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     with _without_torchao():
-        from llamaft_trainer.tiny import build_tiny_llama
+        from llamaft_trainer.public import make_tiny_model
 
-        out = build_tiny_llama(Path(args.output), Path(args.dataset), chat_template=args.chat_template)
+        out = make_tiny_model(Path(args.output), Path(args.dataset), chat_template=args.chat_template)
     chat = f" (chat template {args.chat_template})" if args.chat_template else ""
     print(f"wrote a tiny random-init Llama and its tokenizer{chat} to {out}")
     return 0
@@ -335,7 +335,7 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 def _cmd_data_preview(args: argparse.Namespace) -> int:
     """The first examples of the file's dataset exactly as the trainer will see them (tokens, what
-    carries loss, truncation, packing), through the trainer's own code (llamaft_trainer.preview).
+    carries loss, truncation, packing), through the trainer's own code (llamaft_trainer.public.data_preview).
     Bad input (the file, a missing path, a record without its fields) exits 1 naming the field."""
     from llamaft.local import missing_inputs
     from llamaft.manifests import load_finetune
@@ -346,17 +346,16 @@ def _cmd_data_preview(args: argparse.Namespace) -> int:
         _print_errors("error", problems, sys.stderr)
         return 1
     with _without_torchao():
-        from llamaft_trainer.errors import ConfigError
-        from llamaft_trainer.preview import preview, render_json, render_text, use_colour
+        from llamaft_trainer.public import ConfigError, data_preview
 
         try:
-            result = preview(spec.training_config(), count=args.examples, split=args.split,
-                             store=Path(args.store) if args.store else None)
+            shown = data_preview(spec.training_config(), count=args.examples, split=args.split,
+                                 store=Path(args.store) if args.store else None, as_json=args.json,
+                                 colour=args.color, stream=sys.stdout, environ=os.environ)
         except ConfigError as exc:
             _print_errors("error", str(exc).splitlines(), sys.stderr)
             return 1
-    sys.stdout.write(render_json(result) if args.json else render_text(result, use_colour(args.color, sys.stdout,
-                                                                                           os.environ)))
+    sys.stdout.write(shown)
     return 0
 
 
@@ -375,7 +374,6 @@ def _cmd_render(args: argparse.Namespace) -> int:
     from llamaft.api.spec import Backend
     from llamaft.render import trainjob
     from llamaft.render.admission import PLACEHOLDER_UID
-    from llamaft.render.backends import backend_for
     from llamaft.render.naming import Owner
     from llamaft.render.objects import desired_objects
 
@@ -426,8 +424,7 @@ def _cmd_render(args: argparse.Namespace) -> int:
             return 1
     owner = Owner(name, namespace, uid)
     try:
-        job = backend_for(backend).render(owner, spec, args.attempt)
-        objects = [job if o["kind"] == "PyTorchJob" else o for o in desired_objects(owner, spec, args.attempt)]
+        objects = desired_objects(owner, spec, args.attempt, backend=backend)
     except Exception as exc:  # --force of a spec the renderer cannot handle (child_errors said so)
         print(_bounded(f"error: cannot be rendered ({type(exc).__name__}: {exc})"), file=sys.stderr)
         return 1
@@ -631,7 +628,7 @@ def _version() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        from llamaft_trainer.quiet import silence_known_warnings
+        from llamaft_trainer.public import silence_known_warnings
     except ImportError:
         pass
     else:

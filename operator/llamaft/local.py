@@ -48,10 +48,15 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
-from llamaft_trainer import termination
-from llamaft_trainer.errors import EXIT_CONFIG_ERROR, ConfigError
-from llamaft_trainer.local_etcd import LocalEtcd, free_port, parent_death_signal
-from llamaft_trainer.logline import parse_event
+from llamaft_trainer.public import (
+    EXIT_CONFIG_ERROR,
+    ConfigError,
+    LocalEtcd,
+    free_port,
+    parent_death_signal,
+    parse_event,
+    termination,
+)
 
 from llamaft.api.contracts import final_figures
 from llamaft.api.sources import SourceKind, parse_source
@@ -227,7 +232,7 @@ def agent(p: LocalPlan, endpoint: str, index: int) -> Localized:
 
 
 @contextlib.contextmanager
-def rendezvous_endpoint(p: LocalPlan, spec: LlamaFineTuneSpec) -> Iterator[str]:
+def local_rendezvous_endpoint(p: LocalPlan, spec: LlamaFineTuneSpec) -> Iterator[str]:
     if p.backend is RendezvousBackend.C10D:
         yield f"127.0.0.1:{free_port()}"
     elif spec.rendezvous.endpoint:
@@ -414,12 +419,12 @@ def stopping_line(signum: int, grace_s: float) -> str:
 
 def _checkpoint_note(p: LocalPlan) -> str:
     """Where a rerun of the same command starts."""
-    from llamaft_trainer.checkpoint import Checkpointer
+    from llamaft_trainer.public import latest_checkpoint
 
     if not p.resume:
         return "spec.checkpointing.resume is false: a rerun starts from step 0"
     try:
-        latest = Checkpointer(p.checkpoints, 1, 0).latest()
+        latest = latest_checkpoint(p.checkpoints)
     except Exception as exc:  # an unreadable directory must not hide the interrupt
         return f"cannot read {p.checkpoints}: {exc}"
     if latest is None:
@@ -499,7 +504,7 @@ def _run(p: LocalPlan, spec: LlamaFineTuneSpec, interrupt: Interrupt) -> int:
     procs: list[subprocess.Popen[str]] = []
     threads: list[threading.Thread] = []
     codes: list[int] = []
-    with rendezvous_endpoint(p, spec) as endpoint:
+    with local_rendezvous_endpoint(p, spec) as endpoint:
         try:
             for index in range(p.workers):
                 if interrupt.first is not None:

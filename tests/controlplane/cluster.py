@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from llamaft_trainer.local_etcd import LocalEtcd, free_port, parent_death_signal
+from llamaft_trainer.process.local_etcd import LocalEtcd, free_port, parent_death_signal
 
 from tests.controlplane.binaries import Binaries
 from tests.controlplane.pki import ClusterPKI, Credential

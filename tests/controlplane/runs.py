@@ -22,8 +22,8 @@ from llamaft.api.validation import validate_resource
 from llamaft.operator import gpu_health
 from llamaft.render import backends, monitoring, trainjob
 from llamaft.render.naming import Owner
-from llamaft_trainer.local_etcd import LocalEtcd
-from llamaft_trainer.logline import read_events
+from llamaft_trainer.process.local_etcd import LocalEtcd
+from llamaft_trainer.report.logline import read_events
 
 from tests.conftest import REPO, need_etcd
 from tests.controlplane.cluster import ControlPlane
@@ -222,7 +222,7 @@ def assert_monitored(cluster: Cluster, finetune: str, job: str, pods: list[dict[
     kept = [pod for config in scrape_configs(monitoring.pod_monitor(owner, spec), pods) for pod, _ in relabelled_addresses(config)]
     names = sorted(p["metadata"]["name"] for p in pods)
     assert sorted(kept) == names, (kept, names)
-    dashboards = re.fullmatch(r'namespace="([^"]+)", pod=~"([^"]+)"', monitoring.pod_selector(owner))
+    dashboards = re.fullmatch(r'namespace="([^"]+)", pod=~"([^"]+)"', monitoring.finetune_pod_selector(owner))
     health = re.search(r'pod=~"([^"]+)"', gpu_health.queries(owner, job)[1])
     assert dashboards is not None and dashboards[1] == cluster.ns and health is not None
     for name in names:

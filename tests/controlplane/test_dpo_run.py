@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 from kubernetes import client
-from llamaft_trainer.local_etcd import LocalEtcd
+from llamaft_trainer.process.local_etcd import LocalEtcd
 
 from tests.conftest import REPO
 from tests.controlplane import runs

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from kubernetes import client
-from llamaft_trainer.local_etcd import LocalEtcd
+from llamaft_trainer.process.local_etcd import LocalEtcd
 
 from tests.controlplane import runs
 from tests.controlplane.cluster import ControlPlane

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 from kubernetes import client
-from llamaft_trainer.local_etcd import LocalEtcd
+from llamaft_trainer.process.local_etcd import LocalEtcd
 
 from tests.controlplane import runs
 from tests.controlplane import test_training_operator as plane_runs

@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 from kubernetes import client
 from llamaft.render import backends
-from llamaft_trainer.local_etcd import LocalEtcd
-from llamaft_trainer.logline import read_events
+from llamaft_trainer.process.local_etcd import LocalEtcd
+from llamaft_trainer.report.logline import read_events
 
 from tests.conftest import REPO
 from tests.controlplane import runs

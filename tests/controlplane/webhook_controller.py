@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from llamaft_trainer.local_etcd import free_port
+from llamaft_trainer.process.local_etcd import free_port
 
 from tests.controlplane.cluster import HOST, Component, ControlPlane, ControlPlaneError
 from tests.controlplane.conftest import apply, wait_established

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from llamaft_trainer.local_etcd import free_port, parent_death_signal
+from llamaft_trainer.process.local_etcd import free_port, parent_death_signal
 
 from tests.hub.server import HEALTH
 from tests.tiers import starts_processes

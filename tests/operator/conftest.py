@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import pytest
 from kubernetes import client
-from llamaft_trainer.local_etcd import LocalEtcd, free_port
+from llamaft_trainer.process.local_etcd import LocalEtcd, free_port
 
 from tests.conftest import REPO, need_etcd
 from tests.operator.emulator import EmulatorThread, write_kubeconfig

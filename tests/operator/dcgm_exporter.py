@@ -11,7 +11,7 @@ from typing import TypeVar
 import pytest
 import yaml
 from llamaft.operator import gpu_health
-from llamaft_trainer.local_etcd import free_port
+from llamaft_trainer.process.local_etcd import free_port
 
 from tests.conftest import need_binary
 from tests.operator.conftest import wait_for

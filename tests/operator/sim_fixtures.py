@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import yaml
-from llamaft_trainer.local_etcd import LocalEtcd
+from llamaft_trainer.process.local_etcd import LocalEtcd
 
 from tests.conftest import REPO, need_etcd
 from tests.operator.conftest import CHECKPOINT_CLAIM as CHECKPOINT_CLAIM  # re-exported
@@ -42,7 +42,7 @@ def trainer_binds_metrics_host() -> bool:
     """Whether the trainer binds its metrics server to LLAMAFT_METRICS_HOST (the pod's address).
     Until it does, two pods on this one machine collide on the metrics port, so sim tests switch
     the metrics server off (LLAMAFT_METRICS_PORT=0) instead of pretending."""
-    return any("LLAMAFT_METRICS_HOST" in p.read_text() for p in (REPO / "trainer" / "llamaft_trainer").glob("*.py"))
+    return any("LLAMAFT_METRICS_HOST" in p.read_text() for p in (REPO / "trainer" / "llamaft_trainer").rglob("*.py"))
 
 
 def checkpoint_folder(tmp_path: Path) -> Path:

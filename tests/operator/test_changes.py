@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from llamaft.api.validation import validate_spec
-from llamaft.operator.lifecycle import IN_PLACE_FIELDS, changed_fields
+from llamaft.operator.spec_changes import IN_PLACE_FIELDS, changed_fields
 
 from tests.operator.conftest import tiny_spec
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 from llamaft.operator.kube import USER_AGENT
-from llamaft_trainer.local_etcd import LocalEtcd
+from llamaft_trainer.process.local_etcd import LocalEtcd
 
 from tests.operator import apply as ssa
 from tests.operator.conftest import Cluster, Operator, own_emulator, tiny_spec, wait_for

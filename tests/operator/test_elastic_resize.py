@@ -28,8 +28,8 @@ import pytest
 from filelock import FileLock
 from kubernetes import client
 from llamaft.api import crd as crdgen
-from llamaft_trainer.local_etcd import LocalEtcd
-from llamaft_trainer.logline import read_events
+from llamaft_trainer.process.local_etcd import LocalEtcd
+from llamaft_trainer.report.logline import read_events
 
 from tests.operator.conftest import Cluster, Operator, wait_for
 from tests.operator.emulator import EmulatorThread, write_kubeconfig

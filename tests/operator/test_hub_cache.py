@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from llamaft_trainer.local_etcd import LocalEtcd
-from llamaft_trainer.logline import read_events
+from llamaft_trainer.process.local_etcd import LocalEtcd
+from llamaft_trainer.report.logline import read_events
 
 from tests.hub.fixture import HubServer
 from tests.operator.conftest import Cluster, Operator, wait_for

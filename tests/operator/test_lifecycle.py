@@ -15,7 +15,7 @@ import pytest
 from llamaft.api.contracts import read_progress
 from llamaft.api.spec import LlamaFineTuneSpec
 from llamaft.api.status import read_status
-from llamaft.operator import failures, lifecycle
+from llamaft.operator import failures, lifecycle, spec_changes
 from llamaft.operator.lifecycle import Observed, decide
 
 NOW = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
@@ -210,7 +210,7 @@ def test_the_trainers_precedence_follows_the_operators_priority() -> None:
     message) must rank the trainer's reasons as failures.PRIORITY ranks them, TrainerError
     standing for any other exception (OTHER_ERROR_PRECEDENCE); else a pod's message could keep a
     cause the operator ranks below the one a peer overwrote."""
-    from llamaft_trainer import termination
+    from llamaft_trainer.process import termination
 
     ranks = {**termination.PRECEDENCE, failures.TRAINER_ERROR: termination.OTHER_ERROR_PRECEDENCE}
     assert set(ranks) <= set(failures.PRIORITY)
@@ -438,15 +438,15 @@ def test_a_child_the_api_server_rejects_fails_the_run_once() -> None:
 
 
 # ------------------------------------------------------------------------------ spec changes
-def change(status: dict[str, Any] | None = None, changed: set[tuple[str, ...]] | None = None, **kw: Any) -> lifecycle.SpecChanged:
+def change(status: dict[str, Any] | None = None, changed: set[tuple[str, ...]] | None = None, **kw: Any) -> spec_changes.SpecChanged:
     base: dict[str, Any] = dict(spec=spec(), status=dict(RUNNING if status is None else status),
                                 changed=frozenset(changed or set()), job_name=JOB, generation=2)
     base.update(kw)
-    return lifecycle.SpecChanged(**base)
+    return spec_changes.SpecChanged(**base)
 
 
 SUSPEND, WORKERS, LR = ("runPolicy", "suspend"), ("cluster", "workers"), ("training", "learningRate")
-SPEC_ROWS: list[tuple[str, lifecycle.SpecChanged, dict[str, Any]]] = [
+SPEC_ROWS: list[tuple[str, spec_changes.SpecChanged, dict[str, Any]]] = [
     ("never started: the lifecycle starts it", change({}, {LR}), dict(wake=True, status={})),
     ("started but unrecorded: attempt 1 restarts as 2", change({}, {LR}, first_job_exists=True),
      dict(wake=True, delete=JOB, attempt=2, events=["SpecChanged"])),
@@ -471,8 +471,8 @@ SPEC_ROWS: list[tuple[str, lifecycle.SpecChanged, dict[str, Any]]] = [
 
 
 @pytest.mark.parametrize(("row", "event", "want"), SPEC_ROWS, ids=[r[0] for r in SPEC_ROWS])
-def test_the_spec_change_table(row: str, event: lifecycle.SpecChanged, want: dict[str, Any]) -> None:
-    d = lifecycle.decide_spec_change(event)
+def test_the_spec_change_table(row: str, event: spec_changes.SpecChanged, want: dict[str, Any]) -> None:
+    d = spec_changes.decide_spec_change(event)
     assert d.wake == want.get("wake", False), row
     assert d.delete_job == want.get("delete"), row
     assert d.suspend == want.get("suspend"), row

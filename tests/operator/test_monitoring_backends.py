@@ -15,7 +15,7 @@ it, with Prometheus' pod discovery replaced by a static target list of what it w
   the running filter, keep rules for the selector, the port keep rule (`port` on the port name,
   `portNumber` on the port number), namespace/container/pod/job/endpoint labels, the endpoint's
   relabelings (generateRelabelConfig), the sharding rules of one shard.
-Then a real Prometheus scrapes the trainer's real metrics server (llamaft_trainer.metrics.Progress,
+Then a real Prometheus scrapes the trainer's real metrics server (llamaft_trainer.report.metrics.ProgressPublisher,
 as tests/operator/test_prometheus.py does) on each pod's own loopback address, and a replayed
 dcgm-exporter / kube-state-metrics endpoint; `promtool test rules` checks every alert against
 series named after each backend's pods.
@@ -45,7 +45,7 @@ from llamaft.api.validation import validate_resource
 from llamaft.operator import gpu_health
 from llamaft.render import desired, monitoring, trainjob
 from llamaft.render.naming import Owner
-from llamaft_trainer.local_etcd import free_port
+from llamaft_trainer.process.local_etcd import free_port
 
 from tests.conftest import EXAMPLES, need_binary
 from tests.operator.conftest import wait_for
@@ -299,8 +299,8 @@ def test_pod_name_regex_matches_every_attempts_pods_of_both_backends_and_nothing
         owner = Owner(name, NS, "5e1f0c2a-0000-4000-8000-000000000001")
         old = Owner(name, NS, "77aa0c2a-0000-4000-8000-000000000001")
         longer = Owner(f"{name[:36]}-2", NS, "5e1f0c2a-0000-4000-8000-000000000002")
-        selector = re.fullmatch(r'namespace="([^"]+)", pod=~"([^"]+)"', monitoring.pod_selector(owner))
-        assert selector is not None and selector[1] == NS, monitoring.pod_selector(owner)
+        selector = re.fullmatch(r'namespace="([^"]+)", pod=~"([^"]+)"', monitoring.finetune_pod_selector(owner))
+        assert selector is not None and selector[1] == NS, monitoring.finetune_pod_selector(owner)
         regex = re.compile(selector[2])
         for attempt in (1, 9, 10, 99, 100, 999):
             for index in (0, 7, 10, 999, 1000, 4095):
@@ -466,11 +466,11 @@ def query(url: str, expr: str) -> list[Obj]:
 
 
 def _trainer_metrics(ip: str, port: int, stale: bool) -> Any:
-    """The trainer's own metrics server (llamaft_trainer.metrics.Progress) on the pod's address, as
+    """The trainer's own metrics server (llamaft_trainer.report.metrics.ProgressPublisher) on the pod's address, as
     LLAMAFT_METRICS_HOST pins it, after one optimizer step."""
-    from llamaft_trainer.metrics import Progress
+    from llamaft_trainer.report.metrics import ProgressPublisher
 
-    progress = Progress()
+    progress = ProgressPublisher()
     progress.total_steps.set(100)
     progress.record_step({"step": 7, "epoch": 0, "loss": 2.5, "lr": 1e-5, "grad_norm": 1.0, "tokens_per_second": 900.0,
                           "tokens_per_second_per_device": 450.0, "mfu": 0.38, "peak_memory_bytes": 2**30, "tokens": 64,
@@ -587,7 +587,7 @@ def test_every_dashboard_query_and_alert_returns_the_fine_tunes_pods_only(fleet:
         assert _pods(query(fleet.url, rules["LlamaFineTuneRestarting"])) == mine, key
         assert query(fleet.url, rules["LlamaFineTuneLowGPUUtilisation"]), key
         assert query(fleet.url, rules["LlamaFineTuneNoProgress"]), key
-    selectors = [monitoring.pod_selector(o) for o in fleet.owners.values()]
+    selectors = [monitoring.finetune_pod_selector(o) for o in fleet.owners.values()]
     for decoy in fleet.decoys:
         for sel in selectors:
             assert not query(fleet.url, f'{{__name__=~".+", pod="{decoy}", {sel}}}'), (decoy, sel)

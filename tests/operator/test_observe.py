@@ -7,6 +7,7 @@ from typing import Any
 from llamaft.api.contracts import read_progress
 from llamaft.api.status import Phase, Progress, as_written, read_status
 from llamaft.operator import observe
+from llamaft.render import backends
 
 NOW = "2026-11-29T20:00:00Z"
 
@@ -17,14 +18,14 @@ def job(*conditions: tuple[str, str, str], **status: Any) -> dict[str, Any]:
 
 
 def test_phase_priority_follows_the_training_operator() -> None:
-    assert observe.job_phase(None)[0] == "Creating"
-    assert observe.job_phase(job(("Created", "True", "PyTorchJobCreated")))[0] == "Creating"
+    assert backends.phase_of_job(None)[0] == "Creating"
+    assert backends.phase_of_job(job(("Created", "True", "PyTorchJobCreated")))[0] == "Creating"
     running = job(("Created", "True", "c"), ("Running", "True", "PyTorchJobRunning"))
-    assert observe.job_phase(running)[:2] == ("Running", "PyTorchJobRunning")
-    assert observe.job_phase(job(("Running", "False", "r"), ("Succeeded", "True", "s")))[0] == "Succeeded"
-    assert observe.job_phase(job(("Running", "True", "r"), ("Restarting", "True", "x")))[0] == "Restarting"
-    assert observe.job_phase(job(("Running", "True", "r"), ("Failed", "True", "f")))[0] == "Failed"
-    assert observe.job_phase(job(("Suspended", "True", "PyTorchJobSuspended")))[0] == "Suspended"
+    assert backends.phase_of_job(running)[:2] == ("Running", "PyTorchJobRunning")
+    assert backends.phase_of_job(job(("Running", "False", "r"), ("Succeeded", "True", "s")))[0] == "Succeeded"
+    assert backends.phase_of_job(job(("Running", "True", "r"), ("Restarting", "True", "x")))[0] == "Restarting"
+    assert backends.phase_of_job(job(("Running", "True", "r"), ("Failed", "True", "f")))[0] == "Failed"
+    assert backends.phase_of_job(job(("Suspended", "True", "PyTorchJobSuspended")))[0] == "Suspended"
 
 
 def test_conditions_keep_transition_time_until_status_changes() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from llamaft.operator import rendezvous
-from llamaft_trainer.local_etcd import LocalEtcd
+from llamaft_trainer.process.local_etcd import LocalEtcd
 
 from tests.operator.conftest import Cluster, Operator, close_rendezvous, free_port, tiny_spec, wait_for
 
@@ -225,10 +225,10 @@ def test_operator_killed_mid_reconcile_creates_no_duplicates(cluster: Cluster, k
 
 
 def test_progress_from_the_trainer_endpoint(cluster: Cluster, operator: Operator) -> None:
-    from llamaft_trainer.metrics import Progress
+    from llamaft_trainer.report.metrics import ProgressPublisher
 
     port = free_port()
-    progress = Progress()
+    progress = ProgressPublisher()
     progress.update(rank=0, pod="prog-leader")
     server = progress.serve(port)
     try:

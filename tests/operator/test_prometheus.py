@@ -69,9 +69,9 @@ def serve() -> tuple[ThreadingHTTPServer, int]:
 @starts_processes
 def prometheus() -> Iterator[str]:
     binary = need_binary("prometheus", "prometheus")
-    from llamaft_trainer.metrics import Progress
+    from llamaft_trainer.report.metrics import ProgressPublisher
 
-    progress = Progress()
+    progress = ProgressPublisher()
     progress.total_steps.set(100)
     progress.record_step({"step": 7, "epoch": 0, "loss": 2.5, "lr": 1e-5, "grad_norm": 1.0, "tokens_per_second": 900.0,
                           "tokens_per_second_per_device": 450.0, "mfu": 0.38, "peak_memory_bytes": 2**30, "tokens": 64,

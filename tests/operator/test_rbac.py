@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from kubernetes import client
-from llamaft_trainer.local_etcd import LocalEtcd
+from llamaft_trainer.process.local_etcd import LocalEtcd
 
 from tests.operator.conftest import Cluster, Operator, tiny_spec, wait_for
 from tests.operator.emulator import EmulatorThread, Recorded, write_kubeconfig

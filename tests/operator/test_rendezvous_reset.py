@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from llamaft.api.spec import RendezvousBackend
 from llamaft.operator import rendezvous
-from llamaft_trainer.local_etcd import LocalEtcd
+from llamaft_trainer.process.local_etcd import LocalEtcd
 
 from tests.conftest import REPO, need_etcd
 from tests.trainer.conftest import base_config, trainer_env

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from llamaft_trainer.local_etcd import LocalEtcd
-from llamaft_trainer.logline import read_events
+from llamaft_trainer.process.local_etcd import LocalEtcd
+from llamaft_trainer.report.logline import read_events
 
 from tests.conftest import REPO
 from tests.operator.conftest import Cluster, Operator, close_rendezvous, wait_for

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from llamaft_trainer.logline import read_events
+from llamaft_trainer.report.logline import read_events
 
 from tests.operator.emulator import GENERATE_NAME_ALPHABET
 from tests.operator.sim import Api, SimCluster, job_path, pod_path, pod_port

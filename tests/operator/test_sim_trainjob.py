@@ -24,7 +24,7 @@ import pytest
 from llamaft.api.validation import validate_resource
 from llamaft.render import desired, trainjob
 from llamaft.render.naming import Owner
-from llamaft_trainer.local_etcd import LocalEtcd
+from llamaft_trainer.process.local_etcd import LocalEtcd
 
 from tests.operator.emulator import EmulatorThread
 from tests.operator.sim import ApiError, SimCluster, pod_port, service_path

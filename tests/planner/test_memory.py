@@ -11,7 +11,6 @@ from llamaft.planner.memory import (
     Setup,
     compute_bytes,
     dora_temporary_bytes,
-    estimate_memory,
     layer_activation_bytes_per_token,
     master_bytes,
     op_sac_recomputed_fraction,
@@ -20,6 +19,7 @@ from llamaft.planner.memory import (
     setup_from_spec,
     units,
 )
+from llamaft.planner.replay import estimate_memory
 from llamaft.planner.shapes import shape_from_config
 
 from tests.conftest import REPO

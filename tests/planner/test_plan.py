@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from llamaft.api.flops import flops_per_token
 from llamaft.api.quantity import parse_quantity
 from llamaft.api.spec import LlamaFineTuneSpec
 from llamaft.manifests import load_finetune
@@ -34,7 +35,6 @@ from llamaft.planner.plan import (
     FRAGMENTATION,
     allowance,
     apply_changes,
-    flops_per_token,
     resolve_gpu,
 )
 
@@ -186,12 +186,13 @@ def test_epochs_to_steps_for_a_known_dataset() -> None:
 
 def test_flops_formula_is_the_trainers() -> None:
     transformers = pytest.importorskip("transformers")
-    from llamaft_trainer.metrics import flops_per_token as trainer_fpt
+    from llamaft_trainer.report.metrics import model_flops_per_token
 
     shape = resolve_shape("meta-llama/Meta-Llama-3-8B")
     config = transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                       num_attention_heads=32, num_key_value_heads=8)
-    assert flops_per_token(shape, 8192) == trainer_fpt(config, shape.parameters, 8192)
+    planner = flops_per_token(shape.parameters, shape.embedding_parameters, shape.num_layers, shape.q_dim, 8192)
+    assert planner == model_flops_per_token(config, shape.parameters, 8192)
 
 
 def test_allowance() -> None:

@@ -15,8 +15,9 @@ from llamaft.api.resource import MAX_ATTEMPTS, MAX_NAME_LENGTH
 from llamaft.api.spec import LlamaFineTuneSpec, TrainingJobConfig
 from llamaft.api.validation import validate_resource, validate_spec
 from llamaft.render import admission, desired, objects
-from llamaft.render.admission import PLACEHOLDER_UID, child_errors, schema_errors
+from llamaft.render.admission import PLACEHOLDER_UID, child_errors
 from llamaft.render.naming import Owner
+from llamaft.render.schemas import schema_errors
 
 from tests.conftest import EXAMPLES, REFERENCE, REPO
 from tests.validation import apiserver_model

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from llamaft.api.spec import Backend
 from llamaft.api.status import Phase
-from llamaft.operator import kube, observe
+from llamaft.operator import kube
 from llamaft.render import backends
 from llamaft.render.naming import Owner
 
@@ -99,8 +99,7 @@ def test_pod_selectors_name_the_jobs_own_pods() -> None:
     ({"kind": "TrainJob", "metadata": {"name": "x"}, "status": {}}, Phase.CREATING),
 ])
 def test_the_phase_is_read_by_the_jobs_own_backend(job: dict[str, Any] | None, phase: Phase) -> None:
-    assert observe.job_phase(job)[0] is phase
-    assert backends.job_phase(job)[0] is phase
+    assert backends.phase_of_job(job)[0] is phase
 
 
 def test_a_trainjob_reads_as_the_lifecycles_view_and_a_pytorchjob_as_itself() -> None:

@@ -50,7 +50,7 @@ def test_schema_check_catches_a_broken_pod_monitor() -> None:
 def test_dashboard_panels_filter_to_the_job_and_cover_the_metrics() -> None:
     board = monitoring.dashboard(OWNER)
     exprs = [t["expr"] for p in board["panels"] for t in p["targets"]]
-    assert all(monitoring.pod_selector(OWNER) in e for e in exprs)
+    assert all(monitoring.finetune_pod_selector(OWNER) in e for e in exprs)
     for metric in [*REQUIRED_DCGM, "llamaft_train_loss", "llamaft_train_tokens_per_second", "llamaft_train_mfu",
                    "llamaft_train_peak_memory_bytes"]:
         assert any(metric in e for e in exprs), metric

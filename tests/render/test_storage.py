@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from llamaft.api.spec import Backend
 from llamaft.api.validation import validate_spec
-from llamaft.render import admission, desired, storage
+from llamaft.render import admission, desired, schemas, storage
 from llamaft.render.naming import Owner
 
 OWNER = Owner("run", "team", "0f5e1c2a-1111-2222-3333-444455556666")
@@ -137,7 +137,7 @@ def test_every_kubernetes_volume_source_is_classified() -> None:
     """Each VolumeSource of the oldest supported Kubernetes (kubernetes-validate's v1.30 schema) is
     known to outlive the pod or not; a source the table lacks would be refused as unknown."""
     schema = json.loads((resources.files("kubernetes_validate") / "kubernetes-json-schema"
-                         / f"v{admission.K8S_SCHEMA_VERSION}.0-local-strict" / "_definitions.json").read_text())
+                         / f"v{schemas.K8S_SCHEMA_VERSION}.0-local-strict" / "_definitions.json").read_text())
     sources = set(schema["$defs"]["io.k8s.api.core.v1.Volume"]["properties"]) - {"name"}
     assert sources == storage.PERSISTENT | set(storage.POD_LIFETIME)
     assert not storage.PERSISTENT & set(storage.POD_LIFETIME)

@@ -18,10 +18,11 @@ from llamaft.api.spec import Backend, EnvVar, LlamaFineTuneSpec
 from llamaft.api.status import Phase, read_status
 from llamaft.api.validation import SpecInvalid, validate_resource, validate_spec
 from llamaft.cli import main
-from llamaft.operator import lifecycle, observe
-from llamaft.render import desired, trainjob
-from llamaft.render.admission import child_errors, schema_errors
+from llamaft.operator import lifecycle
+from llamaft.render import backends, desired, trainjob
+from llamaft.render.admission import child_errors
 from llamaft.render.naming import Owner
+from llamaft.render.schemas import schema_errors
 
 from tests.conftest import EXAMPLES, REFERENCE, REPO
 from tests.operator.kubeflow_rules import crd_schema
@@ -433,7 +434,7 @@ def node(**counts: int) -> dict[str, Any]:
 
 
 def test_job_phase_reads_trainjob_conditions_and_jobs_status() -> None:
-    phase = observe.job_phase
+    phase = backends.phase_of_job
     assert phase(train_job_obj())[:2] == (Phase.CREATING, "TrainJobCreated")
     assert phase(train_job_obj(jobs=[node()]))[:2] == (Phase.CREATING, "JobsCreated")
     assert phase(train_job_obj(jobs=[node(active=1)]))[0] is Phase.RUNNING

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from llamaft.cli import main as cli
 from llamaft.sweep import chart
-from llamaft_trainer.logline import read_events
+from llamaft_trainer.report.logline import read_events
 
 from tests.trainer.test_local_run import finetune
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import torch
-from llamaft_trainer import streaming
-from llamaft_trainer.local_etcd import free_port
-from llamaft_trainer.runtime import Runtime
+from llamaft_trainer.data import streaming
+from llamaft_trainer.process.local_etcd import free_port
+from llamaft_trainer.process.runtime import Runtime
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tests.conftest import REPO

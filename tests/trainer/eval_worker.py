@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 from llamaft.api.spec import TrainingJobConfig
 from llamaft_trainer import train
-from llamaft_trainer.checkpoint import TrainState
-from llamaft_trainer.data import IGNORE_INDEX
+from llamaft_trainer.checkpoint.dcp import TrainState
+from llamaft_trainer.data.encoding import IGNORE_INDEX
 from llamaft_trainer.main import setup
-from llamaft_trainer.runtime import init_runtime
-from llamaft_trainer.shutdown import exit_process
+from llamaft_trainer.process.runtime import init_runtime
+from llamaft_trainer.process.shutdown import exit_process
 
 
 def _sum(values: list[float]) -> list[float]:

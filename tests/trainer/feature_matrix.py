@@ -17,7 +17,7 @@ What is not a factor here, and why:
 - HYBRID_SHARD's default groups (one node's processes as a shard group): the matrix runs a world
   on one torchrun node, where that default is 1 replica x 2 shards (FULL_SHARD in effect), so the
   value sets the groups 2 workers would get (shard 1 x replica 2) explicitly.
-- MLflow and W&B: each needs a server or a service process (tests/trainer/test_tracking.py); the
+- MLflow and W&B: each needs a server or a service process (tests/trainer/report/test_tracking.py); the
   tracker factor is TensorBoard (which `llamaft run --local` writes by default) or none.
 """
 

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from llamaft.api.spec import TrainingJobConfig
 from llamaft_trainer import evaluation
 from llamaft_trainer.main import run
-from llamaft_trainer.runtime import init_runtime
-from llamaft_trainer.shutdown import exit_process
+from llamaft_trainer.process.runtime import init_runtime
+from llamaft_trainer.process.shutdown import exit_process
 
 
 def main(cases_path: str, out_path: str) -> None:

@@ -18,10 +18,10 @@ import sys
 import torch
 import torch.distributed as dist
 from llamaft.api.spec import TrainingJobConfig
-from llamaft_trainer.checkpoint import full_model_state_dict
+from llamaft_trainer.checkpoint.dcp import full_model_state_dict
 from llamaft_trainer.main import run
-from llamaft_trainer.runtime import init_runtime
-from llamaft_trainer.shutdown import exit_process
+from llamaft_trainer.process.runtime import init_runtime
+from llamaft_trainer.process.shutdown import exit_process
 
 
 def checksum(model: torch.nn.Module) -> str:

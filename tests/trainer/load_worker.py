@@ -22,13 +22,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from llamaft.api.spec import TrainingJobConfig
-from llamaft_trainer import downloads, loading
-from llamaft_trainer import model as model_step
-from llamaft_trainer.checkpoint import full_model_state_dict
-from llamaft_trainer.errors import ConfigError
+from llamaft_trainer.checkpoint.dcp import full_model_state_dict
 from llamaft_trainer.main import build_model
-from llamaft_trainer.runtime import Runtime, init_runtime
-from llamaft_trainer.shutdown import exit_process, teardown
+from llamaft_trainer.model import loading
+from llamaft_trainer.model import model as model_step
+from llamaft_trainer.process.errors import ConfigError
+from llamaft_trainer.process.runtime import Runtime, init_runtime
+from llamaft_trainer.process.shutdown import exit_process, teardown
+from llamaft_trainer.sources import downloads
 
 from tests.trainer import countingfs
 
@@ -54,7 +55,7 @@ def run_case(case: dict[str, Any], rt: Runtime) -> dict[str, Any]:
     cfg = TrainingJobConfig.model_validate(case["config"])
     torch.manual_seed(cfg.training.seed)  # as main.setup does
     try:
-        model, _ = build_model(cfg, rt, model_step.load_config(cfg.model, rt))
+        model, _ = build_model(cfg, rt, model_step.load_model_config(cfg.model, rt))
     except ConfigError as exc:
         return {"error": str(exc)}
     rng = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16]

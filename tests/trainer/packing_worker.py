@@ -23,11 +23,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from llamaft.api.spec import TrainingJobConfig
-from llamaft_trainer import data as d
-from llamaft_trainer import store as store_mod
+from llamaft_trainer.data import batching, encoding
+from llamaft_trainer.data import store as store_mod
 from llamaft_trainer.main import setup
-from llamaft_trainer.runtime import Runtime, init_runtime
-from llamaft_trainer.shutdown import exit_process
+from llamaft_trainer.process.runtime import Runtime, init_runtime
+from llamaft_trainer.process.shutdown import exit_process
 from llamaft_trainer.train import Trainer, evaluate, token_loss_sum
 
 BLOCKS_PER_RANK = 3
@@ -65,19 +65,19 @@ def grads_and_losses(model: torch.nn.Module, batches: list[dict[str, torch.Tenso
 
 def case(cfg: TrainingJobConfig, steps: int, rt: Runtime) -> dict[str, Any]:
     s = setup(cfg, rt)
-    collate = d.Collate(int(s.tokenizer.pad_token_id))
+    collate = batching.Collate(int(s.tokenizer.pad_token_id))
     train = s.data.train
-    assert isinstance(train, d.PackedExamples), type(train)
+    assert isinstance(train, batching.PackedExamples), type(train)
     mine = [rt.rank + k * rt.world_size for k in range(BLOCKS_PER_RANK)]
     packed_batches = [collate([train[i]]) for i in mine]
     examples = [e for i in mine for e in train.block(i)]
-    alone = [collate([d.training_item(*train.part.example(e))]) for e in examples]
+    alone = [collate([batching.training_item(*train.part.example(e))]) for e in examples]
     # Under FSDP every rank runs as many forwards as the others: pad with batches that carry no label.
     most = torch.tensor([len(alone)])
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
     for _ in range(int(most) - len(alone)):
-        filler = collate([d.training_item(*train.part.example(examples[0]))])
-        filler["labels"].fill_(d.IGNORE_INDEX)
+        filler = collate([batching.training_item(*train.part.example(examples[0]))])
+        filler["labels"].fill_(encoding.IGNORE_INDEX)
         alone.append(filler)
     chunks = cfg.training.loss_chunks
     s.model.train()
@@ -95,7 +95,7 @@ def case(cfg: TrainingJobConfig, steps: int, rt: Runtime) -> dict[str, Any]:
     packed_eval = evaluate(s.model, s.data, rt, chunks)
     found = store_mod.open_store(s.data.store_path) if s.data.store_path is not None else None
     assert found is not None
-    padded = d.ValidationShare(d.PaddedExamples(found.validation), rt.rank, rt.world_size,
+    padded = batching.ValidationShare(batching.PaddedExamples(found.validation), rt.rank, rt.world_size,
                                cfg.training.per_device_batch_size, collate)
     padded_eval = evaluate(s.model, dataclasses.replace(s.data, validation_loader=padded), rt, chunks)
     return {

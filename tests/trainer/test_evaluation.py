@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 from llamaft.api.spec import EvalMetric
-from llamaft_trainer import data as d
 from llamaft_trainer import evaluation
-from llamaft_trainer.logline import read_events
+from llamaft_trainer.data import encoding
+from llamaft_trainer.report.logline import read_events
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.trainer.conftest import base_config, launch_trainer
@@ -20,7 +20,7 @@ from tests.trainer.conftest import base_config, launch_trainer
 
 def test_a_sample_is_the_prompt_before_the_first_loss_token_and_the_first_loss_run() -> None:
     tok = _FakeTokenizer()
-    part = d._assemble([[10, 11], [], [12]], [[20, 21], [22], []], bos=1, eos=2, max_len=64)
+    part = encoding._assemble([[10, 11], [], [12]], [[20, 21], [22], []], bos=1, eos=2, max_len=64)
     samples = evaluation.held_out_samples(part, tok, 5)  # type: ignore[arg-type]
     # Record 2 has no prompt (only <bos>... then the response: the prompt is just <bos>), record 3
     # has no reference (only <eos> carries loss): one is kept with <bos> as its prompt, one is not.
@@ -63,7 +63,7 @@ def test_sharded_generations_are_the_exported_models_and_are_scored(tiny_model: 
     tok = AutoTokenizer.from_pretrained(export)
     store_runs = sorted((tmp_path / "gen" / "data").iterdir())
     assert store_runs, "the token store is beside the checkpoints"
-    from llamaft_trainer import store as store_mod
+    from llamaft_trainer.data import store as store_mod
 
     opened = store_mod.open_store(store_runs[0])
     assert opened is not None
@@ -94,8 +94,8 @@ def test_generation_runs_the_compiled_layers_eagerly(tiny_model: Path) -> None:
     a new length at every token, which would recompile each layer (up to dynamo's limit) for a few
     prompts. Generation runs them eagerly (as HF's Seq2SeqTrainer generates with the uncompiled
     model) and writes what the uncompiled model writes; training forwards still compile."""
-    from llamaft_trainer.parallelize import decoder_layers
-    from llamaft_trainer.runtime import Runtime
+    from llamaft_trainer.parallel.parallelize import decoder_layers
+    from llamaft_trainer.process.runtime import Runtime
 
     compiled: list[int] = []
 
@@ -106,8 +106,8 @@ def test_generation_runs_the_compiled_layers_eagerly(tiny_model: Path) -> None:
     tok = AutoTokenizer.from_pretrained(tiny_model)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).train()
     rt = Runtime(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
-    samples = [evaluation.Sample(prompt_ids=tok("a b c")["input_ids"], prompt="a b c", reference="d"),
-               evaluation.Sample(prompt_ids=tok("hello there friend")["input_ids"], prompt="", reference="x")]
+    samples = [evaluation.HeldOutSample(prompt_ids=tok("a b c")["input_ids"], prompt="a b c", reference="d"),
+               evaluation.HeldOutSample(prompt_ids=tok("hello there friend")["input_ids"], prompt="", reference="x")]
     eager = evaluation.generate(model, samples, tok, rt, max_new_tokens=6)
     layers = decoder_layers(model)
     for index, layer in enumerate(list(layers)):

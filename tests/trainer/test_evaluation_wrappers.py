@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from llamaft_trainer.logline import read_events
+from llamaft_trainer.report.logline import read_events
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import REPO

@@ -27,7 +27,7 @@ from filelock import FileLock
 from llamaft.api.sharding import Wrapper, plan_sharding
 from llamaft.api.spec import FsdpSpec
 from llamaft.api.validation import SpecInvalid, validate_spec
-from llamaft_trainer.logline import read_events
+from llamaft_trainer.report.logline import read_events
 
 from tests.tiers import starts_processes
 from tests.trackers import tensorboard_scalars
@@ -296,7 +296,7 @@ def test_row_resumes_from_its_checkpoint_in_a_second_launch(matrix: Matrix, name
 
 def _held_out_prompts(run: RowRun, tokenizer: Any) -> list[list[int]]:
     from llamaft_trainer import evaluation
-    from llamaft_trainer import store as store_mod
+    from llamaft_trainer.data import store as store_mod
 
     stores = sorted((run.directory / "data").iterdir())
     opened = store_mod.open_store(stores[0])

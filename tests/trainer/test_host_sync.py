@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 from llamaft.api.spec import TrainingJobConfig
 from llamaft_trainer import train
-from llamaft_trainer.local_etcd import free_port
 from llamaft_trainer.main import setup
-from llamaft_trainer.preemption import StopSignal
-from llamaft_trainer.runtime import init_runtime
+from llamaft_trainer.process.local_etcd import free_port
+from llamaft_trainer.process.preemption import StopSignal
+from llamaft_trainer.process.runtime import init_runtime
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 

@@ -20,8 +20,8 @@ import pytest
 import yaml
 from llamaft.cli import main as cli
 from llamaft.local import STOP_MARGIN_S
-from llamaft_trainer.checkpoint import Checkpointer
-from llamaft_trainer.logline import read_events
+from llamaft_trainer.checkpoint.dcp import Checkpointer
+from llamaft_trainer.report.logline import read_events
 
 from tests.conftest import REPO, need_etcd
 from tests.trackers import tensorboard_scalars

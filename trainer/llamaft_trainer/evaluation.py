@@ -25,21 +25,21 @@ from llamaft.api.spec import EvalMetric, EvaluationSpec
 from torch import nn
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from llamaft_trainer import store as store_mod
-from llamaft_trainer.runtime import Runtime
+from llamaft_trainer.data import store as store_mod
+from llamaft_trainer.process.runtime import Runtime
 
 
 @dataclass(frozen=True)
-class Sample:
+class HeldOutSample:
     prompt_ids: list[int]
     prompt: str
     reference: str
 
 
-def held_out_samples(part: store_mod.Part | None, tokenizer: PreTrainedTokenizerBase, n: int) -> list[Sample]:
+def held_out_samples(part: store_mod.Part | None, tokenizer: PreTrainedTokenizerBase, n: int) -> list[HeldOutSample]:
     """The first `n` held-out examples that have both a prompt and a reference, in store order
     (the same on every rank and every attempt)."""
-    found: list[Sample] = []
+    found: list[HeldOutSample] = []
     if part is None:
         return found
     special = set(tokenizer.all_special_ids)
@@ -55,7 +55,7 @@ def held_out_samples(part: store_mod.Part | None, tokenizer: PreTrainedTokenizer
         reference_ids = [t for t in ids[start:end] if t not in special]
         if start == 0 or not reference_ids:
             continue
-        found.append(Sample(ids[:start], _text(tokenizer, ids[:start], False), _text(tokenizer, reference_ids, True)))
+        found.append(HeldOutSample(ids[:start], _text(tokenizer, ids[:start], False), _text(tokenizer, reference_ids, True)))
     return found
 
 
@@ -112,7 +112,7 @@ def root_gathered(model: nn.Module) -> Iterator[None]:
         yield
 
 
-def generate(model: nn.Module, samples: list[Sample], tokenizer: PreTrainedTokenizerBase, rt: Runtime,
+def generate(model: nn.Module, samples: list[HeldOutSample], tokenizer: PreTrainedTokenizerBase, rt: Runtime,
              max_new_tokens: int) -> list[str]:
     """Greedy completions of the samples' prompts (collective: every rank calls this). `model` is
     the trained model as the trainer wrapped it (FSDP1, FSDP2, DDP or none; LoRA/DoRA inside)."""
@@ -158,7 +158,7 @@ class Evaluator:
     """The run's generation eval: its samples chosen once, `run(step)` at each eval."""
 
     spec: EvaluationSpec
-    samples: list[Sample]
+    samples: list[HeldOutSample]
     tokenizer: PreTrainedTokenizerBase
 
     def run(self, model: nn.Module, rt: Runtime, step: int) -> dict[str, Any] | None:

@@ -1,6 +1,6 @@
-"""The run's data, as `dataset.streaming` says: the token store's loaders (data.py: built once,
-reused by later attempts; preference_data.py's pairs for format preference) or a stream tokenized
-while training (streaming.py, built on data.py's encoder and batches; preference_stream.py's pairs for format
+"""The run's data, as `dataset.streaming` says: the token store's loaders (data/prepare.py: built once,
+reused by later attempts; methods/dpo_pairs.py's pairs for format preference) or a stream tokenized
+while training (streaming.py, built on data/encoding.py's encoder and data/batching.py's batches; methods/dpo_stream.py's pairs for format
 preference). Above both, so neither imports the other."""
 
 from __future__ import annotations
@@ -10,13 +10,14 @@ import time
 from llamaft.api.spec import DatasetFormat, DatasetSpec
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from llamaft_trainer.data import Data, loaders, prepared_store, store_root
-from llamaft_trainer.errors import ConfigError
-from llamaft_trainer.global_order import attach
-from llamaft_trainer.preference_data import PairEncoder, pair_loaders
-from llamaft_trainer.preference_stream import streaming_pairs
-from llamaft_trainer.runtime import Runtime
-from llamaft_trainer.streaming import streaming_data
+from llamaft_trainer.data.batching import Data, loaders
+from llamaft_trainer.data.global_order import attach
+from llamaft_trainer.data.prepare import prepared_store, store_root
+from llamaft_trainer.data.streaming import streaming_data
+from llamaft_trainer.methods.dpo_pairs import PairEncoder, pair_loaders
+from llamaft_trainer.methods.dpo_stream import streaming_pairs
+from llamaft_trainer.process.errors import ConfigError
+from llamaft_trainer.process.runtime import Runtime
 
 
 def build_data(
@@ -36,7 +37,7 @@ def build_data(
         )
     if spec.streaming:
         index_root = root if shared or rt.world_size == 1 else None
-        if pairs:  # pairs tokenized while training, never packed (preference_stream.py)
+        if pairs:  # pairs tokenized while training, never packed (methods/dpo_stream.py)
             return streaming_pairs(spec, tok, batch_size, seed, rt, index_root)
         return streaming_data(spec, tok, batch_size, seed, rt, index_root)
     started = time.perf_counter()

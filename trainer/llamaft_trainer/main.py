@@ -7,7 +7,7 @@ The config file is the training part of the LlamaFineTune spec (JSON or YAML, ca
 pydantic model the operator validated), or a whole LlamaFineTune.
 
 How it ends (docs/progress-contract.md): exit 0 and a Succeeded message; 2 for a configuration
-error (permanent: under torchrun it also closes the rendezvous, so no restart follows: elastic.py);
+error (permanent: under torchrun it also closes the rendezvous, so no restart follows: restarts.py);
 143 (128 + SIGTERM) when SIGTERM stopped it, after a checkpoint if the grace period allowed one
 (130 and Interrupted for SIGINT: a person's Ctrl-C of llamaft run --local); 1 for any other failure. Every failing rank writes its termination message with the reason
 (ConfigError, Preempted, CollectiveTimeout, PeerLost or the exception's type). The process always
@@ -34,28 +34,24 @@ from llamaft.api.spec import LoraExport, TrainingJobConfig, TrainingMethod
 from llamaft.api.validation import SpecInvalid, validate_resource
 from torch import nn
 
-from llamaft_trainer import data as data_step
-from llamaft_trainer import (
-    dpo_step,
-    elastic,
-    float8,
-    inputs,
-    kubeflow_progress,
-    loading,
-    termination,
-    tracking,
-)
-from llamaft_trainer import model as model_step
-from llamaft_trainer.checkpoint import Checkpointer, RunState, TrainState
-from llamaft_trainer.errors import EXIT_CONFIG_ERROR, EXIT_FAILURE, ConfigError
+from llamaft_trainer import inputs
+from llamaft_trainer.checkpoint.dcp import Checkpointer, RunState, TrainState
+from llamaft_trainer.checkpoint.export import export_hugging_face
+from llamaft_trainer.data import encoding
 from llamaft_trainer.evaluation import build_evaluator
-from llamaft_trainer.export import export_hugging_face
-from llamaft_trainer.metrics import Progress, flops_per_token, log_json, peak_flops
-from llamaft_trainer.parallelize import mixed_precision_policy, parallelize, replicate
-from llamaft_trainer.preemption import StopReport, StopSignal
-from llamaft_trainer.runtime import Runtime, build_mesh, init_runtime, sharding_plan
-from llamaft_trainer.shutdown import exit_process, teardown
-from llamaft_trainer.termination import RunRecord
+from llamaft_trainer.methods import dpo_step
+from llamaft_trainer.model import loading
+from llamaft_trainer.model import model as model_step
+from llamaft_trainer.parallel import float8
+from llamaft_trainer.parallel.parallelize import mixed_precision_policy, parallelize, replicate
+from llamaft_trainer.process import restarts, termination
+from llamaft_trainer.process.errors import EXIT_CONFIG_ERROR, EXIT_FAILURE, ConfigError
+from llamaft_trainer.process.preemption import StopReport, StopSignal
+from llamaft_trainer.process.runtime import Runtime, build_mesh, init_runtime, sharding_plan
+from llamaft_trainer.process.shutdown import exit_process, teardown
+from llamaft_trainer.process.termination import RunRecord
+from llamaft_trainer.report import kubeflow_progress, tracking
+from llamaft_trainer.report.metrics import ProgressPublisher, log_json, model_flops_per_token, peak_flops
 from llamaft_trainer.train import (
     LoopResult,
     Session,
@@ -156,8 +152,8 @@ def setup(cfg: TrainingJobConfig, rt: Runtime, stop: StopSignal | None = None) -
     float8.check_device(cfg.fsdp, rt.device)  # likewise: each rank its own GPU
     _phase(rt, "loading the tokenizer and preparing the data", stop)
     tokenizer = model_step.load_tokenizer(cfg.model, rt)
-    model_config = model_step.load_config(cfg.model, rt)
-    data_step.check_sequence_length(cfg.dataset, getattr(model_config, "max_position_embeddings", None))
+    model_config = model_step.load_model_config(cfg.model, rt)
+    encoding.check_sequence_length(cfg.dataset, getattr(model_config, "max_position_embeddings", None))
     data = inputs.build_data(
         cfg.dataset, tokenizer, cfg.training.per_device_batch_size, cfg.training.seed, rt, cfg.checkpointing.directory,
         cfg.training.global_batch_size,
@@ -178,12 +174,12 @@ def setup(cfg: TrainingJobConfig, rt: Runtime, stop: StopSignal | None = None) -
         raise ConfigError("spec.training.epochs: a streamed dataset has no known length: set training.maxSteps instead")
     steps = total_steps(cfg, per_epoch or 0)
     scheduler = build_scheduler(optimizer, cfg, steps)
-    fpt = flops_per_token(model_config, n_params, cfg.dataset.max_seq_length)
+    fpt = model_flops_per_token(model_config, n_params, cfg.dataset.max_seq_length)
     return Session(cfg, rt, model, tokenizer, model_config, data, optimizer, scheduler, steps, fpt, n_params, plan, dpo)
 
 
 def run(
-    cfg: TrainingJobConfig, rt: Runtime, *, progress: Progress | None = None, stop_after: int | None = None,
+    cfg: TrainingJobConfig, rt: Runtime, *, progress: ProgressPublisher | None = None, stop_after: int | None = None,
     stop: StopSignal | None = None, record: RunRecord | None = None,
 ) -> tuple[Session, LoopResult]:
     """One whole run: setup, resume, train, final checkpoint and export (not after a stop on
@@ -219,7 +215,7 @@ def run(
     outcome = "FAILED"
     try:
         if tracker is not None:
-            progress = progress or Progress()
+            progress = progress or ProgressPublisher()
             progress.trackers.append(tracker)
         trainer = Trainer(
             s, state=state, scaler=scaler, checkpointer=checkpointer, progress=progress, record=record, stop=stop,
@@ -249,7 +245,7 @@ def run(
     return s, result
 
 
-def _start_tracking(cfg: TrainingJobConfig, rt: Runtime, resumed_at: int, progress: Progress | None) -> tracking.Tracker | None:
+def _start_tracking(cfg: TrainingJobConfig, rt: Runtime, resumed_at: int, progress: ProgressPublisher | None) -> tracking.Tracker | None:
     """Rank 0's experiment trackers (tracking.py): where the runs are, and a tracker that is
     down, go into the progress document (the operator's status.tracking and events)."""
     if not rt.is_leader:
@@ -275,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     stop = StopSignal()
     stop.install()  # first: a SIGTERM during setup is remembered, not fatal
-    elastic.watch_agent()
+    restarts.watch_agent()
     record = RunRecord()
     rt: Runtime | None = None
     server: ThreadingHTTPServer | None = None
@@ -286,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rt = init_runtime(cfg.training.collective_timeout_seconds)
         progress = None
         if rt.is_local_leader:
-            progress = Progress()
+            progress = ProgressPublisher()
             # The operator asks every worker and takes global rank 0's document as the leader's.
             progress.update(rank=rt.rank, pod=os.environ.get("LLAMAFT_POD_NAME") or os.environ.get("HOSTNAME"))
             if args.metrics_port:
@@ -310,12 +306,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             log_json("error", kind="ConfigError", message=str(exc))
             print(f"llamaft: configuration error: {exc}", file=sys.stderr, flush=True)
         _report(termination.failed(termination.CONFIG_ERROR, str(exc), record, retryable=False), rt)
-        # Permanent: torchrun must not restart the workers into the same error (elastic.py).
-        elastic.end_job(rt.timeout_s if rt is not None else elastic.CLOSE_TIMEOUT_S)
+        # Permanent: torchrun must not restart the workers into the same error (restarts.py).
+        restarts.end_job(rt.timeout_s if rt is not None else restarts.CLOSE_TIMEOUT_S)
         return EXIT_CONFIG_ERROR
     except Exception as exc:
         traceback.print_exc()
-        reason, retryable = termination.classify(exc)
+        reason, retryable = termination.classify_exception(exc)
         _report(termination.failed(reason, f"{type(exc).__name__}: {exc}", record, retryable=retryable), rt, always=True)
         return EXIT_FAILURE
     finally:
@@ -324,12 +320,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         teardown(rt, server, healthy=healthy)
 
 
-def _stopped(report: StopReport, stop: StopSignal, record: RunRecord, rt: Runtime, progress: Progress | None) -> int:
+def _stopped(report: StopReport, stop: StopSignal, record: RunRecord, rt: Runtime, progress: ProgressPublisher | None) -> int:
     """The termination message and exit code of a run that stopped on a signal."""
     message = report.message(record.checkpoint_step, stop.name)
     # A person's Ctrl-C (SIGINT, from llamaft run --local) is no preemption; a SIGTERM is
     # one unless the agent sent it because it lost the rendezvous.
-    lost = None if stop.interrupted else elastic.rendezvous_lost()
+    lost = None if stop.interrupted else restarts.rendezvous_lost()
     reason: str = (termination.INTERRUPTED if stop.interrupted
                    else termination.PREEMPTED if lost is None else termination.RENDEZVOUS_LOST)
     _report(termination.failed(reason, message if lost is None else f"{lost}: {message}", record, retryable=True), rt)

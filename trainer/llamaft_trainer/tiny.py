@@ -22,7 +22,7 @@ CHAT_SPECIAL_TOKENS: dict[str, list[str]] = {
     # Llama 2 chat writes <s> / </s> (already special here) and plain-text [INST] / <<SYS>> markers.
     "llama2": [],
 }
-"""Special tokens each built-in chat template (llamaft_trainer.chat.BUILTIN_TEMPLATES) needs."""
+"""Special tokens each built-in chat template (llamaft_trainer.data.chat.BUILTIN_TEMPLATES) needs."""
 CHAT_BOS_EOS = {"llama3": ("<|begin_of_text|>", "<|eot_id|>"), "llama2": ("<s>", "</s>")}
 """bos/eos per template, as Meta's chat tokenizers set them: Llama 3 Instruct's eos is <|eot_id|>,
 so generation stops at the end of the assistant's turn."""
@@ -43,7 +43,7 @@ def build_tokenizer(dataset: Path, vocab_size: int, chat_template: str | None = 
     from_pretrained) and the template's control tokens are special tokens of their own. Without
     it the tokenizer is exactly the plain one other tests depend on.
     """
-    from llamaft_trainer.chat import BUILTIN_TEMPLATES
+    from llamaft_trainer.data.chat import BUILTIN_TEMPLATES
 
     if chat_template is not None and chat_template not in BUILTIN_TEMPLATES:
         raise ValueError(f"chat_template must be one of {sorted(BUILTIN_TEMPLATES)}, not {chat_template!r}")

@@ -53,13 +53,15 @@ from llamaft.api.spec import FsdpImplementation, MixedPrecision, SchedulerType, 
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from llamaft_trainer import faults, float8, global_order, profiling
-from llamaft_trainer.checkpoint import Checkpointer, TrainState
-from llamaft_trainer.data import IGNORE_INDEX, Data, StepGroup, StepOrder
-from llamaft_trainer.errors import ConfigError
+from llamaft_trainer.checkpoint.dcp import Checkpointer, TrainState
+from llamaft_trainer.data import global_order
+from llamaft_trainer.data.batching import Data, StepGroup, StepOrder
+from llamaft_trainer.data.encoding import IGNORE_INDEX
 from llamaft_trainer.evaluation import Evaluator
-from llamaft_trainer.metrics import Progress, log_json, peak_memory_bytes
-from llamaft_trainer.preemption import (
+from llamaft_trainer.parallel import float8
+from llamaft_trainer.process import faults
+from llamaft_trainer.process.errors import ConfigError
+from llamaft_trainer.process.preemption import (
     EXIT_RESERVE_S,
     StopReport,
     StopSignal,
@@ -67,11 +69,13 @@ from llamaft_trainer.preemption import (
     estimate_save_seconds,
     local_checkpoint_bytes,
 )
-from llamaft_trainer.runtime import Runtime
-from llamaft_trainer.termination import RunRecord
+from llamaft_trainer.process.runtime import Runtime
+from llamaft_trainer.process.termination import RunRecord
+from llamaft_trainer.report import profiling
+from llamaft_trainer.report.metrics import ProgressPublisher, log_json, peak_memory_bytes
 
 if TYPE_CHECKING:  # dpo_step is imported where a DPO run needs it
-    from llamaft_trainer.dpo_step import DpoMethod
+    from llamaft_trainer.methods.dpo_step import DpoMethod
 
 STOP_CHECK_SECONDS = 1.0
 """With a stop signal: the most training time between two reads, where the ranks agree on it
@@ -154,7 +158,7 @@ def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: tor
                    chunks: int = 1) -> tuple[torch.Tensor, int]:
     """Sum of next-token cross-entropy over target tokens, and their count (from the batch as
     given, before it goes to the device: no read back). `chunks` > 1: the LM head and the loss over
-    that many slices of the sequence (training.lossChunks, loss.py)."""
+    that many slices of the sequence (training.lossChunks, methods/sft.py)."""
     count = target_tokens(batch)
     input_ids = to_device(batch["input_ids"], device)
     labels = to_device(batch["labels"], device)
@@ -163,7 +167,7 @@ def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], device: tor
     positions = to_device(batch["position_ids"], device) if "position_ids" in batch else None
     attention_mask = None if positions is not None else to_device(batch["attention_mask"], device)
     if chunks > 1:
-        from llamaft_trainer.loss import chunked_token_loss_sum
+        from llamaft_trainer.methods.sft import chunked_token_loss_sum
 
         loss = chunked_token_loss_sum(model, input_ids, attention_mask, labels, chunks, position_ids=positions)
         return loss, count
@@ -336,7 +340,7 @@ class Trainer:
 
     def __init__(
         self, session: Session, *, state: TrainState | None = None, scaler: Any | None = None,
-        checkpointer: Checkpointer | None = None, progress: Progress | None = None, record: RunRecord | None = None,
+        checkpointer: Checkpointer | None = None, progress: ProgressPublisher | None = None, record: RunRecord | None = None,
         stop: StopSignal | None = None, evaluator: Evaluator | None = None, peak_flops: float | None = None,
     ) -> None:
         """`state`/`scaler`: as a resume restored them (the checkpointer's run state; new ones when
@@ -485,7 +489,7 @@ class Trainer:
         values = torch.cat([reduced, torch.stack([f.counts for f in pending]).flatten(), norms]).tolist()
         n = len(pending)
         if extra is not None:
-            from llamaft_trainer.dpo_step import metric_means
+            from llamaft_trainer.methods.dpo_step import metric_means
 
             k = int(extra.numel())
             self._method_metrics = metric_means(values[n + 2:n + 2 + k])
@@ -652,7 +656,7 @@ class Trainer:
 
     def _eval_dpo(self) -> None:
         """DPO's loss and TRL's metrics on the held-out pairs (dpo_step.evaluate)."""
-        from llamaft_trainer.dpo_step import evaluate as evaluate_pairs
+        from llamaft_trainer.methods.dpo_step import evaluate as evaluate_pairs
 
         assert self.s.dpo is not None
         report = evaluate_pairs(self.s.dpo, self.model, self.data, self.rt)

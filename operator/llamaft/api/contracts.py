@@ -1,6 +1,6 @@
 """The trainer-operator contract: the /progress document, the termination report, the failure reasons.
 
-The trainer (`llamaft_trainer.metrics`, `llamaft_trainer.termination`) writes these models and the
+The trainer (`llamaft_trainer.report.metrics`, `llamaft_trainer.process.termination`) writes these models and the
 operator (`failures`, `observe`, `lifecycle`, `step`) reads them; docs/progress-contract.md
 describes them in prose. Both sides import this module, so it depends on pydantic, the standard
 library and the api layer only (the trainer's image has neither kopf nor the kubernetes client).
@@ -115,7 +115,7 @@ class ProgressPhase(ApiEnum):
 
 
 class TrackingInfo(ApiModel):
-    """Where rank 0's experiment trackers keep the run (llamaft_trainer.tracking)."""
+    """Where rank 0's experiment trackers keep the run (llamaft_trainer.report.tracking)."""
 
     mlflow_run_id: str | None = None
     mlflow_experiment_id: str | None = None

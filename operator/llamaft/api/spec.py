@@ -137,7 +137,7 @@ class PackingStrategy(ApiEnum):
 
 
 BUILTIN_CHAT_TEMPLATES = ("llama3", "llama2")
-"""Names `dataset.chatTemplate` may give instead of a Jinja template (llamaft_trainer.chat)."""
+"""Names `dataset.chatTemplate` may give instead of a Jinja template (llamaft_trainer.data.chat)."""
 
 
 class FieldMapping(ApiModel):

@@ -9,7 +9,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from llamaft.operator.http import HttpClient
-from llamaft.render.monitoring import HARDWARE_XIDS, LOW_UTILISATION_PERCENT, job_pod_selector, pod_selector
+from llamaft.render.monitoring import (
+    HARDWARE_XIDS,
+    LOW_UTILISATION_PERCENT,
+    finetune_pod_selector,
+    job_pod_selector,
+)
 from llamaft.render.naming import Owner
 
 XID_MEANINGS = {
@@ -55,7 +60,7 @@ def query(url: str, expr: str, http: HttpClient | None = None) -> list[Sample]:
 def queries(owner: Owner, job_name: str | None = None) -> tuple[str, str]:
     """(XID query, utilisation query) for the fine-tune's pods, or only the given attempt's: an
     XID on an earlier attempt's GPU already ended that attempt and must not end the next one."""
-    sel = pod_selector(owner) if job_name is None else job_pod_selector(owner.namespace, job_name)
+    sel = finetune_pod_selector(owner) if job_name is None else job_pod_selector(owner.namespace, job_name)
     xids = "|".join(str(x) for x in HARDWARE_XIDS)
     return (
         f'max by (pod, gpu, Hostname, err_code) (DCGM_FI_DEV_XID_ERRORS{{{sel}, err_code=~"{xids}"}}) > 0',

@@ -35,8 +35,7 @@ The rules, in order:
    A job Kueue holds whose Workload waits for quota asks for one worker fewer at a time
    (`elastic.shrink_queued`), in place while suspended, or as the next attempt.
 
-A change of .spec is decided by `decide_spec_change` (in place, a restart as the next attempt,
-or nothing), with its own rules.
+A change of .spec is decided by spec_changes.decide_spec_change, with its own rules.
 """
 
 from __future__ import annotations
@@ -56,8 +55,6 @@ from llamaft.api.status import (
     PerformanceStatus,
     Phase,
     Progress,
-    WorkerCounts,
-    read_status,
 )
 from llamaft.operator import elastic, failures, observe
 from llamaft.operator.failures import Failure
@@ -595,132 +592,3 @@ def refused(obs: Observed, reason: str, message: str) -> Decision:
 def will_not_fit(obs: Observed, message: str) -> Decision:
     """The capacity planner refuses the attempt (spec.preflight Enforce): Failed before any job."""
     return refused(obs, "WillNotFit", f"refused before creating anything (spec.preflight Enforce): {message}")
-
-
-# ------------------------------------------------------------------------------ spec changes
-IN_PLACE_FIELDS = {("runPolicy", "suspend"), ("cluster", "workers")}
-
-
-def in_place(path: tuple[str, ...]) -> bool:
-    """Changes the running attempt does not see: applied in place (suspend, elastic scale) or
-    only to the children (DCGM monitoring: PodMonitor, alerts, dashboard)."""
-    return path in IN_PLACE_FIELDS or path[:2] == ("monitoring", "dcgm")
-
-
-def _leaves(value: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
-    if isinstance(value, dict):
-        out: dict[tuple[str, ...], Any] = {}
-        for key, child in value.items():
-            out.update(_leaves(child, (*prefix, str(key))))
-        return out
-    return {prefix: value}
-
-
-def changed_fields(old: Any, new: LlamaFineTuneSpec) -> set[tuple[str, ...]]:
-    """Leaf fields whose effective (defaulted) value changed: `runPolicy: {suspend: true}` added to
-    a spec without runPolicy is a change of ("runPolicy", "suspend"), not of the whole section."""
-    try:
-        before = _leaves(LlamaFineTuneSpec.model_validate(dict(old or {})).to_k8s())
-    except ValueError:
-        before = {}
-    after = _leaves(new.to_k8s())
-    return {path for path in before.keys() | after.keys() if before.get(path) != after.get(path)}
-
-
-@dataclass(frozen=True)
-class SpecChanged:
-    """A valid change of .spec, with what the update handler read to decide on it."""
-
-    spec: LlamaFineTuneSpec
-    """The new spec (validated, transition rules included)."""
-    status: LlamaFineTuneStatus
-    """The LlamaFineTune's status, read once (status.read_status) by Step."""
-    changed: frozenset[tuple[str, ...]]
-    """changed_fields(old, new)."""
-    job_name: str
-    """The current attempt's job name (attempt 1's while no attempt is recorded)."""
-    job_kind: str = "PyTorchJob"
-    scalable: bool = False
-    """The backend can change the running job's workers in place (JobBackend.scalable)."""
-    first_job_exists: bool = False
-    """Only read while no attempt is recorded: attempt 1's job exists and is this incarnation's
-    (the step that created it never wrote the status)."""
-    generation: int | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.status, LlamaFineTuneStatus):
-            object.__setattr__(self, "status", read_status(self.status))
-
-
-@dataclass
-class SpecDecision:
-    """What a spec change does; the update handler carries it out in this order."""
-
-    change: StatusChange = field(default_factory=StatusChange)
-    """The status fields it sets (observedGeneration at least, unless `wake` hands over to the lifecycle)."""
-    reset_rendezvous: list[int] = field(default_factory=list)
-    """Attempts whose rendezvous state to remove first (resumed pods must not meet a closed one)."""
-    suspend: bool | None = None
-    """Patch the current job's suspension to this."""
-    scale_to: int | None = None
-    """Patch the current job's workers to this."""
-    delete_job: str | None = None
-    job_name: str | None = None
-    """The current attempt's job (the one patched or deleted)."""
-    events: list[Event] = field(default_factory=list)
-    wake: bool = False
-    """The lifecycle looks now (it starts a never-started run, applies changed children, creates
-    the restarted attempt)."""
-
-    @property
-    def status(self) -> dict[str, Any]:
-        """Merge patch for .status (StatusChange.merge_patch)."""
-        return self.change.merge_patch()
-
-
-def decide_spec_change(change: SpecChanged) -> SpecDecision:
-    """The rules, in order: a run never started (its spec was invalid) is left to the lifecycle,
-    which starts it; a finished run stays finished; a change nothing in the run sees (e.g. a default
-    written out) does nothing; suspend, elastic workers (where the backend scales in place) and DCGM
-    monitoring apply in place; anything else restarts the run from its newest checkpoint as the
-    next attempt, the current job deleted."""
-    st, d = change.status, SpecDecision()
-    attempt = st.attempt
-    if attempt == 0:
-        if not change.first_job_exists:
-            d.wake = True
-            return d
-        attempt = 1  # started, but the step that created the job never wrote the status
-    d.change.observed_generation = change.generation
-    if st.phase in TERMINAL_PHASES:
-        d.events.append(Event("Normal", "Finished", f"the run has {st.phase.value.lower()}: spec changes do not start it "
-                              "again; create a new LlamaFineTune (or delete and re-apply this one)"))
-        return d
-    job_name = d.job_name = change.job_name
-    changed, spec, kind = change.changed, change.spec, change.job_kind
-    if not changed:
-        return d
-    if all(in_place(path) for path in changed) and (("cluster", "workers") not in changed or change.scalable):
-        if ("runPolicy", "suspend") in changed:
-            suspend = spec.run_policy.suspend
-            if not suspend:
-                d.reset_rendezvous = [attempt]
-            d.suspend = suspend
-            d.events.append(Event("Normal", "Suspended" if suspend else "Resumed",
-                                  f"{kind} {job_name} {'suspended' if suspend else 'resumed'}"))
-        if ("cluster", "workers") in changed:
-            d.scale_to = spec.cluster.workers
-            d.change.workers = WorkerCounts(current=spec.cluster.workers, desired=spec.cluster.workers,
-                                            reason=elastic.AS_SPECIFIED, message="spec.cluster.workers changed: scaled in place")
-            d.events.append(Event("Normal", "Scaled", f"elastic workers -> {spec.cluster.workers}"))
-        if any(path[:2] == ("monitoring", "dcgm") for path in changed):
-            d.events.append(Event("Normal", "MonitoringChanged", "monitoring applied in place; training continues"))
-        d.wake = True
-        return d
-    fields = ", ".join(".".join(c) for c in sorted(changed))
-    message = f"{fields} changed: restarting from the latest checkpoint as attempt {attempt + 1}"
-    c = d.change
-    c.attempt, c.phase, c.retry_after, c.last_progress_time, c.message = attempt + 1, Phase.RESTARTING, None, None, message
-    d.delete_job, d.wake = job_name, True
-    d.events.append(Event("Normal", "SpecChanged", message))
-    return d

@@ -97,7 +97,7 @@ class Observation:
     change: StatusChange
     """The status they imply (phase, workers, progress, leader, tracking, evaluation, conditions)."""
     phase: Phase
-    """The job's phase as its backend reads it (`job_phase`)."""
+    """The job's phase as its backend reads it (`render.backends.phase_of_job`)."""
     live: Progress | None = None
     """The leader's document's own progress fields (None: no document this look)."""
     events: list[Event] = field(default_factory=list)
@@ -141,11 +141,6 @@ def set_condition(
                        previous.get("lastTransitionTime", now) if previous is not None else None)
     out = [dict(c) for c in conditions if c.get("type") != type_] + [entry.model_dump(by_alias=True, exclude_unset=True, mode="json")]
     return sorted(out, key=lambda c: str(c["type"]))
-
-
-def job_phase(job: Obj | None) -> tuple[Phase, str, str]:
-    """(phase, reason, message) from the job's conditions, read by its backend (render.backends)."""
-    return backends.job_phase(job)
 
 
 def progress_status(doc: ProgressDocument | None, previous: Mapping[str, Any]) -> dict[str, Any]:
@@ -214,7 +209,7 @@ def observe(
     """The status the LlamaFineTune should have, and the events that explain its transition:
     `doc` is the leader's /progress document (read once, by Step), `before` the status it has.
     The one place the document's fields become status fields."""
-    phase, reason, message = job_phase(job)
+    phase, reason, message = backends.phase_of_job(job)
     job_status = (job or {}).get("status", {})
     workers = job_status.get("replicaStatuses", {}).get("Worker", {})
     change = StatusChange(phase=phase, message=message or reason,

@@ -1,5 +1,5 @@
 """The operator's own Prometheus metrics (served on LLAMAFT_OPERATOR_METRICS_PORT; the trainer's are
-llamaft_trainer/metrics.py)."""
+llamaft_trainer/report/metrics.py)."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ from llamaft.operator.state import (
 )
 from llamaft.planner import Admission, admission
 from llamaft.render import desired, trainjob
-from llamaft.render.backends import BACKENDS, JobBackend, backend_for
+from llamaft.render.backends import BACKENDS, JobBackend, backend_for, phase_of_job
 from llamaft.render.naming import LABEL_FINETUNE, Owner
 
 PROGRESS_REQUESTS_PER_SYNC = 2
@@ -284,7 +284,7 @@ class Step(ChildReconciler):
                 and backend.suspended(job) and not spec.run_policy.suspend:
             uid = current["metadata"].get("uid", "")
             quota = elastic.quota_wait(self.kube.list_workloads(self.namespace, f"{elastic.WORKLOAD_JOB_UID}={uid}"))
-        job_phase, _, _ = observe.job_phase(job)
+        job_phase, _, _ = phase_of_job(job)
         progress = self._leader_progress(listed, spec, status.leader_pod) if job_phase in (Phase.RUNNING, Phase.RESTARTING) else None
         gpu = self._gpu(obj, owner, job_name, status, job_phase is Phase.RUNNING, progress)
         return lifecycle.Observed(

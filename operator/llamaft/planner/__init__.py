@@ -15,8 +15,9 @@ from llamaft.planner.capacity import (
     verdict,
 )
 from llamaft.planner.catalog import GPUS, INSTANCES, GpuModel, InstanceType, gpu_model, instance_type
-from llamaft.planner.memory import MemoryEstimate, Setup, estimate_memory, setup_from_spec
+from llamaft.planner.memory import Setup, setup_from_spec
 from llamaft.planner.plan import Fix, Plan, build_plan
+from llamaft.planner.replay import MemoryEstimate, estimate_memory
 from llamaft.planner.shapes import (
     ModelShape,
     UnknownShape,

@@ -35,7 +35,7 @@ from typing import Any
 MiB = 2**20
 GiB = 2**30
 FP8_MIN_CAPABILITY = (8, 9)
-"""The oldest compute capability with FP8 tensor cores (llamaft_trainer/float8.py checks the same)."""
+"""The oldest compute capability with FP8 tensor cores (llamaft_trainer/parallel/float8.py checks the same)."""
 
 
 @dataclass(frozen=True)

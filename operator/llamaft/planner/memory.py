@@ -1,8 +1,9 @@
 """Per-rank GPU memory of one training step, by component, for the trainer as it is written.
 
-The estimate replays one optimizer step of `llamaft_trainer` (model.py -> parallelize.py ->
-train.py) as a sequence of allocations and frees and keeps the largest total, with what made it
-up. Nothing is fitted: every term below is a tensor the code allocates, with its dtype.
+The estimate (replay.py's `estimate_memory`, with the costs this module gives) replays one
+optimizer step of `llamaft_trainer` (model.py -> parallelize.py -> train.py) as a sequence of
+allocations and frees and keeps the largest total, with what made it up. Nothing is fitted: every
+term below is a tensor the code allocates, with its dtype.
 
 What it follows (FSDP2, `fully_shard` per decoder layer plus the root, as parallelize.py does):
   * parameters: the master copy in fp32 (pure-bf16: bf16) sharded over the shard group, each
@@ -35,7 +36,7 @@ What it follows (FSDP2, `fully_shard` per decoder layer plus the root, as parall
   * logits and loss: train.py computes `logits[:, :-1].float()` and cross-entropy: bf16 logits,
     an fp32 copy and log-softmax's fp32 output in forward; in backward the saved log-softmax plus
     two fp32 gradients (12 bytes per vocabulary entry per token at the peak). With
-    training.lossChunks N (loss.py) the same tensors exist for one slice of the sequence at a
+    training.lossChunks N (methods/sft.py) the same tensors exist for one slice of the sequence at a
     time (the largest: ceil(seq / N) positions), in forward and again in backward's recompute of
     each slice, and nothing vocabulary-wide is kept between them.
   * selective-op checkpointing: each layer keeps its input, the odd-numbered matmul outputs and
@@ -69,8 +70,7 @@ come on top as the stated allowance in plan.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from llamaft.api import sharding
 from llamaft.api.spec import (
@@ -282,7 +282,7 @@ def _unit(name: str, tensors: list[tuple[tuple[int, ...], bool]], group: int, im
 
 
 FLOAT8_DIVISOR = 16
-"""llamaft_trainer/float8.py converts a linear only when in and out features are multiples of 16."""
+"""llamaft_trainer/parallel/float8.py converts a linear only when in and out features are multiples of 16."""
 
 
 def float8_gathered_numel(shape: ModelShape, setup: Setup) -> int:
@@ -320,7 +320,7 @@ def units(shape: ModelShape, setup: Setup) -> tuple[Unit, Unit, int]:
 
 
 # -------------------------------------------------------------------------- activations
-def _checkpointed(index: int, setup: Setup) -> bool:
+def is_checkpointed(index: int, setup: Setup) -> bool:
     if setup.ac_mode in (CheckpointingMode.FULL, CheckpointingMode.SELECTIVE_OP):
         return True
     return setup.ac_mode is CheckpointingMode.SELECTIVE and index % setup.ac_every == 0
@@ -346,13 +346,13 @@ def layer_matmuls(shape: ModelShape, setup: Setup) -> list[tuple[str, int, int, 
 
 
 def op_sac_saved_bytes(shape: ModelShape, setup: Setup, tokens: int) -> float:
-    """What one decoder layer keeps under `selective-op` (llamaft_trainer.parallelize.op_sac_context,
+    """What one decoder layer keeps under `selective-op` (llamaft_trainer.parallel.parallelize.op_sac_context,
     torchtitan's op-level policy): its input (the checkpoint's), the outputs of the odd-numbered
     matmuls of its forward (`layer_matmuls`: q, v, gate and down for a full fine-tune) and the
     attention kernel's outputs (sdpa/flash: the output and the fp32 log-sum-exp per head; eager
     attention is recomputed). Everything else is recomputed in backward. With DoRA, the dense
     adapters built from eye() are among the kept matmul outputs: weight-sized, once per layer.
-    (Measured on CPU in tests/trainer/test_parallelize.py: the same bytes.)"""
+    (Measured on CPU in tests/trainer/parallel/test_parallelize.py: the same bytes.)"""
     c = compute_bytes(setup.precision)
     per_token = float(shape.hidden_size)
     per_forward = 0.0
@@ -494,358 +494,3 @@ def forward_temporaries_per_token(shape: ModelShape, setup: Setup, checkpointed:
 
 
 # ---------------------------------------------------------------------------- timeline
-class Timeline:
-    """Live bytes by component; remembers the largest total and what made it up."""
-
-    def __init__(self) -> None:
-        self.live: dict[str, float] = dict.fromkeys(COMPONENTS, 0.0)
-        self.peak = 0.0
-        self.at_peak: dict[str, float] = dict(self.live)
-        self.peak_event = ""
-        self.phase_peaks: dict[str, float] = {}
-
-    def add(self, component: str, amount: float, event: str | None = None) -> None:
-        self.live[component] += amount
-        if event is not None:
-            self.mark(event)
-
-    def sub(self, component: str, amount: float) -> None:
-        self.live[component] -= amount
-
-    def mark(self, event: str) -> None:
-        total = sum(self.live.values())
-        phase = event.split(":", 1)[0]
-        self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0.0), total)
-        if total > self.peak:
-            self.peak = total
-            self.at_peak = dict(self.live)
-            self.peak_event = event
-
-
-@dataclass
-class MemoryEstimate:
-    """Per-rank GPU tensor memory at the peak of a steady-state optimizer step."""
-
-    peak_bytes: int
-    components: dict[str, int]
-    peak_event: str
-    phase_peaks: dict[str, int]
-    parameters: int
-    trainable_parameters: int
-    shard_size: int
-    layer_unit_parameters: int
-    root_unit_parameters: int
-    host_offloaded_bytes: int
-    """Per rank, in host memory with cpuOffload (sharded parameters, gradients, optimizer state)."""
-    persistent_bytes: int
-    """Sharded parameters + optimizer state held on the GPU all the time."""
-    notes: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "peakBytes": self.peak_bytes,
-            "components": dict(self.components),
-            "peakEvent": self.peak_event,
-            "phasePeaks": dict(self.phase_peaks),
-            "parameters": self.parameters,
-            "trainableParameters": self.trainable_parameters,
-            "shardGroupSize": self.shard_size,
-            "hostOffloadedBytes": self.host_offloaded_bytes,
-            "notes": list(self.notes),
-        }
-
-    def biggest_component(self) -> tuple[str, int]:
-        name = max(self.components, key=lambda k: self.components[k])
-        return name, self.components[name]
-
-
-def estimate_memory(shape: ModelShape, setup: Setup) -> MemoryEstimate:
-    """Replay one optimizer step (all its micro-steps) and return the per-rank peak."""
-    layer, root, wrapped = units(shape, setup)
-    group = setup.shard_size
-    c = compute_bytes(setup.precision)
-    m = master_bytes(setup.precision)
-    rd = reduce_bytes(setup.precision)
-    cuda = setup.device == "cuda"
-    tokens = setup.batch * setup.seq
-    reshard = setup.strategy is not ShardingStrategy.SHARD_GRAD_OP
-
-    shard_numel = layer.shard(group) * layer.count + root.shard(group)
-    shard_trainable = layer.shard_trainable(group) * layer.count + root.shard_trainable(group)
-    trainable = layer.trainable * layer.count + root.trainable
-    params_bytes = m * shard_numel
-    reference_bytes = c * shard_numel if setup.dpo_live_reference else 0.0
-    opt_bytes = 2 * m * shard_trainable
-    grads_total = m * shard_trainable
-    offload = setup.cpu_offload
-    on_gpu = 0.0 if offload else 1.0
-
-    act_layer = layer_activation_bytes_per_token(shape, setup) * tokens
-    act_ckpt: float = c * shape.hidden_size * tokens
-    op_sac = setup.ac_mode is CheckpointingMode.SELECTIVE_OP
-    if op_sac:
-        # the layer keeps its input and the selected op outputs; the recompute rebuilds the rest
-        act_ckpt = op_sac_saved_bytes(shape, setup, tokens)
-        act_recomputed = max(act_layer - act_ckpt, 0.0) + c * shape.hidden_size * tokens
-    else:
-        act_recomputed = act_layer
-    dora_tmp = dora_temporary_bytes(shape, setup)
-    shared = shared_activation_bytes(shape, setup)
-    norm_act = final_norm_bytes_per_token(shape, setup) * tokens
-    bwd_tmp = backward_temporaries_per_token(shape, setup) * tokens
-    vocab = shape.vocab_size
-    chunked = setup.loss_chunks > 1
-    # lossChunks: one slice of the sequence at a time (the largest, where it does not divide)
-    logit_tokens = setup.batch * -(-setup.seq // setup.loss_chunks) if chunked else tokens
-    logits_c = c * vocab * logit_tokens
-    logits_f = 4.0 * vocab * logit_tokens
-    # DPO: the LM head over every position; lossChunks slices only log-softmax (`part`, the largest)
-    full_c, full_f = c * vocab * tokens, 4.0 * vocab * tokens
-    part = 4.0 * vocab * setup.batch * -(-setup.seq // setup.loss_chunks)
-    if setup.dpo:
-        logits_c = full_c  # the logits' gradient, released after the LM head's backward as for SFT
-    lm_head_trainable = not setup.lora
-    embed_grad = c * shape.embedding_parameters if lm_head_trainable else 0.0
-    head_grad = 0.0 if shape.tie_word_embeddings else embed_grad
-
-    def reference_forward(tl: Timeline) -> None:
-        """DPO's live reference, no grad (module docstring): transient, gone before the policy's forward."""
-        hidden = c * shape.hidden_size * tokens
-        ref_root = c * root.padded
-        ref_layer = c * layer.padded
-        tl.add("gathered_parameters", ref_root + (2 if cuda else 1) * ref_layer)
-        layer_tmp = hidden + forward_temporaries_per_token(shape, setup, True) * tokens  # as a checkpointed layer's
-        tl.add("temporaries", layer_tmp, "reference:layer forward")
-        tl.sub("temporaries", layer_tmp)
-        tl.sub("gathered_parameters", (2 if cuda else 1) * ref_layer)
-        tl.add("logits", full_c + (part if c != 4 else 0.0) + part, "reference:log-softmax")
-        tl.sub("logits", full_c + (part if c != 4 else 0.0) + part)
-        tl.sub("gathered_parameters", ref_root)  # dpo_step resharded it
-
-    def simulate(accumulated: bool, sync: bool, tl: Timeline, grads_present: bool = False, step: bool = True) -> None:
-        tl.live = dict.fromkeys(COMPONENTS, 0.0)
-        tl.add("parameters", on_gpu * params_bytes)
-        tl.add("reference", on_gpu * reference_bytes)
-        tl.add("optimizer", on_gpu * opt_bytes)
-        if grads_present:
-            tl.add("gradients", on_gpu * grads_total)
-        if accumulated:
-            tl.add("accumulated_gradients", rd * trainable)
-        tl.add("activations", shared, "forward:inputs")
-        if setup.dpo_live_reference:
-            reference_forward(tl)
-        # -------- forward
-        root_gathered = c * root.padded
-        tl.add("gathered_parameters", 2 * root_gathered, "forward:root all-gather")
-        tl.sub("gathered_parameters", root_gathered)
-        tl.add("temporaries", c * shape.hidden_size * tokens)  # embedding output
-        gathered: set[int] = set()
-        # float8 all-gather: the converted weights arrive as 1-byte float8 (torchao casts each
-        # shard before the all-gather); masters, gradients and optimizer state are unchanged.
-        layer_gather = c * layer.padded - (c - 1) * float8_gathered_numel(shape, setup)
-
-        def gather(index: int, event: str) -> None:
-            if index in gathered or index >= wrapped or index < 0:
-                return
-            tl.add("gathered_parameters", 2 * layer_gather, event)
-            tl.sub("gathered_parameters", layer_gather)
-            gathered.add(index)
-
-        def release(index: int) -> None:
-            if index in gathered:
-                gathered.discard(index)
-                tl.sub("gathered_parameters", layer_gather)
-
-        saved_per_layer: list[float] = []
-        for index in range(shape.num_layers):
-            ckpt = _checkpointed(index, setup)
-            gather(index, f"forward:layer {index} all-gather")
-            if cuda:
-                gather(index + 1, f"forward:layer {index + 1} prefetch")
-            saved = act_ckpt if ckpt else act_layer
-            tmp = forward_temporaries_per_token(shape, setup, ckpt) * tokens + dora_tmp
-            tl.add("activations", saved)
-            tl.add("temporaries", tmp, f"forward:layer {index}")
-            tl.sub("temporaries", tmp)
-            saved_per_layer.append(saved)
-            if reshard and index < wrapped - 1:
-                release(index)
-        tl.sub("temporaries", c * shape.hidden_size * tokens)
-        tl.add("activations", norm_act)
-        tl.add("logits", logits_c, "forward:lm_head")
-        if reshard:
-            tl.sub("gathered_parameters", root_gathered)
-        if setup.dpo:  # dpo.sequence_logps under autograd (module docstring)
-            copy = part if c != 4 else 0.0  # .float() of a bf16 slice; a view in fp32
-            tl.add("logits", full_f - part)  # the earlier slices' saved log-softmax outputs
-            tl.add("logits", copy + part, "loss:DPO log-softmax forward")
-            tl.sub("logits", copy + full_c)  # log-probabilities summed: the logits are no longer referenced
-            # backward, a slice at a time: the gathered gradient and log-softmax's (fp32), cast to the
-            # compute dtype, padded to the logits' full size and summed into the logits' gradient
-            slice_grad = full_c if chunked else 0.0
-            tl.add("logits", full_c + 2 * part + c * part / 4 + slice_grad, "loss:DPO log-softmax backward")
-            tl.sub("logits", 2 * part + c * part / 4 + slice_grad + full_f)
-            tl.mark("loss:logits gradient")
-        else:
-            if c != 4:
-                tl.add("logits", logits_f)
-            tl.add("logits", logits_f, "loss:cross-entropy forward")
-            # token_loss_sum returns: the bf16 logits and the fp32 copy are released
-            tl.sub("logits", logits_c + (logits_f if c != 4 else 0.0))
-            if chunked:
-                # a checkpointed slice keeps no log-softmax; backward recomputes one slice at a time
-                tl.sub("logits", logits_f)
-                tl.add("logits", logits_c + (logits_f if c != 4 else 0.0) + logits_f, "loss:slice recompute")
-                tl.sub("logits", logits_c + (logits_f if c != 4 else 0.0))
-            # -------- backward: cross-entropy (saved log-softmax + two fp32 gradients)
-            tl.add("logits", 2 * logits_f, "loss:cross-entropy backward")
-            tl.sub("logits", 2 * logits_f)  # saved output and nll gradient released
-            tl.add("logits", logits_c, "loss:logits gradient")
-            tl.sub("logits", logits_f)
-        if reshard:
-            tl.add("gathered_parameters", 2 * root_gathered, "backward:root all-gather")
-            tl.sub("gathered_parameters", root_gathered)
-        root_grads = 0.0
-        tl.add("reduce_buffers", head_grad)
-        root_grads += head_grad
-        tl.add("temporaries", c * shape.hidden_size * tokens, "backward:lm_head")
-        tl.sub("logits", logits_c)
-        tl.sub("activations", norm_act)
-        held_rs = 0.0
-        for index in reversed(range(shape.num_layers)):
-            ckpt = _checkpointed(index, setup)
-            is_unit = index < wrapped
-            gather(index, f"backward:layer {index} all-gather")
-            gather(index - 1, f"backward:layer {index - 1} prefetch")
-            recompute = act_recomputed + dora_tmp if ckpt else 0.0
-            unit_grads = c * layer.trainable if is_unit else 0.0
-            tl.add("temporaries", recompute + bwd_tmp)
-            tl.add("reduce_buffers", unit_grads, f"backward:layer {index}")
-            tl.sub("temporaries", recompute + bwd_tmp)
-            tl.sub("activations", saved_per_layer[index])
-            if not is_unit:
-                # part of the root: its gradients wait for the root's reduce-scatter
-                tl.add("reduce_buffers", c * layer.trainable)
-                root_grads += c * layer.trainable
-                continue
-            if sync:
-                rs = rd * layer.padded_trainable
-                tl.add("reduce_buffers", rs, f"backward:layer {index} reduce-scatter")
-                if not grads_present:
-                    tl.add("gradients", on_gpu * m * layer.shard_trainable(group))
-                tl.sub("reduce_buffers", unit_grads)
-                if accumulated:
-                    tl.sub("accumulated_gradients", rd * layer.trainable)
-                if cuda:
-                    tl.sub("reduce_buffers", held_rs)
-                    held_rs = rs
-                else:
-                    tl.sub("reduce_buffers", rs)
-            else:
-                tl.sub("reduce_buffers", unit_grads)
-                if not accumulated:
-                    tl.add("accumulated_gradients", rd * layer.trainable, f"backward:layer {index} keep gradients")
-            release(index)
-        tl.sub("reduce_buffers", held_rs)
-        # embedding backward, then the root's reduction (final callback)
-        tl.add("reduce_buffers", embed_grad if not shape.tie_word_embeddings else 0.0, "backward:embedding")
-        root_grads += embed_grad if not shape.tie_word_embeddings else 0.0
-        if sync:
-            rs = rd * root.padded_trainable
-            tl.add("reduce_buffers", rs, "backward:root reduce-scatter")
-            if not grads_present:
-                tl.add("gradients", on_gpu * m * root.shard_trainable(group))
-            tl.sub("reduce_buffers", rs + root_grads)
-            if accumulated:
-                tl.sub("accumulated_gradients", rd * root.trainable)
-        else:
-            tl.sub("reduce_buffers", root_grads)
-            if not accumulated:
-                tl.add("accumulated_gradients", rd * root.trainable)
-        tl.sub("gathered_parameters", root_gathered)
-        for index in list(gathered):
-            release(index)
-        tl.sub("activations", shared)
-        if not (sync and step):
-            return
-        if not offload:
-            tl.add("optimizer_temporaries", m * shard_trainable, "optimizer:AdamW step")
-            tl.sub("optimizer_temporaries", m * shard_trainable)
-        tl.mark("optimizer:step done")
-        tl.sub("gradients", on_gpu * grads_total)
-
-    tl = Timeline()
-    if setup.accumulation <= 1:
-        simulate(False, True, tl)
-    elif setup.sync_between_micro_steps:
-        simulate(False, True, tl, step=False)
-        simulate(False, True, tl, grads_present=True)
-    else:
-        simulate(False, False, tl)
-        simulate(True, setup.accumulation == 2, tl)
-        if setup.accumulation > 2:
-            simulate(True, True, tl)
-
-    notes: list[str] = []
-    if setup.accumulation > 1 and not setup.sync_between_micro_steps:
-        notes.append(
-            f"gradientAccumulationSteps {setup.accumulation}: the trainer turns gradient sync off between "
-            f"micro-steps, so each rank keeps all {trainable:,} trainable parameters' gradients unsharded "
-            f"({_gib(rd * trainable)} in the reduce dtype)"
-        )
-    logits_at_peak = tl.at_peak["logits"]
-    if setup.dpo:
-        notes.append(
-            f"DPO: perDeviceBatchSize {setup.batch // 2} pairs is a micro-batch of {setup.batch} sequences "
-            f"(chosen and rejected in one forward): activations and logits for {tokens:,} tokens"
-        )
-        if logits_at_peak >= LOGITS_NOTE_SHARE * tl.peak:
-            notes.append(
-                f"logits and log-softmax are {_gib(logits_at_peak)} of the {_gib(tl.peak)} peak (vocabulary "
-                f"{vocab:,} x {tokens:,} tokens per micro-batch): DPO runs the LM head over the whole sequence and "
-                f"keeps its fp32 log-softmax for backward whatever training.lossChunks says (which slices only the "
-                f"fp32 copy); a smaller perDeviceBatchSize with more gradientAccumulationSteps, or a shorter "
-                f"maxSeqLength, lowers it"
-            )
-    elif not chunked and logits_at_peak >= LOGITS_NOTE_SHARE * tl.peak:
-        notes.append(
-            f"logits and cross-entropy are {_gib(logits_at_peak)} of the {_gib(tl.peak)} peak (vocabulary "
-            f"{vocab:,} x {tokens:,} tokens per micro-batch): training.lossChunks: N computes them one slice of "
-            f"the sequence at a time, dividing that by about N for one more LM head forward"
-        )
-    if setup.ac_mode is CheckpointingMode.SELECTIVE_OP and setup.lora_dora:
-        kept = sum(m[2] for i, m in enumerate(layer_matmuls(shape, setup), start=1) if i % 2 == 1)
-        notes.append(
-            f"selective-op with useDora keeps the dense DoRA adapters it builds (every second matmul is kept): "
-            f"{_gib(c * kept * shape.num_layers)} over the layers"
-        )
-    if setup.wrap_min_params is not None and wrapped < shape.num_layers:
-        notes.append(
-            f"wrapPolicy sizeBased: decoder layers have {layer.numel:,} parameters, fewer than minNumParams "
-            f"{setup.wrap_min_params:,}, so the whole model is one FSDP unit (gathered at once)"
-        )
-    if setup.lora:
-        unknown = [t for t in setup.lora_targets if t not in LORA_MODULES]
-        if unknown:
-            notes.append(f"LoRA targets {unknown} are not Llama projections; not counted")
-        if setup.lora_dora and dora_tmp:
-            notes.append(f"useDora: every forward of an adapted projection builds its dense adapter and the "
-                         f"norm of the adapted weight, a temporary of up to {_gib(dora_tmp)} per rank")
-    return MemoryEstimate(
-        peak_bytes=int(round(tl.peak)),
-        components={k: int(round(v)) for k, v in tl.at_peak.items()},
-        peak_event=tl.peak_event,
-        phase_peaks={k: int(round(v)) for k, v in tl.phase_peaks.items()},
-        parameters=layer.numel * layer.count + root.numel,
-        trainable_parameters=int(trainable),
-        shard_size=group,
-        layer_unit_parameters=layer.numel,
-        root_unit_parameters=root.numel,
-        host_offloaded_bytes=int(params_bytes + reference_bytes + opt_bytes + grads_total) if offload else 0,
-        persistent_bytes=int(on_gpu * (params_bytes + reference_bytes + opt_bytes)),
-        notes=notes,
-    )
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:,.1f} GiB"

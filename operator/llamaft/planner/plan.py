@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from llamaft.api.flops import flops_per_token
 from llamaft.api.quantity import parse_quantity
 from llamaft.api.spec import (
     CheckpointingMode,
@@ -22,13 +23,12 @@ from llamaft.api.spec import (
 from llamaft.planner.catalog import GiB, GpuModel, InstanceType, gpu_model, instance_type
 from llamaft.planner.memory import (
     COMPONENTS,
-    MemoryEstimate,
     Setup,
-    estimate_memory,
     master_bytes,
     op_sac_recomputed_fraction,
     setup_from_spec,
 )
+from llamaft.planner.replay import MemoryEstimate, estimate_memory
 from llamaft.planner.shapes import ModelShape
 
 # ------------------------------------------------------------------------------ assumptions
@@ -156,7 +156,7 @@ def _gpu_names() -> list[str]:
 @dataclass(frozen=True)
 class HostMemory:
     """Host RAM per node: every process has its baseline; while loading, each reads the weights
-    tensor by tensor (llamaft_trainer/loading.py: its own slices, or rank 0 one tensor at a time
+    tensor by tensor (llamaft_trainer/model/loading.py: its own slices, or rank 0 one tensor at a time
     for the broadcast), so it holds at most the largest tensor besides its shards; CPU offload
     keeps each rank's shards and optimizer state in host memory. DoRA's magnitudes are computed on
     the host from a copy of the rank's rows of each adapted weight, made after that tensor's read
@@ -367,12 +367,6 @@ def checkpoint_size(spec: LlamaFineTuneSpec, shape: ModelShape, est: MemoryEstim
     return CheckpointSize(model_bytes, optimizer_bytes, per_save, keep, disk, export, saves)
 
 
-def flops_per_token(shape: ModelShape, seq: int) -> float:
-    """The trainer's formula (llamaft_trainer.metrics.flops_per_token, torchtitan's):
-    6 * (N - embedding) + 12 * layers * heads * head_dim * seq."""
-    return 6.0 * (shape.parameters - shape.embedding_parameters) + 12.0 * shape.num_layers * shape.q_dim * seq
-
-
 def recompute_factor(shape: ModelShape, setup: Setup) -> float:
     """Checkpointed layers run their forward twice: 8/6 of their share of the model FLOPs. DPO
     under LoRA adds the reference's no-grad forward (adapters off) of every micro-batch: 2/6, and
@@ -425,7 +419,7 @@ def training_steps(spec: LlamaFineTuneSpec, records: int | None, dataset_tokens:
 
 def throughput(spec: LlamaFineTuneSpec, shape: ModelShape, setup: Setup, gpu: GpuInfo, mfu: float,
                records: int | None, dataset_tokens: int | None) -> Throughput:
-    fpt = flops_per_token(shape, setup.seq)
+    fpt = flops_per_token(shape.parameters, shape.embedding_parameters, shape.num_layers, shape.q_dim, setup.seq)
     gpus = spec.cluster.workers * spec.cluster.gpus_per_worker
     factor = recompute_factor(shape, setup)
     # setup.batch counts sequences (DPO: two per pair); with globalBatchSize, that many items a step

@@ -181,7 +181,7 @@ def backend_for(kind: str | Backend | None) -> JobBackend:
         raise ValueError(f"no job backend {name!r}: one of {', '.join(BACKENDS)}") from None
 
 
-def job_phase(job: Mapping[str, Any] | None) -> tuple[Phase, str, str]:
+def phase_of_job(job: Mapping[str, Any] | None) -> tuple[Phase, str, str]:
     """(phase, reason, message) of any job, by its kind."""
     if job is None:
         return Phase.CREATING, "JobPending", "the job is being created"

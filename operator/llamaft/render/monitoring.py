@@ -172,7 +172,7 @@ def job_pod_regex(job_name: str) -> str:
     return _either_backend(one_job(job_name))
 
 
-def pod_selector(owner: Owner) -> str:
+def finetune_pod_selector(owner: Owner) -> str:
     """PromQL label matchers for every trainer pod of every attempt of this incarnation of the
     fine-tune, on either backend (`pod_name_regex`)."""
     return f'namespace="{owner.namespace}", pod=~"{pod_name_regex(owner)}"'
@@ -226,7 +226,7 @@ def pod_monitor(owner: Owner, spec: LlamaFineTuneSpec) -> Obj:
 
 def alert_rules(owner: Owner) -> list[Obj]:
     """The job's alerts, as Prometheus rule entries (also what `promtool test rules` exercises)."""
-    sel = pod_selector(owner)
+    sel = finetune_pod_selector(owner)
     labels = {"finetune": owner.name, "namespace": owner.namespace}
     xids = "|".join(str(x) for x in HARDWARE_XIDS)
     containers = "|".join(TRAINER_CONTAINERS)
@@ -300,7 +300,7 @@ def _panel(index: int, title: str, expr: str, unit: str, legend: str) -> Obj:
 
 def dashboard(owner: Owner) -> Obj:
     """The Grafana dashboard model: DCGM panels beside the trainer's loss, tokens/s, MFU, memory."""
-    sel = pod_selector(owner)
+    sel = finetune_pod_selector(owner)
     gpu = "{{pod}} GPU {{gpu}}"
     panels = [
         ("Training loss", f"max(llamaft_train_loss{{{sel}}})", "none", "loss"),

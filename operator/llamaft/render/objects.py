@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from llamaft.api.spec import LlamaFineTuneSpec
+from llamaft.api.spec import Backend, LlamaFineTuneSpec
 from llamaft.render import desired
+from llamaft.render.backends import backend_for
 from llamaft.render.desired import ETCD_IMAGE
 from llamaft.render.monitoring import monitoring_objects
 from llamaft.render.naming import Owner
@@ -26,6 +27,8 @@ def children(owner: Owner, spec: LlamaFineTuneSpec, etcd_image: str = ETCD_IMAGE
     return objs + monitoring_objects(owner, spec, dashboard_labels)
 
 
-def desired_objects(owner: Owner, spec: LlamaFineTuneSpec, attempt: int, etcd_image: str = ETCD_IMAGE) -> list[Obj]:
-    """Everything one attempt of the run needs, in creation order (what `llamaft render` prints)."""
-    return [*children(owner, spec, etcd_image), desired.pytorch_job(owner, spec, attempt)]
+def desired_objects(owner: Owner, spec: LlamaFineTuneSpec, attempt: int, etcd_image: str = ETCD_IMAGE,
+                    backend: Backend = Backend.PYTORCH_JOB) -> list[Obj]:
+    """Everything one attempt of the run needs, in creation order (what `llamaft render` prints):
+    the children, then the attempt's job as its backend renders it."""
+    return [*children(owner, spec, etcd_image), backend_for(backend).render(owner, spec, attempt)]

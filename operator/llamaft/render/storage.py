@@ -5,7 +5,7 @@ The trainer writes its results to local paths taken from the spec (`result_paths
 checkpoints and the final export under `checkpointing.directory` (`<directory>/export`,
 llamaft_trainer/main.py), TensorBoard event files under `tracking.tensorboard.directory` (default
 `<directory>/tensorboard`) and a W&B offline run under `<directory>/wandb`
-(llamaft_trainer/tracking.py `backends`). A path survives the pod only when it lies under a
+(llamaft_trainer/report/tracking.py `backends`). A path survives the pod only when it lies under a
 volumeMount of the trainer container whose volume outlives the pod (`PERSISTENT`), or when it is
 an fsspec URI the trainer writes through (`s3://`, `gs://`, ...). `lost_with_pod` names every
 result path that does not, on its spec field, with the fixes; the operator refuses such a spec

@@ -274,7 +274,7 @@ from the JobSet's Completed and Failed), most decisive first."""
 
 
 def job_phase(job: Mapping[str, Any]) -> tuple[Phase, str, str]:
-    """(phase, reason, message) of a TrainJob, as observe.job_phase reads a PyTorchJob.
+    """(phase, reason, message) of a TrainJob, as backends.phase_of_job reads a PyTorchJob.
 
     Trainer v2.3 sets no Created or Running condition: a TrainJob runs while one of its child
     Jobs is active (a pod pending or running) or ready (status.jobsStatus), and no condition
@@ -302,7 +302,7 @@ def job_view(job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> Obj:
     """The TrainJob as the lifecycle reads a PyTorchJob, so that one code path decides for both
     backends: `Complete` is also `Succeeded` (with its transition time), `Failed` stays, and the
     worker counts come from the pods (jobsStatus counts Jobs, not pods). The kind stays TrainJob,
-    so observe.job_phase still reads the TrainJob's own conditions."""
+    so backends.phase_of_job still reads the TrainJob's own conditions."""
     view = copy.deepcopy(dict(job))
     status = view.setdefault("status", {})
     conditions = list(status.get("conditions") or [])

@@ -14,8 +14,8 @@ at once), or here (on_this_machine.py: `llamaft run --local` per size, for the s
 
 from __future__ import annotations
 
-from llamaft.sweep.plan import SweepError, SweepPlan, plan_sweep
 from llamaft.sweep.point import Point
 from llamaft.sweep.report import write_outputs
+from llamaft.sweep.runs import SweepError, SweepPlan, plan_sweep
 
 __all__ = ["Point", "SweepError", "SweepPlan", "plan_sweep", "write_outputs"]

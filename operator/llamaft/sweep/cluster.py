@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from llamaft.api import resource
-from llamaft.sweep.plan import SWEEP_LABEL, SizedRun, SweepError, SweepPlan
 from llamaft.sweep.point import Point, from_performance
+from llamaft.sweep.runs import SWEEP_LABEL, SizedRun, SweepError, SweepPlan
 
 TERMINAL = ("Succeeded", "Failed")
 _IN_CLUSTER_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")

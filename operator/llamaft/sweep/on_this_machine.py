@@ -11,8 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from llamaft.sweep.plan import SizedRun, SweepPlan
 from llamaft.sweep.point import Point, from_performance
+from llamaft.sweep.runs import SizedRun, SweepPlan
 
 
 def capacity(plan: SweepPlan) -> tuple[int, str]:
@@ -30,7 +30,7 @@ def capacity(plan: SweepPlan) -> tuple[int, str]:
 
 def run_size(run: SizedRun, directory: Path) -> Point:
     """One size, run to the end here; its figures from the leader's termination message."""
-    from llamaft_trainer import termination
+    from llamaft_trainer.public import termination
 
     from llamaft.local import run_local, visible_gpus
 
