@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -96,3 +97,29 @@ def kubelet(control_plane: ControlPlane, namespace: str, tmp_path: Path) -> Iter
     yield node
     node.stop()
     control_plane.request("DELETE", f"/api/v1/nodes/{shape.name}")
+
+
+# The Kubeflow controllers, one of each per control plane, defined here once: a session fixture
+# that test modules imported by name would be set up once per module that holds it.
+@pytest.fixture(scope="session")
+@starts_processes
+def training_operator(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The real Kubeflow training operator (tests/controlplane/training_operator.py)."""
+    from tests.controlplane.training_operator import TrainingOperator
+
+    operator = TrainingOperator(control_plane, tmp_path_factory.mktemp("training-operator")).start()
+    yield operator
+    operator.stop()
+
+
+@pytest.fixture(scope="session")
+@starts_processes
+def trainer(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """JobSet, then Kubeflow Trainer, which watches JobSets (tests/controlplane/kubeflow_trainer.py)."""
+    from tests.controlplane.kubeflow_trainer import JobSetController, TrainerController
+
+    jobset = JobSetController(control_plane, tmp_path_factory.mktemp("jobset")).start()
+    controller = TrainerController(control_plane, tmp_path_factory.mktemp("trainer")).start()
+    yield controller
+    controller.stop()
+    jobset.stop()

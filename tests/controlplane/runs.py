@@ -1,5 +1,4 @@
-"""What the runs on the real control plane share, whichever Kubeflow job they run in: the Kubeflow
-controllers (one of each per control plane: the training operator; Trainer with JobSet), an external
+"""What the runs on the real control plane share, whichever Kubeflow job they run in: an external
 etcd for torchrun's rendezvous (spec.rendezvous.endpoint, as users may give one), the admin's
 client, a claim that outlives the pods, two nodes of the test's own (our kubelets), the spec of a
 short run on the tiny model, and how a test reads a run: its end, each pod's JSON event lines, the
@@ -28,35 +27,14 @@ from llamaft_trainer.report.logline import read_events
 from tests.conftest import REPO, need_etcd
 from tests.controlplane.cluster import ControlPlane
 from tests.controlplane.conftest import TAINT
-from tests.controlplane.kubeflow_trainer import JobSetController, TrainerController
 from tests.controlplane.kubelet import Kubelet, NodeShape
 from tests.controlplane.test_chart_install import assert_never_forbidden, install_chart
-from tests.controlplane.training_operator import TrainingOperator
 from tests.operator.conftest import CHECKPOINT_CLAIM, Cluster, Operator, wait_for
 from tests.tiers import starts_processes
 
 DATASET = REPO / "examples" / "data" / "samsum-tiny.jsonl"
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 OPERATOR_ENV = {"LLAMAFT_SYNC_INTERVAL": "1", "LLAMAFT_RETRY_BACKOFF_SECONDS": "1", "LLAMAFT_PROGRESS_TIMEOUT": "0.5"}
-
-@pytest.fixture(scope="session")
-@starts_processes
-def training_operator(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrainingOperator]:
-    operator = TrainingOperator(control_plane, tmp_path_factory.mktemp("training-operator")).start()
-    yield operator
-    operator.stop()
-
-
-@pytest.fixture(scope="session")
-@starts_processes
-def trainer(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrainerController]:
-    """JobSet, then Trainer (which watches JobSets), on the session's control plane."""
-    jobset = JobSetController(control_plane, tmp_path_factory.mktemp("jobset")).start()
-    controller = TrainerController(control_plane, tmp_path_factory.mktemp("trainer")).start()
-    yield controller
-    controller.stop()
-    jobset.stop()
-
 
 @pytest.fixture(scope="module")
 def rendezvous() -> Iterator[LocalEtcd]:

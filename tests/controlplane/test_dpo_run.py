@@ -28,7 +28,7 @@ from tests.controlplane.cluster import ControlPlane
 from tests.controlplane.kubelet import Kubelet
 from tests.operator.conftest import Cluster, Operator, wait_for
 
-training_operator, rendezvous, admin = runs.training_operator, runs.rendezvous, runs.admin
+rendezvous, admin = runs.rendezvous, runs.admin
 checkpoint_claim, nodes, operator, dcgm = runs.checkpoint_claim, runs.nodes, plane_runs.operator, plane_runs.dcgm
 """test_training_operator's fixtures: the real training operator, a rendezvous etcd, two nodes of
 the test's own, the claim, the llamaft operator as the chart runs it and the Prometheus it reads."""

@@ -33,7 +33,7 @@ from tests.controlplane.training_operator import TrainingOperator
 from tests.operator.conftest import Cluster, Operator, wait_for
 from tests.tiers import starts_processes
 
-training_operator, trainer, rendezvous, admin = runs.training_operator, runs.trainer, runs.rendezvous, runs.admin
+rendezvous, admin = runs.rendezvous, runs.admin
 checkpoint_claim, nodes = runs.checkpoint_claim, runs.nodes
 """The shared fixtures (tests/controlplane/runs.py)."""
 

@@ -19,7 +19,7 @@ from tests.controlplane.cluster import ControlPlane
 from tests.controlplane.kubelet import Kubelet
 from tests.operator.conftest import Cluster, Operator
 
-training_operator, rendezvous, admin = runs.training_operator, runs.rendezvous, runs.admin
+rendezvous, admin = runs.rendezvous, runs.admin
 checkpoint_claim, nodes, operator, dcgm = runs.checkpoint_claim, runs.nodes, plane_runs.operator, plane_runs.dcgm
 """test_training_operator's fixtures."""
 

@@ -41,7 +41,7 @@ from tests.operator import dcgm_exporter
 from tests.operator.conftest import Cluster, Operator, tiny_spec, wait_for
 from tests.operator.dcgm_exporter import xid_on
 
-training_operator, rendezvous, admin = runs.training_operator, runs.rendezvous, runs.admin
+rendezvous, admin = runs.rendezvous, runs.admin
 checkpoint_claim, nodes = runs.checkpoint_claim, runs.nodes
 """The shared fixtures (tests/controlplane/runs.py)."""
 dcgm = dcgm_exporter.dcgm

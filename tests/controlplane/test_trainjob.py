@@ -36,7 +36,7 @@ from tests.controlplane.kubelet import Kubelet
 from tests.operator.conftest import Cluster, Operator, wait_for
 
 GROUP, VERSION, PLURAL = "trainer.kubeflow.org", "v1alpha1", "trainjobs"
-trainer, rendezvous, admin = runs.trainer, runs.rendezvous, runs.admin
+rendezvous, admin = runs.rendezvous, runs.admin
 checkpoint_claim, nodes = runs.checkpoint_claim, runs.nodes
 """Trainer and JobSet, and the same external etcd, admin client, claim and two tainted nodes as the
 PyTorchJob runs (tests/controlplane/runs.py)."""
