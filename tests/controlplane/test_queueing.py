@@ -130,7 +130,7 @@ def test_kueue_admits_one_fine_tune_at_a_time_and_holds_the_other_queued(
     assert held["queue"] == QUEUE and QUEUE in held["message"], held
     second = cluster.attempt_job("second", 1)
     assert second is not None and second["spec"]["runPolicy"]["suspend"] is True, "Kueue's webhook suspends it at creation"
-    assert "Queued" in wait_for("Queued event", lambda: [e["reason"] for e in cluster.events("second")])
+    wait_for("Queued event", lambda: "Queued" in [e["reason"] for e in cluster.events("second")], timeout=30)
     assert cluster.status("first")["phase"] in ("Creating", "Running", "Succeeded"), cluster.status("first")
 
     done = runs.end(cluster, "first", nodes, operator, timeout=240)
